@@ -1,0 +1,6 @@
+"""Test set-up: an 8-device fake CPU mesh, created before JAX is first imported."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
