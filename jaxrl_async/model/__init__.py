@@ -1,0 +1,26 @@
+"""The decoder-only transformer (Llama 3.x, Qwen2/2.5, Qwen3) and its Hugging Face checkpoints."""
+
+from jaxrl_async.model import presets
+from jaxrl_async.model.config import ModelConfig, RopeScaling, from_hf_config, to_hf_config
+from jaxrl_async.model.hf import load_hf, save_hf
+from jaxrl_async.model.params import (
+    ParamSpec,
+    abstract_params,
+    init_params,
+    param_shardings,
+    param_specs,
+)
+from jaxrl_async.model.transformer import (
+    CACHE_LOGICAL_AXES,
+    forward,
+    forward_logits,
+    init_cache,
+    token_logprobs,
+    unembed,
+)
+
+__all__ = [
+    "CACHE_LOGICAL_AXES", "ModelConfig", "ParamSpec", "RopeScaling", "abstract_params", "forward",
+    "forward_logits", "from_hf_config", "init_cache", "init_params", "load_hf", "param_shardings",
+    "param_specs", "presets", "save_hf", "to_hf_config", "token_logprobs", "unembed",
+]

@@ -1,0 +1,125 @@
+"""Model shape for the performance model: parameter bytes, FLOPs and KV-cache bytes per token."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the performance model needs to know about a decoder-only transformer.
+
+    Attributes:
+      params: total parameter count (all experts of an MoE; this is what sits in memory).
+      n_layers: transformer blocks.
+      d_model: residual width.
+      n_heads: query heads.
+      n_kv_heads: key/value heads (GQA).
+      head_dim: width of one head.
+      vocab_size: vocabulary size (only used for reporting).
+      active_params: parameters touched per token (MoE: shared + top-k experts); defaults to `params`.
+      param_bytes: bytes per stored weight (2 for bf16/fp16).
+      kv_bytes: bytes per cached K or V element.
+    """
+
+    params: float
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int = 0
+    active_params: float | None = None
+    param_bytes: int = 2
+    kv_bytes: int = 2
+
+    def __post_init__(self):
+        for name in ("params", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelShape.{name} must be > 0, got {getattr(self, name)}")
+        if self.active_params is not None and not 0 < self.active_params <= self.params:
+            raise ValueError(f"ModelShape.active_params={self.active_params} must be in (0, params]")
+        if self.param_bytes <= 0 or self.kv_bytes <= 0:
+            raise ValueError("ModelShape.param_bytes and kv_bytes must be > 0")
+
+    @property
+    def n_active(self) -> float:
+        """Parameters used per token."""
+        return self.params if self.active_params is None else self.active_params
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes of all weights (what one decode step streams from memory at small batch)."""
+        return self.params * self.param_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """KV-cache bytes one token of context occupies (K and V, all layers)."""
+        return 2.0 * self.n_layers * self.n_kv_heads * self.head_dim * self.kv_bytes
+
+    def attn_flops_per_token(self, context: float) -> float:
+        """Forward attention FLOPs (QK^T and AV) for one query token over `context` keys."""
+        return 4.0 * self.n_layers * self.n_heads * self.head_dim * context
+
+    def decode_flops_per_token(self, context: float) -> float:
+        """Forward FLOPs to decode one token at the given context length."""
+        return 2.0 * self.n_active + self.attn_flops_per_token(context)
+
+    def train_flops_per_token(self, seq_len: float, extra_forwards: int = 0) -> float:
+        """FLOPs per trained token: forward + backward (3x forward) + `extra_forwards` forward passes.
+
+        Causal attention sees seq_len/2 keys on average. `extra_forwards` counts e.g. the recomputed
+        proximal log-probs of decoupled PPO or a reference model.
+        """
+        fwd = 2.0 * self.n_active + self.attn_flops_per_token(seq_len / 2.0)
+        return (3 + extra_forwards) * fwd
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (inverse of `shape_from_dict`)."""
+        return dataclasses.asdict(self)
+
+
+def shape_from_dict(d: dict[str, Any]) -> ModelShape:
+    """ModelShape from a scenario's "model" section; unknown keys are an error."""
+    fields = {f.name for f in dataclasses.fields(ModelShape)}
+    unknown = set(d) - fields
+    if unknown:
+        raise ValueError(f"unknown model keys {sorted(unknown)}; expected a subset of {sorted(fields)}")
+    return ModelShape(**d)
+
+
+def dense_param_count(
+    n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, ffw_size: int, vocab: int, tied: bool
+) -> int:
+    """Parameters of a Llama/Qwen-style dense decoder (gated MLP, RMSNorm, no biases)."""
+    attn = d_model * head_dim * (n_heads + 2 * n_kv_heads) + n_heads * head_dim * d_model
+    mlp = 3 * d_model * ffw_size
+    norms = 2 * d_model
+    embed = vocab * d_model * (1 if tied else 2)
+    return n_layers * (attn + mlp + norms) + d_model + embed
+
+
+def shape_from_model_config(cfg: Any, param_bytes: int = 2, kv_bytes: int = 2) -> ModelShape:
+    """ModelShape from a `jaxrl_async.model.config.ModelConfig`-like object (duck-typed attributes)."""
+    params = dense_param_count(
+        cfg.n_layers,
+        cfg.d_model,
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        cfg.ffw_size,
+        cfg.vocab_size,
+        bool(cfg.tie_embeddings),
+    )
+    return ModelShape(
+        params=float(params),
+        n_layers=cfg.n_layers,
+        d_model=cfg.d_model,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim,
+        vocab_size=cfg.vocab_size,
+        param_bytes=param_bytes,
+        kv_bytes=kv_bytes,
+    )

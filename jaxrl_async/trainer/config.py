@@ -1,0 +1,103 @@
+"""TrainConfig: everything the trainer's step needs besides the model, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxrl_async.trainer.advantages import ADVANTAGES, KL_ESTIMATORS
+from jaxrl_async.trainer.losses import LOSSES, LossHParams
+
+PROX_MODES = ("recompute", "loglinear")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Trainer hyper-parameters (frozen and hashable: it keys the compiled step).
+
+    Attributes:
+      loss: policy loss kind (losses.LOSSES).
+      eps_low, eps_high, dual_clip, behav_mode, behav_level, behav_cap, behav_floor, aggregation,
+        constant: the loss hyper-parameters (see losses.LossHParams).
+      advantage: advantage estimator (advantages.ADVANTAGES).
+      lr, warmup_steps, total_steps, end_lr_ratio: linear warmup from 0 to `lr`, then cosine decay to
+        `lr * end_lr_ratio` at `total_steps` (counted in optimizer updates).
+      b1, b2, adam_eps, weight_decay: AdamW (decay skips norms, biases and other vectors).
+      clip_norm: global gradient-norm clip; None = off.
+      token_budget: positions per packed row; rows_per_micro: rows per micro-batch (a multiple of the
+        mesh's fsdp size). One micro-batch holds rows_per_micro * token_budget positions.
+      minibatches: optimizer updates per train step (PPO minibatches over the step's micro-batches).
+      prox_mode: "recompute" (pi_prox from the weights at the start of the step: a forward pass when
+        minibatches > 1, the stop-gradient of the loss's own forward when minibatches == 1, which is the
+        same number) or "loglinear" (AReaL's version interpolation, no forward pass).
+      compute_dtype: activations/matmul dtype ("float32", "bfloat16"); None = the model config's. The
+        parameters (master weights) and optimizer state keep the model's param_dtype.
+      temperature: sampling temperature; trainer logprobs use the same one as the sampler.
+      kl_coef, kl_estimator: KL penalty to the reference parameters (0 = off, no reference forward).
+      remat: rematerialize layers in the backward pass.
+      staleness_bins: size of the per-token staleness histogram (last bin = that many or more).
+    """
+
+    loss: str = "decoupled_ppo"
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip: float | None = None
+    behav_mode: str = "truncate"
+    behav_level: str = "token"
+    behav_cap: float = 5.0
+    behav_floor: float = 0.0
+    aggregation: str = "token_mean"
+    constant: float = 1.0
+    advantage: str = "grpo"
+    lr: float = 1e-6
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    end_lr_ratio: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip_norm: float | None = 1.0
+    token_budget: int = 1024
+    rows_per_micro: int = 1
+    minibatches: int = 1
+    prox_mode: str = "recompute"
+    compute_dtype: str | None = None
+    temperature: float = 1.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    remat: bool = False
+    staleness_bins: int = 16
+
+    def __post_init__(self):
+        if self.loss not in LOSSES:
+            raise ValueError(f"TrainConfig.loss={self.loss!r} not in {sorted(LOSSES)}")
+        self.loss_hparams()  # validates the loss hyper-parameters
+        if self.advantage not in ADVANTAGES:
+            raise ValueError(f"TrainConfig.advantage={self.advantage!r} not in {sorted(ADVANTAGES)}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"TrainConfig.kl_estimator={self.kl_estimator!r} not in {sorted(KL_ESTIMATORS)}")
+        if self.prox_mode not in PROX_MODES:
+            raise ValueError(f"TrainConfig.prox_mode={self.prox_mode!r} not in {PROX_MODES}")
+        if self.compute_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"TrainConfig.compute_dtype={self.compute_dtype!r} not in (None, float32, bfloat16)")
+        if self.lr < 0 or self.weight_decay < 0 or self.kl_coef < 0:
+            raise ValueError("TrainConfig: lr, weight_decay and kl_coef must be >= 0")
+        if not 0 <= self.warmup_steps < self.total_steps:
+            raise ValueError(f"TrainConfig: need 0 <= warmup_steps < total_steps, got {self.warmup_steps}, "
+                             f"{self.total_steps}")
+        if not 0 <= self.end_lr_ratio <= 1:
+            raise ValueError(f"TrainConfig.end_lr_ratio must be in [0, 1], got {self.end_lr_ratio}")
+        if self.clip_norm is not None and self.clip_norm <= 0:
+            raise ValueError(f"TrainConfig.clip_norm must be > 0 or None, got {self.clip_norm}")
+        for name in ("token_budget", "rows_per_micro", "minibatches", "staleness_bins"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature <= 0:
+            raise ValueError(f"TrainConfig.temperature must be > 0, got {self.temperature}")
+
+    def loss_hparams(self) -> dict:
+        """The keyword arguments of `losses.policy_loss` (validated)."""
+        names = [f.name for f in dataclasses.fields(LossHParams)]
+        hp = {n: getattr(self, n) for n in names}
+        LossHParams(**hp)
+        return hp

@@ -1,0 +1,263 @@
+"""Policy-gradient losses as small registered pure functions over [B, T] token arrays.
+
+Every loss returns a (sum, count) pair: the objective to minimise is `sum / count`, and because both parts
+add across micro-batches (a sequence never spans two micro-batches), accumulating sums and counts over any
+split of a batch gives exactly the loss of the whole batch. `count` never depends on the parameters, so
+the gradient of the whole batch is (sum of micro-batch gradients of `sum`) / (sum of counts).
+
+Aggregations (what `sum` and `count` hold):
+  token_mean (DAPO): sum over tokens of the token loss; count = number of loss tokens.
+  seq_mean: sum over sequences of each sequence's token-mean loss; count = number of sequences.
+  constant (Dr.GRPO): sum over tokens divided by `constant` (e.g. the maximum completion length);
+    count = number of sequences, so the loss is (1 / G) * sum_i sum_t loss_it / constant.
+A "sequence" is a (row, segment id) pair when `segment_ids` is given (packed rows), else a row; only
+sequences with at least one loss token count.
+
+Metrics are returned as a dict of float32 scalars: keys ending in `_max` combine across micro-batches
+with max, all others with +; `finalize_metrics` turns the sums into means.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+LOSS_KINDS = ("decoupled_ppo", "ppo", "gspo", "reinforce_tis")
+BEHAV_MODES = ("none", "truncate", "mask")
+BEHAV_LEVELS = ("token", "sequence")
+AGGREGATIONS = ("token_mean", "seq_mean", "constant")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossHParams:
+    """Hyper-parameters shared by the policy losses.
+
+    Attributes:
+      eps_low, eps_high: the ratio u = pi_theta / pi_prox is clipped to [1 - eps_low, 1 + eps_high]
+        (clip-higher when eps_high > eps_low). reinforce_tis truncates its weight at 1 + eps_high.
+      dual_clip: c > 1 bounds the loss of negative-advantage tokens at -c * A; None = off.
+      behav_mode: how the behaviour weight w = pi_prox / pi_behav enters: "none" (w = 1), "truncate"
+        (TIS: w = min(w, behav_cap)) or "mask" (MIS: w = 0 outside [behav_floor, behav_cap]).
+      behav_level: "token" (per-token w) or "sequence" (one w per sequence: the geometric mean of its
+        token weights, so sequences of different lengths stay comparable).
+      behav_cap, behav_floor: bounds for truncate / mask.
+      aggregation: "token_mean", "seq_mean" or "constant" (see the module docstring).
+      constant: the Dr.GRPO normalizer for aggregation="constant".
+    """
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: float | None = None
+    behav_mode: str = "none"
+    behav_level: str = "token"
+    behav_cap: float = 5.0
+    behav_floor: float = 0.0
+    aggregation: str = "token_mean"
+    constant: float = 1.0
+
+    def __post_init__(self):
+        if not 0 <= self.eps_low < 1 or self.eps_high < 0:
+            raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {self.eps_low}, {self.eps_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
+        if self.behav_mode not in BEHAV_MODES:
+            raise ValueError(f"behav_mode={self.behav_mode!r} not in {BEHAV_MODES}")
+        if self.behav_level not in BEHAV_LEVELS:
+            raise ValueError(f"behav_level={self.behav_level!r} not in {BEHAV_LEVELS}")
+        if not 0 <= self.behav_floor < self.behav_cap:
+            raise ValueError(f"need 0 <= behav_floor < behav_cap, got {self.behav_floor}, {self.behav_cap}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation={self.aggregation!r} not in {AGGREGATIONS}")
+        if self.constant <= 0:
+            raise ValueError(f"constant must be > 0, got {self.constant}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """Per-sequence reductions over [B, T] arrays whose rows hold segments 1..T (0 = padding)."""
+
+    seg_BxT: jax.Array
+    mask_BxT: jax.Array
+
+    @classmethod
+    def make(cls, mask_BxT, segment_ids_BxT=None) -> Segments:
+        mask_BxT = mask_BxT.astype(jnp.float32)
+        if segment_ids_BxT is None:
+            segment_ids_BxT = jnp.ones(mask_BxT.shape, jnp.int32)
+        return cls(segment_ids_BxT.astype(jnp.int32), mask_BxT)
+
+    def sums(self, x_BxT) -> jax.Array:
+        """Masked per-segment sums [B, T + 1] (index = segment id)."""
+        num = self.seg_BxT.shape[1] + 1
+        row_sum = lambda x, s: jax.ops.segment_sum(x, s, num_segments=num)
+        return jax.vmap(row_sum)(x_BxT * self.mask_BxT, self.seg_BxT)
+
+    def broadcast(self, per_seg_BxS) -> jax.Array:
+        """Each token's value of a per-segment quantity [B, T + 1]."""
+        return jnp.take_along_axis(per_seg_BxS, self.seg_BxT, axis=1)
+
+    def lengths(self) -> jax.Array:
+        """Loss tokens per segment [B, T + 1]."""
+        return self.sums(jnp.ones_like(self.mask_BxT))
+
+    def token_mean(self, x_BxT) -> jax.Array:
+        """Each token's masked mean of `x` over its own sequence [B, T]."""
+        return self.broadcast(self.sums(x_BxT) / jnp.maximum(self.lengths(), 1.0))
+
+    def num_sequences(self) -> jax.Array:
+        return jnp.sum(self.lengths() > 0).astype(jnp.float32)
+
+
+def aggregate(loss_BxT, segs: Segments, hp: LossHParams) -> tuple[jax.Array, jax.Array]:
+    """(sum, count) of a per-token loss under `hp.aggregation`."""
+    mask = segs.mask_BxT
+    if hp.aggregation == "token_mean":
+        return jnp.sum(loss_BxT * mask), jnp.sum(mask)
+    if hp.aggregation == "seq_mean":
+        per_seq = segs.sums(loss_BxT) / jnp.maximum(segs.lengths(), 1.0)
+        return jnp.sum(per_seq), segs.num_sequences()
+    return jnp.sum(loss_BxT * mask) / hp.constant, segs.num_sequences()
+
+
+def behaviour_weight(prox_BxT, behav_BxT, segs: Segments, hp: LossHParams):
+    """(w applied to the loss, raw w, 0/1 "truncated or masked") per token, all without gradient."""
+    log_w = jax.lax.stop_gradient(prox_BxT - behav_BxT) * segs.mask_BxT
+    if hp.behav_level == "sequence":
+        log_w = segs.token_mean(log_w)
+    raw_w = jnp.exp(jnp.clip(log_w, -30.0, 30.0))
+    if hp.behav_mode == "none":
+        return jnp.ones_like(raw_w), raw_w, jnp.zeros_like(raw_w)
+    if hp.behav_mode == "truncate":
+        hit = raw_w > hp.behav_cap
+        return jnp.minimum(raw_w, hp.behav_cap), raw_w, hit.astype(jnp.float32)
+    keep = (raw_w <= hp.behav_cap) & (raw_w >= hp.behav_floor)
+    return jnp.where(keep, raw_w, 0.0), raw_w, (~keep).astype(jnp.float32)
+
+
+def _clipped_objective(ratio_BxT, adv_BxT, hp: LossHParams):
+    """Per-token PPO loss -min(u A, clip(u) A) with optional dual clip; also the clip indicators."""
+    clipped_ratio = jnp.clip(ratio_BxT, 1.0 - hp.eps_low, 1.0 + hp.eps_high)
+    obj_unclipped, obj_clipped = ratio_BxT * adv_BxT, clipped_ratio * adv_BxT
+    loss = -jnp.minimum(obj_unclipped, obj_clipped)
+    clip_hit = obj_clipped < obj_unclipped
+    dual_hit = jnp.zeros_like(clip_hit)
+    if hp.dual_clip is not None:
+        bound = -hp.dual_clip * adv_BxT
+        dual_hit = (adv_BxT < 0) & (loss > bound)
+        loss = jnp.where(dual_hit, bound, loss)
+    return loss, clip_hit.astype(jnp.float32), dual_hit.astype(jnp.float32)
+
+
+LossFn = Callable[..., tuple[jax.Array, dict]]
+LOSSES: dict[str, LossFn] = {}
+
+
+def register_loss(name: str):
+    """Adds a per-token loss `fn(logp, prox, behav, adv, segs, hp) -> (loss_BxT, stats)` to LOSSES."""
+
+    def wrap(fn: LossFn) -> LossFn:
+        if name in LOSSES:
+            raise ValueError(f"loss {name!r} registered twice")
+        LOSSES[name] = fn
+        return fn
+
+    return wrap
+
+
+def _ppo_family(log_ratio_BxT, prox, behav, adv, segs, hp):
+    ratio = jnp.exp(jnp.clip(log_ratio_BxT, -30.0, 30.0))
+    pg, clip_hit, dual_hit = _clipped_objective(ratio, adv, hp)
+    w, raw_w, dropped = behaviour_weight(prox, behav, segs, hp)
+    return w * pg, {"clip": clip_hit, "dual_clip": dual_hit, "is_weight": raw_w, "behav_dropped": dropped}
+
+
+@register_loss("decoupled_ppo")
+def decoupled_ppo(logp, prox, behav, adv, segs, hp):
+    """AReaL's decoupled PPO: w * -min(u A, clip(u) A), u = pi_theta / pi_prox, w = pi_prox / pi_behav."""
+    return _ppo_family((logp - prox) * segs.mask_BxT, prox, behav, adv, segs, hp)
+
+
+@register_loss("ppo")
+def ppo(logp, prox, behav, adv, segs, hp):
+    """Standard clipped PPO: the proximal policy is the behaviour policy (w = 1)."""
+    return _ppo_family((logp - behav) * segs.mask_BxT, behav, behav, adv, segs, hp)
+
+
+@register_loss("gspo")
+def gspo(logp, prox, behav, adv, segs, hp):
+    """GSPO: one ratio per sequence, the geometric mean of pi_theta / pi_prox over its tokens (with grad)."""
+    seq_log_ratio = segs.token_mean((logp - prox) * segs.mask_BxT)
+    return _ppo_family(seq_log_ratio, prox, behav, adv, segs, hp)
+
+
+@register_loss("reinforce_tis")
+def reinforce_tis(logp, prox, behav, adv, segs, hp):
+    """PipelineRL's REINFORCE with truncated IS: -log pi * A * sg(min(pi / pi_behav, 1 + eps_high))."""
+    log_ratio = jax.lax.stop_gradient(logp - behav) * segs.mask_BxT
+    ratio = jnp.exp(jnp.clip(log_ratio, -30.0, 30.0))
+    cap = 1.0 + hp.eps_high
+    weight = jnp.minimum(ratio, cap)
+    loss = -logp * adv * weight
+    zeros = jnp.zeros_like(ratio)
+    return loss, {"clip": (ratio > cap).astype(jnp.float32), "dual_clip": zeros, "is_weight": ratio,
+                  "behav_dropped": zeros}
+
+
+def policy_loss(kind: str, logp, prox_logp, behav_logp, advantages, mask, segment_ids=None, **hp):
+    """A registered policy loss, aggregated to a (sum, count) pair.
+
+    Args:
+      kind: one of LOSS_KINDS (or any name added with `register_loss`).
+      logp: [B, T] log pi_theta of the target tokens (carries the gradient).
+      prox_logp: [B, T] proximal-policy logprobs (used by decoupled_ppo and gspo; no gradient).
+      behav_logp: [B, T] behaviour (sampler) logprobs.
+      advantages: [B, T] advantages broadcast to tokens.
+      mask: [B, T] 1 for loss tokens (completion tokens), 0 elsewhere.
+      segment_ids: optional [B, T] int segment ids of packed rows (0 = padding); None = one sequence a row.
+      **hp: LossHParams fields.
+
+    Returns:
+      (loss_sum, count, metrics): minimise loss_sum / count; metrics as described in the module docstring.
+    """
+    if kind not in LOSSES:
+        raise ValueError(f"unknown loss {kind!r}; known: {sorted(LOSSES)}")
+    params = LossHParams(**hp)
+    segs = Segments.make(jnp.asarray(mask), segment_ids)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    logp, prox, behav, adv = f32(logp), f32(prox_logp), f32(behav_logp), f32(advantages)
+    prox = jax.lax.stop_gradient(prox)
+    loss_BxT, stats = LOSSES[kind](logp, prox, behav, adv, segs, params)
+    loss_sum, count = aggregate(loss_BxT, segs, params)
+    m = segs.mask_BxT
+    metrics = {
+        "tokens": jnp.sum(m),
+        "sequences": segs.num_sequences(),
+        "clip_frac_sum": jnp.sum(stats["clip"] * m),
+        "dual_clip_frac_sum": jnp.sum(stats["dual_clip"] * m),
+        "is_weight_sum": jnp.sum(stats["is_weight"] * m),
+        "is_weight_max": jnp.max(stats["is_weight"] * m),
+        "behav_dropped_frac_sum": jnp.sum(stats["behav_dropped"] * m),
+    }
+    return loss_sum, count, metrics
+
+
+def combine_metrics(a: dict, b: dict) -> dict:
+    """Combines two micro-batches' metric dicts (max for `*_max` keys, + otherwise)."""
+    return {k: jnp.maximum(a[k], b[k]) if k.endswith("_max") else a[k] + b[k] for k in a}
+
+
+def finalize_metrics(m: dict) -> dict:
+    """Turns per-token `*_sum` entries into means (`clip_frac_sum` -> `clip_frac`, `x_sum` -> `x_mean`)."""
+    out = {}
+    tokens = jnp.maximum(m["tokens"], 1.0)
+    for k, v in m.items():
+        if k.endswith("_frac_sum"):
+            out[k[: -len("_sum")]] = v / tokens
+        elif k.endswith("_sum"):
+            out[k[: -len("_sum")] + "_mean"] = v / tokens
+        else:
+            out[k] = v
+    return out

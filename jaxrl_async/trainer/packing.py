@@ -1,0 +1,188 @@
+"""Rollouts -> fixed-shape micro-batches: first-fit-decreasing packing into token-budget rows.
+
+A sequence of P prompt and C completion tokens occupies P + C - 1 row positions: inputs are its tokens
+but the last, targets are its tokens shifted by one, and the loss mask covers the C targets that are
+completion tokens. Packed rows have the fixed shape [rows_per_micro, token_budget] (segment id 0 =
+padding; positions restart at 0 in every segment), so the train step compiles once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+FIELDS = ("tokens", "targets", "positions", "segment_ids", "loss_mask", "behav_logp", "versions", "advantages")
+_DTYPES = {"tokens": np.int32, "targets": np.int32, "positions": np.int32, "segment_ids": np.int32,
+           "loss_mask": np.float32, "behav_logp": np.float32, "versions": np.int32, "advantages": np.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """One sampled sequence as the trainer consumes it (any object with these attributes also works).
+
+    Attributes:
+      prompt_tokens: [P] int token ids (P >= 1).
+      completion_tokens: [C] int token ids (C >= 1).
+      behav_logprobs: [C] sampler logprobs of the completion tokens.
+      versions: [C] policy version that sampled each completion token.
+      reward: scalar reward.
+      group_id: int; sequences sampled from the same prompt share it.
+    """
+
+    prompt_tokens: Sequence[int]
+    completion_tokens: Sequence[int]
+    behav_logprobs: Sequence[float]
+    versions: Sequence[int]
+    reward: float
+    group_id: int
+
+
+def _get(r, name):
+    return r[name] if isinstance(r, Mapping) else getattr(r, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedBatch:
+    """Micro-batches stacked on a leading axis: every field is [M, rows_per_micro, token_budget].
+
+    Attributes:
+      arrays: FIELDS -> numpy array [M, R, S].
+      num_sequences: sequences in the batch.
+      num_loss_tokens: completion tokens (loss-mask ones) in the batch.
+    """
+
+    arrays: dict
+    num_sequences: int
+    num_loss_tokens: int
+
+    @property
+    def num_micro(self) -> int:
+        return self.arrays["tokens"].shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(rows_per_micro, token_budget) of one micro-batch."""
+        return tuple(self.arrays["tokens"].shape[1:])
+
+    def micro_batch(self, i: int) -> dict:
+        """Micro-batch i: FIELDS -> [R, S]."""
+        return {k: v[i] for k, v in self.arrays.items()}
+
+
+def ffd_bins(lengths: Sequence[int], capacity: int, min_bins: int = 1, bins_multiple: int = 1) -> list[list[int]]:
+    """Assigns items to bins of `capacity`, longest first (AReaL's first-fit-decreasing variant).
+
+    Each item, in decreasing length, goes to a new bin while fewer than `min_bins` exist or when no bin
+    has room; otherwise to the bin with room holding the fewest items (ties: the earliest bin), which
+    spreads sequences (and so attention cost) evenly. The bin count is rounded up to a multiple of
+    `bins_multiple` by raising `min_bins` (empty bins only when there are too few items).
+
+    Raises:
+      ValueError: an item is longer than `capacity`.
+    """
+    lengths = [int(x) for x in lengths]
+    if any(x > capacity for x in lengths):
+        raise ValueError(f"a sequence of {max(lengths)} tokens exceeds the token budget {capacity}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    min_bins = max(min_bins, bins_multiple, 1)
+    while True:
+        bins: list[list[int]] = []
+        loads: list[int] = []
+        for i in order:
+            fits = [b for b in range(len(bins)) if loads[b] + lengths[i] <= capacity]
+            if len(bins) < min_bins or not fits:
+                bins.append([i])
+                loads.append(lengths[i])
+                continue
+            b = min(fits, key=lambda j: (len(bins[j]), j))
+            bins[b].append(i)
+            loads[b] += lengths[i]
+        if len(bins) % bins_multiple == 0:
+            return bins
+        if len(bins) >= len(lengths):
+            bins.extend([] for _ in range(-len(bins) % bins_multiple))
+            return bins
+        min_bins = len(bins) + (-len(bins) % bins_multiple)
+
+
+def _sequence_fields(r, advantage: float) -> dict:
+    prompt = np.asarray(_get(r, "prompt_tokens"), np.int32).reshape(-1)
+    completion = np.asarray(_get(r, "completion_tokens"), np.int32).reshape(-1)
+    behav = np.asarray(_get(r, "behav_logprobs"), np.float32).reshape(-1)
+    versions = np.asarray(_get(r, "versions"), np.int32).reshape(-1)
+    if prompt.size < 1 or completion.size < 1:
+        raise ValueError("a rollout needs at least one prompt and one completion token")
+    if behav.size != completion.size or versions.size != completion.size:
+        raise ValueError(
+            f"behav_logprobs ({behav.size}) and versions ({versions.size}) must match the "
+            f"{completion.size} completion tokens"
+        )
+    full = np.concatenate([prompt, completion])
+    n = full.size - 1
+    p = prompt.size - 1  # first position whose target is a completion token
+    pad_f = lambda x, dtype: np.concatenate([np.zeros(p, dtype), x])
+    return {
+        "tokens": full[:-1],
+        "targets": full[1:],
+        "positions": np.arange(n, dtype=np.int32),
+        "loss_mask": pad_f(np.ones(completion.size, np.float32), np.float32),
+        "behav_logp": pad_f(behav, np.float32),
+        "versions": pad_f(versions, np.int32),
+        "advantages": np.full(n, advantage, np.float32),
+    }
+
+
+def sequence_length(r) -> int:
+    """Row positions a rollout occupies (prompt + completion - 1)."""
+    return len(_get(r, "prompt_tokens")) + len(_get(r, "completion_tokens")) - 1
+
+
+def _fill(rollouts, advantages, rows: list[list[int]], rows_per_micro: int, row_len: int) -> PackedBatch:
+    n_micro = max(1, -(-len(rows) // rows_per_micro))
+    shape = (n_micro * rows_per_micro, row_len)
+    out = {k: np.zeros(shape, _DTYPES[k]) for k in FIELDS}
+    tokens = 0
+    for row, members in enumerate(rows):
+        start = 0
+        for seg, i in enumerate(members, start=1):
+            f = _sequence_fields(rollouts[i], float(advantages[i]))
+            n = f["tokens"].size
+            for k, v in f.items():
+                out[k][row, start : start + n] = v
+            out["segment_ids"][row, start : start + n] = seg
+            tokens += int(f["loss_mask"].sum())
+            start += n
+    arrays = {k: v.reshape(n_micro, rows_per_micro, row_len) for k, v in out.items()}
+    return PackedBatch(arrays, num_sequences=len(rollouts), num_loss_tokens=tokens)
+
+
+def pack_rollouts(rollouts: Sequence, advantages, token_budget: int, rows_per_micro: int = 1,
+                  min_micro: int = 1) -> PackedBatch:
+    """Packs rollouts into micro-batches of `rows_per_micro` rows of `token_budget` positions.
+
+    Args:
+      rollouts: `Rollout`s (or objects / mappings with the same fields).
+      advantages: [N] per-sequence advantages (broadcast to the sequence's completion tokens).
+      token_budget: positions per packed row (the compiled sequence length).
+      rows_per_micro: rows per micro-batch (a multiple of the trainer mesh's fsdp size).
+      min_micro: at least this many micro-batches (e.g. the number of PPO minibatches).
+
+    Returns:
+      A PackedBatch; a sequence never spans two rows, so per-sequence losses stay exact.
+    """
+    if len(rollouts) != len(advantages):
+        raise ValueError(f"{len(rollouts)} rollouts but {len(advantages)} advantages")
+    lengths = [sequence_length(r) for r in rollouts]
+    rows = ffd_bins(lengths, token_budget, min_bins=min_micro * rows_per_micro, bins_multiple=rows_per_micro)
+    return _fill(rollouts, advantages, rows, rows_per_micro, token_budget)
+
+
+def pad_rollouts(rollouts: Sequence, advantages, row_len: int | None = None, rows_per_micro: int = 1) -> PackedBatch:
+    """The padded baseline: one sequence per row of `row_len` (default: the longest sequence)."""
+    lengths = [sequence_length(r) for r in rollouts]
+    row_len = max(lengths) if row_len is None else row_len
+    if max(lengths) > row_len:
+        raise ValueError(f"a sequence of {max(lengths)} tokens exceeds the row length {row_len}")
+    return _fill(rollouts, advantages, [[i] for i in range(len(rollouts))], rows_per_micro, row_len)

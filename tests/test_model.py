@@ -1,0 +1,247 @@
+"""Model invariants and Hugging Face parity (tiny random checkpoints saved by transformers in the test)."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_async.model import (
+    forward,
+    forward_logits,
+    from_hf_config,
+    init_cache,
+    init_params,
+    load_hf,
+    presets,
+    save_hf,
+)
+from jaxrl_async.sharding import SAMPLER_RULES, TRAINER_RULES, Rules, make_mesh
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2, rms_norm_eps=1e-6)
+
+CASES = {
+    "llama_gqa_rope_scaling_untied": ("LlamaConfig", "LlamaForCausalLM",
+                                      dict(rope_parameters={"rope_theta": 10000.0, **LLAMA3_ROPE},
+                                           tie_word_embeddings=False)),
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True, num_key_value_heads=4)),
+    "qwen2_bias_tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3_qknorm_untied": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=24)),
+}
+
+
+def _make_hf(tmp_path, case):
+    cfg_cls, model_cls, extra = CASES[case]
+    torch.manual_seed(0)
+    hf_cfg = getattr(transformers, cfg_cls)(**{**COMMON, **extra})
+    model = getattr(transformers, model_cls)(hf_cfg).eval()
+    with torch.no_grad():  # norms and biases start at 1/0: perturb so parity checks them
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    path = str(tmp_path / case)
+    model.save_pretrained(path)
+    return model, path
+
+
+def _tokens(b=2, t=11, v=97, seed=0):
+    return np.random.default_rng(seed).integers(0, v, size=(b, t)).astype(np.int32)
+
+
+def _hf_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hf_parity_and_export_roundtrip(tmp_path, case):
+    model, path = _make_hf(tmp_path, case)
+    cfg, params = load_hf(path)
+    tokens = _tokens()
+    ref = _hf_logits(model, tokens)
+    ours = np.asarray(forward_logits(cfg, params, tokens))
+    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+
+    out = str(tmp_path / (case + "_export"))
+    save_hf(cfg, params, out)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    np.testing.assert_allclose(_hf_logits(reloaded, tokens), ref, atol=1e-4, rtol=0)
+    cfg2, params2 = load_hf(out)
+    assert cfg2 == cfg
+    np.testing.assert_allclose(np.asarray(forward_logits(cfg2, params2, tokens)), ours, atol=1e-6)
+
+
+def test_sharded_index_export_and_load_into_mesh(tmp_path):
+    model, path = _make_hf(tmp_path, "llama_gqa_rope_scaling_untied")
+    cfg, params = load_hf(path)
+    out = str(tmp_path / "sharded")
+    save_hf(cfg, params, out, max_shard_bytes=40_000)
+    files = [f for f in os.listdir(out) if f.endswith(".safetensors")]
+    assert len(files) > 1 and os.path.exists(os.path.join(out, "model.safetensors.index.json"))
+    mesh = make_mesh((2, 4), ("fsdp", "tensor"))
+    cfg2, sharded = load_hf(out, mesh=mesh, rules=TRAINER_RULES)
+    assert sharded["layers"]["q"].sharding.spec == TRAINER_RULES.spec(("layers", "embed", "q_heads", "head_dim"))
+    assert len(sharded["layers"]["q"].addressable_shards) == 8
+    tokens = _tokens()
+    np.testing.assert_allclose(np.asarray(forward_logits(cfg2, sharded, tokens)), _hf_logits(model, tokens),
+                               atol=1e-4, rtol=0)
+
+
+def test_bf16_load_close_to_fp32(tmp_path):
+    model, path = _make_hf(tmp_path, "qwen3_qknorm_untied")
+    cfg, params = load_hf(path, dtype="bfloat16")
+    assert params["embed"].dtype == jnp.bfloat16
+    logits = np.asarray(forward_logits(cfg, params, _tokens()))
+    ref = _hf_logits(model, _tokens())
+    assert logits.dtype == np.float32
+    assert np.abs(logits - ref).max() < 0.15 * np.abs(ref).max()
+
+
+def _corrupt(path, mutate):
+    from jaxrl_async.model.hf import SafetensorsDir, write_safetensors
+
+    st = SafetensorsDir(path)
+    arrays = {k: np.array(st.get(k)) for k in st.entries}
+    mutate(arrays)
+    os.remove(os.path.join(path, "model.safetensors"))
+    write_safetensors(os.path.join(path, "model.safetensors"), {k: (lambda v=v: v) for k, v in arrays.items()},
+                      {k: v.shape for k, v in arrays.items()}, {k: v.dtype for k, v in arrays.items()})
+
+
+def test_bad_checkpoints_name_the_problem(tmp_path):
+    _, path = _make_hf(tmp_path, "llama_tied")
+    _corrupt(path, lambda a: a.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_hf(path)
+
+    _, path = _make_hf(tmp_path / "b", "llama_tied")
+    _corrupt(path, lambda a: a.__setitem__("model.norm.weight", np.ones(63, np.float32)))
+    with pytest.raises(ValueError, match=r"model\.norm\.weight.*\(63,\)"):
+        load_hf(path)
+
+    _, path = _make_hf(tmp_path / "c", "llama_tied")
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    hf["architectures"], hf["model_type"] = ["MambaForCausalLM"], "mamba"
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f)
+    with pytest.raises(ValueError, match="MambaForCausalLM"):
+        load_hf(path)
+
+
+def test_config_reads_transformers4_and_5_rope_forms():
+    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "intermediate_size": 16}
+    v4 = from_hf_config({**base, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **LLAMA3_ROPE}})
+    v5 = from_hf_config({**base, "rope_parameters": {"rope_theta": 500000.0, **LLAMA3_ROPE}})
+    assert v4 == v5 and v4.rope_theta == 500000.0 and v4.rope_scaling.factor == 8.0
+    with pytest.raises(ValueError, match="yarn"):
+        from_hf_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="hidden_size"):
+        from_hf_config({k: v for k, v in base.items() if k != "hidden_size"})
+
+
+TINY = presets.tiny(vocab_size=61, n_layers=2, max_seq_len=64, qkv_bias=True, qk_norm=True)
+
+
+@pytest.mark.parametrize("shape,rules", [((2, 4), TRAINER_RULES), ((8, 1), TRAINER_RULES),
+                                         ((2, 4), SAMPLER_RULES), ((1, 8), SAMPLER_RULES)])
+def test_sharded_forward_equals_single_device(shape, rules):
+    params = init_params(TINY, jax.random.key(1))
+    mesh = make_mesh(shape, rules.mesh_axes)
+    sharded = init_params(TINY, jax.random.key(1), mesh, rules)
+    assert any(len({str(s.index) for s in x.addressable_shards}) > 1 for x in jax.tree.leaves(sharded))
+    tokens = _tokens(b=8, t=9, v=61)
+    np.testing.assert_allclose(np.asarray(forward_logits(TINY, sharded, tokens)),
+                               np.asarray(forward_logits(TINY, params, tokens)), atol=2e-5)
+
+
+def test_rules_reject_colliding_axes():
+    rules = Rules("bad", ("fsdp", "tensor"), (("embed", "fsdp"), ("mlp", "fsdp")))
+    with pytest.raises(ValueError, match="both map to mesh axis 'fsdp'"):
+        rules.spec(("embed", "mlp"))
+    with pytest.raises(ValueError, match="unknown mesh axis"):
+        Rules("bad", ("data",), (("embed", "fsdp"),))
+
+
+def test_causality_through_gradients():
+    params = init_params(TINY, jax.random.key(2))
+    emb_TxD = params["embed"][jnp.asarray(_tokens(b=1, t=12, v=61))[0]]
+    idx = jnp.arange(12, dtype=jnp.int32)[None]
+
+    def logit_sum_at_5(e_TxD):  # token i looks up row i of a table whose first rows are the inputs
+        table = jnp.concatenate([e_TxD, params["embed"]], axis=0)
+        return forward(TINY, dict(params, embed=table), idx, idx)[0][0, 5].sum()
+
+    g_TxD = np.asarray(jax.grad(logit_sum_at_5)(emb_TxD))
+    assert np.abs(g_TxD[6:]).max() == 0.0  # later tokens cannot change an earlier logit
+    assert np.abs(g_TxD[:6]).sum(axis=-1).min() > 0.0
+
+
+def test_packed_equals_separate():
+    params = init_params(TINY, jax.random.key(3))
+    a, b = _tokens(b=1, t=5, v=61, seed=1)[0], _tokens(b=1, t=7, v=61, seed=2)[0]
+    packed = np.zeros((1, 16), np.int32)
+    packed[0, :5], packed[0, 5:12] = a, b
+    seg = np.zeros((1, 16), np.int32)
+    seg[0, :5], seg[0, 5:12] = 1, 2
+    pos = np.zeros((1, 16), np.int32)
+    pos[0, :5], pos[0, 5:12] = np.arange(5), np.arange(7)
+    logits, _ = forward(TINY, params, jnp.asarray(packed), jnp.asarray(pos), segment_ids=jnp.asarray(seg))
+    np.testing.assert_allclose(np.asarray(logits[0, :5]), np.asarray(forward_logits(TINY, params, a[None]))[0],
+                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(logits[0, 5:12]), np.asarray(forward_logits(TINY, params, b[None]))[0],
+                               atol=1e-5)
+    assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_cached_decode_equals_full_forward_with_ragged_rows():
+    params = init_params(TINY, jax.random.key(4))
+    tokens = _tokens(b=2, t=10, v=61, seed=5)
+    full = np.asarray(forward_logits(TINY, params, tokens))
+    cache = init_cache(TINY, batch=2, max_len=16)
+    # Ragged prefill: row 0 takes 6 prompt tokens, row 1 takes 4 (its 2 extra slots are padding, overwritten).
+    lens = np.array([6, 4])
+    pre = tokens[:, :6].copy()
+    pos = np.broadcast_to(np.arange(6), (2, 6)).astype(np.int32)
+    logits, cache = forward(TINY, params, jnp.asarray(pre), jnp.asarray(pos), cache=cache)
+    np.testing.assert_allclose(np.asarray(logits[0, 5]), full[0, 5], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(logits[1, 3]), full[1, 3], atol=1e-5)
+    for _ in range(4):
+        step_tok = tokens[np.arange(2), lens][:, None]
+        logits, cache = forward(TINY, params, jnp.asarray(step_tok), jnp.asarray(lens[:, None].astype(np.int32)),
+                                cache=cache)
+        for r in range(2):
+            np.testing.assert_allclose(np.asarray(logits[r, 0]), full[r, lens[r]], atol=1e-5)
+        lens = lens + 1
+
+
+def test_remat_same_gradients():
+    params = init_params(TINY, jax.random.key(6))
+    tokens = jnp.asarray(_tokens(b=2, t=8, v=61))
+    pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
+
+    def loss(p, remat):
+        return forward(TINY, p, tokens, pos, remat=remat)[0].mean()
+
+    g1, g2 = jax.grad(loss)(params, False), jax.grad(loss)(params, True)
+    for x, y in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
+
+
+def test_presets_param_counts():
+    # Published sizes: Llama-3.1-8B 8.03B, Qwen3-8B 8.19B, Qwen2.5-1.5B 1.54B, Qwen2.5-0.5B 0.49B.
+    assert abs(presets.llama3p1_8b().num_params / 8.03e9 - 1) < 0.01
+    assert abs(presets.qwen3_8b().num_params / 8.19e9 - 1) < 0.01
+    assert abs(presets.qwen2p5_1p5b().num_params / 1.54e9 - 1) < 0.01
+    assert abs(presets.qwen2p5_0p5b().num_params / 0.494e9 - 1) < 0.01
+    with pytest.raises(ValueError, match="unknown model preset"):
+        presets.get("gpt5")
