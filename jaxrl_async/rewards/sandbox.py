@@ -350,3 +350,30 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits
         if limits.isolation == "strict" and not (caps.uid and caps.netns and caps.mountns):
             raise RuntimeError(f"sandbox: strict isolation requested but {caps.describe()}")
         return _run(code, stdin, limits, caps, _pick_python(caps, limits.python))
+
+
+def kill_leftovers(launcher_pid: int) -> int:
+    """SIGKILLs processes left by sandboxed runs launched from `launcher_pid` (e.g. a reward worker that
+    was itself killed mid-run); returns how many were signalled. Needs root, like the uid layer."""
+    lo = _UID_BASE + 256 * launcher_pid
+    killed = 0
+    for _ in range(3):  # a fork bomb may add processes while we scan
+        found = 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/status") as f:
+                    uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+            except (OSError, StopIteration, ValueError):
+                continue
+            if lo <= uid < lo + 256:
+                try:
+                    os.kill(int(entry), signal.SIGKILL)
+                    found += 1
+                except OSError:
+                    pass
+        killed += found
+        if not found:
+            break
+    return killed

@@ -1,0 +1,279 @@
+"""The train state and step: prox logprobs, micro-batch gradient accumulation, skip-on-non-finite update.
+
+One `train_step` = `cfg.minibatches` optimizer updates over the step's packed micro-batches. Each micro-
+batch runs one jitted forward/backward that adds its gradient of `loss_sum` (and `count`, metrics) into
+a donated accumulator; a second jitted function divides by the total count, clips, applies AdamW and
+keeps the old parameters if the loss or gradient norm is not finite. Both compile once per micro-batch
+shape, so a variable number of micro-batches per step never recompiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from jax.sharding import Mesh, NamedSharding
+
+from jaxrl_async.model import ModelConfig, forward, param_shardings, token_logprobs
+from jaxrl_async.sharding import TRAINER_RULES
+from jaxrl_async.trainer.advantages import compute_advantages, kl_estimate
+from jaxrl_async.trainer.config import TrainConfig
+from jaxrl_async.trainer.losses import (
+    LossHParams,
+    Segments,
+    aggregate,
+    combine_metrics,
+    finalize_metrics,
+    policy_loss,
+)
+from jaxrl_async.trainer.optimizer import learning_rate_schedule, make_optimizer
+from jaxrl_async.trainer.packing import PackedBatch, pack_rollouts
+
+# Losses whose trust region is anchored at the behaviour policy: they never read pi_prox.
+_NO_PROX_LOSSES = ("ppo", "reinforce_tis")
+
+
+@struct.dataclass
+class TrainState:
+    """Trainer state; `params` keeps the model's nested-dict layout (reshard it with jax.device_put).
+
+    Attributes:
+      params: master weights (model param_dtype), sharded on `mesh` by TRAINER_RULES when given.
+      opt_state: optax state, sharded like the parameters.
+      version: int32 policy version: +1 per train step that applied at least one update.
+      updates, skipped: int32 counts of applied and skipped (non-finite) optimizer updates.
+      ref_params: frozen reference parameters for the KL penalty, or None.
+      cfg, model_cfg, mesh: static; model_cfg.dtype is the compute dtype.
+    """
+
+    params: Any
+    opt_state: Any
+    version: jax.Array
+    updates: jax.Array
+    skipped: jax.Array
+    ref_params: Any
+    cfg: TrainConfig = struct.field(pytree_node=False)
+    model_cfg: ModelConfig = struct.field(pytree_node=False)
+    mesh: Mesh | None = struct.field(pytree_node=False)
+
+
+def loglinear_prox_logp(behav_BxT, logp_BxT, versions_BxT, prox_version):
+    """AReaL's log-linear estimate of log pi_prox from version stamps, without a forward pass.
+
+    log pi is assumed to move linearly with the policy version. A token sampled at version v_b, the
+    proximal policy at v_prox (the weights at the start of this step) and the policy being optimised at
+    v_prox + 1 give alpha = (v_prox - v_b) / (v_prox + 1 - v_b) in [0, 1], and log pi_prox is taken
+    alpha of the way from the behaviour logprob to the current one: fresh tokens (v_b = v_prox) keep
+    their behaviour logprob, very stale ones approach the current policy's.
+    """
+    v_b = versions_BxT.astype(jnp.float32)
+    v_p = jnp.asarray(prox_version, jnp.float32)
+    alpha = jnp.clip((v_p - v_b) / jnp.maximum(v_p + 1.0 - v_b, 1.0), 0.0, 1.0)
+    return behav_BxT + alpha * (jax.lax.stop_gradient(logp_BxT) - behav_BxT)
+
+
+def _with_compute_dtype(cfg: TrainConfig, model_cfg: ModelConfig) -> ModelConfig:
+    if cfg.compute_dtype is None or cfg.compute_dtype == model_cfg.dtype:
+        return model_cfg
+    return dataclasses.replace(model_cfg, dtype=cfg.compute_dtype)
+
+
+def create_train_state(cfg: TrainConfig, model_cfg: ModelConfig, params, mesh: Mesh | None = None,
+                       ref_params=None) -> TrainState:
+    """A fresh TrainState (version 0) around `params`.
+
+    Args:
+      cfg: trainer config.
+      model_cfg: model config; its dtype is replaced by cfg.compute_dtype when that is set.
+      params: nested-dict parameters (any placement); moved onto `mesh` with TRAINER_RULES.
+      mesh: trainer mesh with axes ("fsdp", "tensor"), or None for the default device.
+      ref_params: reference parameters for the KL penalty (required when cfg.kl_coef > 0).
+    """
+    if cfg.kl_coef > 0 and ref_params is None:
+        raise ValueError("TrainConfig.kl_coef > 0 needs ref_params")
+    model_cfg = _with_compute_dtype(cfg, model_cfg)
+    if mesh is not None:
+        if cfg.rows_per_micro % mesh.shape["fsdp"]:
+            raise ValueError(f"rows_per_micro={cfg.rows_per_micro} not a multiple of fsdp={mesh.shape['fsdp']}")
+        shardings = param_shardings(model_cfg, mesh, TRAINER_RULES)
+        params = jax.device_put(params, shardings)
+        ref_params = None if ref_params is None else jax.device_put(ref_params, shardings)
+    else:
+        params = jax.device_put(params, jax.devices()[0])
+    opt_state = jax.jit(make_optimizer(cfg).init)(params)
+    zero = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: the step donates each of them
+    return TrainState(params, opt_state, zero(), zero(), zero(), ref_params if cfg.kl_coef > 0 else None, cfg,
+                      model_cfg, mesh)
+
+
+def prepare_batch(cfg: TrainConfig, rollouts: Sequence) -> PackedBatch:
+    """Advantages (cfg.advantage over reward / group_id) + packing into cfg's micro-batch shape."""
+    get = lambda r, k: r[k] if isinstance(r, dict) else getattr(r, k)
+    adv = compute_advantages(cfg.advantage, [get(r, "reward") for r in rollouts],
+                             [get(r, "group_id") for r in rollouts])
+    return pack_rollouts(rollouts, adv, cfg.token_budget, cfg.rows_per_micro, min_micro=cfg.minibatches)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+    logprobs: Any
+    accumulate: Any
+    apply: Any
+    zero_acc: Any
+    batch_sharding: Any
+
+
+def _model_logprobs(cfg: TrainConfig, model_cfg: ModelConfig, params, mb, remat: bool):
+    logits, _ = forward(model_cfg, params, mb["tokens"], mb["positions"], segment_ids=mb["segment_ids"],
+                        remat=remat)
+    return token_logprobs(logits, mb["targets"], cfg.temperature)
+
+
+def _micro_loss(cfg, model_cfg, params, ref_params, mb, prox_BxT, prox_version):
+    """(loss_sum, (count, metrics)) of one micro-batch; gradients flow through `params` only."""
+    logp, entropy = _model_logprobs(cfg, model_cfg, params, mb, cfg.remat)
+    mask, behav, seg = mb["loss_mask"], mb["behav_logp"], mb["segment_ids"]
+    if cfg.loss in _NO_PROX_LOSSES:
+        prox = behav
+    elif cfg.prox_mode == "loglinear":
+        prox = loglinear_prox_logp(behav, logp, mb["versions"], prox_version)
+    elif prox_BxT is None:
+        # One update per step: the weights are still the proximal ones, so pi_prox is this forward's value.
+        prox = jax.lax.stop_gradient(logp)
+    else:
+        prox = prox_BxT
+    hp = cfg.loss_hparams()
+    loss_sum, count, m = policy_loss(cfg.loss, logp, prox, behav, mb["advantages"], mask, segment_ids=seg, **hp)
+    m["entropy_sum"] = jnp.sum(entropy * mask)
+    m["kl_behav_sum"] = jnp.sum(kl_estimate("k3", behav, logp) * mask)
+    if cfg.kl_coef > 0:
+        ref_logp, _ = _model_logprobs(cfg, model_cfg, jax.lax.stop_gradient(ref_params), mb, False)
+        kl_BxT = kl_estimate(cfg.kl_estimator, logp, ref_logp)
+        kl_sum, _ = aggregate(kl_BxT, Segments.make(mask, seg), LossHParams(**hp))
+        loss_sum = loss_sum + cfg.kl_coef * kl_sum
+        m["kl_ref_sum"] = jnp.sum(kl_BxT * mask)
+    staleness = jnp.maximum(prox_version - mb["versions"], 0)
+    m["staleness_sum"] = jnp.sum(staleness * mask)
+    m["staleness_max"] = jnp.max(staleness * mask).astype(jnp.float32)
+    bins = jnp.minimum(staleness, cfg.staleness_bins - 1).reshape(-1)
+    m["staleness_hist"] = jax.ops.segment_sum(mask.reshape(-1), bins, num_segments=cfg.staleness_bins)
+    m["input_tokens"] = jnp.sum(seg > 0).astype(jnp.float32)
+    return loss_sum, (count, m)
+
+
+@functools.lru_cache(maxsize=32)
+def _compile(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh | None) -> _Compiled:
+    tx = make_optimizer(cfg)
+    schedule = learning_rate_schedule(cfg)
+    param_sh = None if mesh is None else param_shardings(model_cfg, mesh, TRAINER_RULES)
+    batch_sh = None if mesh is None else NamedSharding(mesh, TRAINER_RULES.spec(("batch", "seq")))
+
+    def constrain(grads):
+        return grads if param_sh is None else jax.lax.with_sharding_constraint(grads, param_sh)
+
+    def grads_of(params, ref_params, mb, prox_BxT, prox_version):
+        loss_fn = functools.partial(_micro_loss, cfg, model_cfg)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (loss_sum, (count, m)), grads = grad_fn(params, ref_params, mb, prox_BxT, prox_version)
+        return {"grads": constrain(grads), "loss_sum": loss_sum, "count": count, "metrics": m}
+
+    def accumulate(params, ref_params, acc, mb, prox_BxT, prox_version):
+        new = grads_of(params, ref_params, mb, prox_BxT, prox_version)
+        return {
+            "grads": jax.tree.map(jnp.add, acc["grads"], new["grads"]),
+            "loss_sum": acc["loss_sum"] + new["loss_sum"],
+            "count": acc["count"] + new["count"],
+            "metrics": combine_metrics(acc["metrics"], new["metrics"]),
+        }
+
+    def apply(state: TrainState, acc):
+        count = jnp.maximum(acc["count"], 1.0)
+        grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), acc["grads"])
+        loss = acc["loss_sum"] / count
+        grad_norm = optax.global_norm(grads)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, new_opt = tx.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+        lr = schedule(state.updates)
+        state = state.replace(
+            params=keep(new_params, state.params), opt_state=keep(new_opt, state.opt_state),
+            updates=state.updates + ok.astype(jnp.int32), skipped=state.skipped + (~ok).astype(jnp.int32),
+        )
+        return state, {"loss": loss, "grad_norm": grad_norm, "applied": ok, "lr": lr}
+
+    def zero_acc(params, ref_params, mb, prox_version):
+        shapes = jax.eval_shape(grads_of, params, ref_params, mb, None, prox_version)
+        acc = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        return {**acc, "grads": constrain(acc["grads"])}
+
+    logprobs = lambda params, mb: _model_logprobs(cfg, model_cfg, params, mb, False)[0]
+    return _Compiled(
+        logprobs=jax.jit(logprobs),
+        accumulate=jax.jit(accumulate, donate_argnums=(2,)),
+        apply=jax.jit(apply, donate_argnums=(0,)),
+        zero_acc=jax.jit(zero_acc),
+        batch_sharding=batch_sh,
+    )
+
+
+def _device_batch(fns: _Compiled, batch: PackedBatch) -> list[dict]:
+    put = lambda mb: jax.device_put(mb, fns.batch_sharding) if fns.batch_sharding is not None else mb
+    return [put({k: jnp.asarray(v) for k, v in batch.micro_batch(i).items()}) for i in range(batch.num_micro)]
+
+
+def train_step(state: TrainState, batch: PackedBatch) -> tuple[TrainState, dict]:
+    """One trainer step over a packed batch (see module docstring); `state` is donated.
+
+    Returns:
+      (new state, metrics): device scalars (loss, grad_norm, lr, clip_frac, dual_clip_frac,
+      is_weight_mean, is_weight_max, behav_dropped_frac, entropy_mean, kl_behav_mean, [kl_ref_mean],
+      staleness_mean, staleness_max, tokens, input_tokens, sequences, skipped, version) and
+      staleness_hist [staleness_bins] (per-token counts of trainer version - token version, the last
+      bin holding all larger values). Fetch them after dispatching the next step to avoid a sync.
+    """
+    cfg = state.cfg
+    if batch.shape != (cfg.rows_per_micro, cfg.token_budget):
+        raise ValueError(f"batch micro shape {batch.shape} != (rows_per_micro, token_budget) "
+                         f"{(cfg.rows_per_micro, cfg.token_budget)}")
+    fns = _compile(cfg, state.model_cfg, state.mesh)
+    mbs = _device_batch(fns, batch)
+    prox_version = state.version
+    prox = [None] * len(mbs)
+    needs_forward = cfg.loss not in _NO_PROX_LOSSES and cfg.prox_mode == "recompute" and cfg.minibatches > 1
+    if needs_forward:
+        prox = [fns.logprobs(state.params, mb) for mb in mbs]
+    groups = np.array_split(np.arange(len(mbs)), min(cfg.minibatches, len(mbs)))
+    raw, loss_sum, count, outs = None, 0.0, 0.0, []
+    for group in groups:
+        acc = fns.zero_acc(state.params, state.ref_params, mbs[0], prox_version)
+        for i in group:
+            acc = fns.accumulate(state.params, state.ref_params, acc, mbs[i], prox[i], prox_version)
+        raw = acc["metrics"] if raw is None else combine_metrics(raw, acc["metrics"])
+        loss_sum, count = loss_sum + acc["loss_sum"], count + acc["count"]
+        state, out = fns.apply(state, acc)
+        outs.append(out)
+    applied = sum(o["applied"].astype(jnp.int32) for o in outs)
+    state = state.replace(version=state.version + (applied > 0).astype(jnp.int32))
+    metrics = finalize_metrics(raw)
+    metrics.update(
+        loss=loss_sum / jnp.maximum(count, 1.0),
+        grad_norm=sum(o["grad_norm"] for o in outs) / len(outs),
+        lr=outs[-1]["lr"],
+        skipped=len(outs) - applied,
+        version=state.version,
+    )
+    return state, metrics
+
+
+def compute_logprobs(state: TrainState, batch: PackedBatch) -> np.ndarray:
+    """Trainer logprobs [M, R, S] of every target token of a packed batch under the current weights."""
+    fns = _compile(state.cfg, state.model_cfg, state.mesh)
+    return np.stack([np.asarray(fns.logprobs(state.params, mb)) for mb in _device_batch(fns, batch)])
