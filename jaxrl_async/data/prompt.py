@@ -1,0 +1,148 @@
+"""The prompt record the pipeline yields, and the data configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+TASKS = ("arithmetic", "countdown", "jsonl", "parquet", "gsm8k", "math")
+SYNTHETIC_TASKS = ("arithmetic", "countdown")
+# Reward used for each task unless DataConfig.reward says otherwise (names from jaxrl_async.rewards).
+DEFAULT_REWARD = {
+    "arithmetic": "arithmetic",
+    "countdown": "countdown",
+    "gsm8k": "math",
+    "math": "math",
+    "jsonl": "math",
+    "parquet": "math",
+}
+# (prompt field, answer field) for each file task unless DataConfig overrides them.
+DEFAULT_FIELDS = {
+    "jsonl": ("prompt", "answer"),
+    "parquet": ("prompt", "answer"),
+    "gsm8k": ("question", "answer"),
+    "math": ("problem", "solution"),
+}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Prompt:
+    """One prompt ready for the sampler.
+
+    Attributes:
+      uid: stable identity of the example (the same across epochs).
+      text: the rendered prompt (template and chat template applied).
+      tokens: int32 token ids of `text`.
+      answer: the reference answer the verifier compares against.
+      metadata: what the reward function receives; always holds "answer", "reward" and "task".
+    """
+
+    uid: str
+    text: str
+    tokens: np.ndarray
+    answer: str
+    metadata: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where prompts come from and how they are rendered, shuffled and split.
+
+    Attributes:
+      task: "arithmetic" | "countdown" (built in, no files) | "jsonl" | "parquet" | "gsm8k" | "math".
+      path: data file for file tasks (.jsonl/.json or .parquet; gsm8k/math accept either).
+      eval_path: optional held-out file; without it file tasks hold out `heldout_fraction` by uid hash.
+      prompt_field, answer_field: field mapping (defaults per task in DEFAULT_FIELDS).
+      id_field: field giving the uid (default "<file name>:<line or row number>").
+      metadata_fields: extra fields copied into Prompt.metadata (e.g. "tests" for code tasks).
+      template: Python format string with {prompt}, applied before the chat template.
+      system_prompt: optional system message for the chat template.
+      use_chat_template: apply the tokenizer's chat template when it has one.
+      add_bos: prepend the tokenizer's bos id (when it has one and the text does not already carry it).
+      reward: reward name for Prompt.metadata["reward"] (default per task in DEFAULT_REWARD).
+      seed: shuffling and synthetic generation seed.
+      shuffle: reshuffle every epoch (the "test" split is never shuffled).
+      num_epochs: passes over the data; None repeats forever.
+      max_prompt_tokens: drop prompts longer than this (None keeps all).
+      heldout_fraction: share of examples (by stable hash) reserved for the held-out split.
+      digits, operators: arithmetic operands in [0, 10**digits) with operators from "+-*".
+      num_train: synthetic examples per epoch.
+      countdown_numbers, countdown_max_number, countdown_max_target: countdown puzzle sizes.
+    """
+
+    task: str = "arithmetic"
+    path: str | None = None
+    eval_path: str | None = None
+    prompt_field: str | None = None
+    answer_field: str | None = None
+    id_field: str | None = None
+    metadata_fields: tuple[str, ...] = ()
+    template: str = "{prompt}"
+    system_prompt: str | None = None
+    use_chat_template: bool = True
+    add_bos: bool = False
+    reward: str | None = None
+    seed: int = 0
+    shuffle: bool = True
+    num_epochs: int | None = 1
+    max_prompt_tokens: int | None = None
+    heldout_fraction: float = 0.1
+    digits: int = 2
+    operators: str = "+"
+    num_train: int = 100_000
+    countdown_numbers: int = 3
+    countdown_max_number: int = 20
+    countdown_max_target: int = 100
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"DataConfig: task must be one of {TASKS}, got {self.task!r}")
+        if self.task not in SYNTHETIC_TASKS and not self.path:
+            raise ValueError(f"DataConfig: task {self.task!r} needs a path")
+        if self.task == "jsonl" and self.path and self.path.endswith(".parquet"):
+            raise ValueError("DataConfig: task 'jsonl' with a .parquet path; use task='parquet'")
+        if "{prompt}" not in self.template:
+            raise ValueError(f"DataConfig: template must contain {{prompt}}, got {self.template!r}")
+        if self.num_epochs is not None and self.num_epochs < 1:
+            raise ValueError(f"DataConfig: num_epochs must be >= 1 or None, got {self.num_epochs}")
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            raise ValueError(f"DataConfig: heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
+        if not 1 <= self.digits <= 9:
+            raise ValueError(f"DataConfig: digits must be in [1, 9], got {self.digits}")
+        if not self.operators or set(self.operators) - set("+-*") or len(set(self.operators)) != len(
+            self.operators
+        ):
+            raise ValueError(f"DataConfig: operators must be distinct characters of '+-*', got {self.operators!r}")
+        if self.num_train < 1:
+            raise ValueError(f"DataConfig: num_train must be >= 1, got {self.num_train}")
+        if not 2 <= self.countdown_numbers <= 6:
+            raise ValueError(f"DataConfig: countdown_numbers must be in [2, 6], got {self.countdown_numbers}")
+        if self.countdown_max_number < 2 or self.countdown_max_target < 1:
+            raise ValueError("DataConfig: countdown_max_number must be >= 2 and countdown_max_target >= 1")
+        if self.task in SYNTHETIC_TASKS and self.heldout_fraction <= 0.0:
+            raise ValueError("DataConfig: synthetic tasks need heldout_fraction > 0 for their held-out split")
+
+    @property
+    def fields(self) -> tuple[str, str]:
+        """(prompt field, answer field) after defaults."""
+        default = DEFAULT_FIELDS.get(self.task, (None, None))
+        return self.prompt_field or default[0], self.answer_field or default[1]
+
+    @property
+    def reward_name(self) -> str:
+        return self.reward or DEFAULT_REWARD[self.task]
+
+
+def unit_hash(key: str) -> float:
+    """A stable hash of `key` mapped to [0, 1) (independent of PYTHONHASHSEED)."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0**64
+
+
+def is_heldout(key: str, fraction: float) -> bool:
+    """Whether the example identified by `key` belongs to the held-out split."""
+    return unit_hash("heldout:" + key) < fraction

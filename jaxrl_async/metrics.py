@@ -1,0 +1,66 @@
+"""TensorBoard event files (tensorboardX, no TensorFlow needed) and a one-line step summary."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import numpy as np
+
+
+class MetricsWriter:
+    """Writes scalars, histograms and text under `workdir/tb` (process 0 only)."""
+
+    def __init__(self, workdir: str, enabled: bool = True):
+        self.enabled = enabled
+        self._writer = None
+        if enabled:
+            from tensorboardX import SummaryWriter
+
+            self.logdir = os.path.join(workdir, "tb")
+            os.makedirs(self.logdir, exist_ok=True)
+            self._writer = SummaryWriter(self.logdir, flush_secs=10)
+
+    def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        if not self._writer:
+            return
+        for tag, v in values.items():
+            if v is not None and np.isfinite(v):
+                self._writer.add_scalar(tag, float(v), step)
+
+    def histogram(self, step: int, tag: str, values) -> None:
+        values = np.asarray(values)
+        if self._writer and values.size:
+            self._writer.add_histogram(tag, values, step, bins="auto")
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        if self._writer:
+            self._writer.add_text(tag, text, step)
+
+    def flush(self) -> None:
+        if self._writer:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer:
+            self._writer.close()
+            self._writer = None
+
+
+def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
+    """All scalar series of an event directory (for tests, tools and the performance model)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(logdir, size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def summary_line(step: int, values: Mapping[str, float], keys: tuple[str, ...]) -> str:
+    """`step 12 | reward/mean 0.61 | ...` for the keys present."""
+    parts = [f"step {step}"]
+    for k in keys:
+        if k in values and values[k] is not None:
+            v = values[k]
+            parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
+    return " | ".join(parts)

@@ -1,0 +1,195 @@
+"""The system both the analytic model and the simulator evaluate: sampler, trainer, workload, η.
+
+`build_system` turns physical inputs (hardware, model shape, optional benchmark files) into it.
+
+Train-bench JSON (written by tools/bench_train.py, read by `load_train_bench`)::
+
+    {"devices": 8, "train_tokens_per_s": 12345.0}   # tokens (prompt + response) per second, all devices
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+
+from jaxrl_async.perf.hardware import Hardware
+from jaxrl_async.perf.latency import DecodeBench, DecodeLatency, latency_from_hardware
+from jaxrl_async.perf.shapes import ModelShape
+from jaxrl_async.perf.workload import Workload
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    """Sampler replicas with continuous batching.
+
+    Attributes:
+      latency: decode step time t(b) of one replica.
+      devices_per_replica: devices one replica spans (tensor parallel degree).
+      max_batch: decode slots per replica (KV-cache memory cap).
+      prefill_s: replica stall per admitted sample (its share of the prompt prefill).
+      update_s: replica stall to load a new policy version.
+    """
+
+    latency: DecodeLatency
+    devices_per_replica: int
+    max_batch: int
+    prefill_s: float = 0.0
+    update_s: float = 0.0
+
+    def __post_init__(self):
+        if self.devices_per_replica <= 0 or self.max_batch <= 0:
+            raise ValueError("Sampler needs devices_per_replica > 0 and max_batch > 0")
+        if self.prefill_s < 0 or self.update_s < 0:
+            raise ValueError("Sampler prefill_s and update_s must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainer:
+    """Data-parallel trainer: step time = tokens / (tokens_per_s_per_device * devices) + step_overhead_s."""
+
+    tokens_per_s_per_device: float
+    min_devices: int = 1
+    step_overhead_s: float = 0.0
+
+    def __post_init__(self):
+        if self.tokens_per_s_per_device <= 0 or self.min_devices <= 0 or self.step_overhead_s < 0:
+            raise ValueError("Trainer needs tokens_per_s_per_device > 0, min_devices > 0, step_overhead_s >= 0")
+
+    def step_s(self, tokens: float, devices: int) -> float:
+        return tokens / (self.tokens_per_s_per_device * devices) + self.step_overhead_s
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+    """Everything the split sweep needs; `max_staleness` is η of the admission rule."""
+
+    total_devices: int
+    sampler: Sampler
+    trainer: Trainer
+    workload: Workload
+    max_staleness: int
+
+    def __post_init__(self):
+        if self.total_devices <= 0 or self.max_staleness < 0:
+            raise ValueError("System needs total_devices > 0 and max_staleness >= 0")
+
+    def replicas(self, sampler_devices: int) -> int:
+        return sampler_devices // self.sampler.devices_per_replica
+
+    def train_tokens(self, mean_len: float) -> float:
+        """Tokens (prompt + response) in one train batch with mean response length `mean_len`."""
+        return self.workload.samples_per_batch * (self.workload.prompt_len + mean_len)
+
+
+def load_train_bench(path: str) -> tuple[float, int]:
+    """Read a train benchmark JSON file; returns (train_tokens_per_s over all devices, devices)."""
+    with open(path) as f:
+        d = json.load(f)
+    return float(d["train_tokens_per_s"]), int(d.get("devices", 1))
+
+
+def mean_decode_context(workload: Workload) -> float:
+    """Token-weighted mean context while decoding: P + E[L^2] / (2 E[L])."""
+    lens = workload.lengths.representative(4000).astype(float)
+    return workload.prompt_len + float(np.mean(lens**2) / (2 * np.mean(lens)))
+
+
+def _default_tp(shape: ModelShape, hw: Hardware, max_weight_frac: float = 0.5) -> int:
+    """Smallest power-of-two replica whose weights take at most `max_weight_frac` of its memory."""
+    tp = 1
+    while shape.weight_bytes > max_weight_frac * tp * hw.mem_bytes:
+        tp *= 2
+    return tp
+
+
+def build_system(
+    hw: Hardware,
+    shape: ModelShape,
+    workload: Workload,
+    total_devices: int,
+    max_staleness: int,
+    *,
+    decode_bench: DecodeBench | None = None,
+    train_bench: tuple[float, int] | None = None,
+    devices_per_replica: int | None = None,
+    max_decode_batch: int | None = None,
+    kv_reserve: str = "max",
+    mem_reserve_frac: float = 0.1,
+    decode_mem_efficiency: float = 0.7,
+    decode_compute_efficiency: float = 0.5,
+    decode_overhead_s: float = 0.0,
+    prefill_efficiency: float = 0.5,
+    share_prefix: bool = True,
+    train_mfu: float = 0.4,
+    train_extra_forwards: int = 0,
+    train_bytes_per_param: float = 16.0,
+    train_overhead_s: float = 0.0,
+    update_s: float = 0.0,
+) -> System:
+    """Derive a System from hardware and model shape; benchmark files override the roofline guesses.
+
+    Args:
+      hw: one device.
+      shape: the policy model.
+      workload: batch and response-length distribution.
+      total_devices: devices to split between sampler and trainer.
+      max_staleness: η.
+      decode_bench: measured t(b) points; their replica size becomes the sampler replica size.
+      train_bench: (train_tokens_per_s, devices) measured; scaled linearly per device.
+      devices_per_replica: sampler tensor-parallel degree (default: smallest power of two fitting 2x weights).
+      max_decode_batch: optional cap on decode slots per replica (engine limit).
+      kv_reserve: "max" (each slot reserves prompt + max length: a static cache) or "mean" (paged cache).
+      mem_reserve_frac: fraction of replica memory kept for activations and fragmentation.
+      decode_mem_efficiency, decode_compute_efficiency: achieved fractions of bandwidth / peak in decode.
+      decode_overhead_s: fixed seconds per decode step.
+      prefill_efficiency: achieved fraction of peak FLOP/s in prefill.
+      share_prefix: the G samples of a prompt share one prefill (prefix cache / cloned pages).
+      train_mfu: model FLOPs utilisation of the trainer when there is no train bench.
+      train_extra_forwards: extra forward passes per trained token (e.g. recomputed proximal log-probs).
+      train_bytes_per_param: trainer memory per parameter (weights, grads, Adam moments, master copy).
+      train_overhead_s: fixed seconds per train step (optimizer, weight publish).
+      update_s: sampler stall per weight update.
+
+    Returns:
+      The System.
+    """
+    context = mean_decode_context(workload)
+    if decode_bench is not None:
+        tp = decode_bench.devices
+        latency = decode_bench.fit()
+        if decode_bench.context_len:
+            # KV streaming grows with context: rescale the memory slope to this workload's context.
+            scale = context / float(decode_bench.context_len)
+            latency = dataclasses.replace(latency, kv_s_per_seq=latency.kv_s_per_seq * scale)
+    else:
+        tp = devices_per_replica or _default_tp(shape, hw)
+        latency = latency_from_hardware(
+            hw, shape, context, tp, decode_mem_efficiency, decode_compute_efficiency, decode_overhead_s
+        )
+    if devices_per_replica is not None and devices_per_replica != tp:
+        raise ValueError(f"devices_per_replica={devices_per_replica} but the decode bench ran on {tp} devices")
+    per_seq_tokens = workload.max_context if kv_reserve == "max" else workload.prompt_len + workload.lengths.mean()
+    if kv_reserve not in ("max", "mean"):
+        raise ValueError(f"kv_reserve must be 'max' or 'mean', got {kv_reserve!r}")
+    free = tp * hw.mem_bytes * (1 - mem_reserve_frac) - shape.weight_bytes
+    slots = int(free // (shape.kv_bytes_per_token * per_seq_tokens))
+    if max_decode_batch is not None:
+        slots = min(slots, max_decode_batch)
+    if slots < 1:
+        raise ValueError(f"no KV-cache room: {free / 1e9:.1f} GB free per replica of {tp} device(s)")
+    prompt_flops = workload.prompt_len * shape.decode_flops_per_token(workload.prompt_len / 2)
+    prefill_s = prompt_flops / (hw.peak_flops * tp * prefill_efficiency)
+    if share_prefix:
+        prefill_s /= workload.samples_per_prompt
+    sampler = Sampler(latency, tp, slots, prefill_s, update_s)
+    if train_bench is not None:
+        tps = train_bench[0] / train_bench[1]
+    else:
+        flops = shape.train_flops_per_token(workload.prompt_len + workload.lengths.mean(), train_extra_forwards)
+        tps = train_mfu * hw.peak_flops / flops
+    min_dev = max(1, math.ceil(shape.params * train_bytes_per_param / (hw.mem_bytes * (1 - mem_reserve_frac))))
+    trainer = Trainer(tps, min_dev, train_overhead_s)
+    return System(total_devices, sampler, trainer, workload, max_staleness)

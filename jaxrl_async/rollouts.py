@@ -1,0 +1,134 @@
+"""Rollout records, AReaL's staleness admission rule and the rollout queue between sampler and trainer.
+
+Staleness is measured against the trainer's version when a sample is trained on:
+  head staleness  = trainer version - the version that produced the sample's first token;
+  token staleness = trainer version - the version that produced each token (in-flight updates make late
+                    tokens of a long answer fresher than its head).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One graded completion with everything the trainer needs."""
+
+    uid: str  # the prompt's id
+    group: int  # admission order of the prompt (samples of one prompt share it)
+    sample_index: int
+    prompt_tokens: np.ndarray  # int32 [P]
+    tokens: np.ndarray  # int32 [N] completion tokens (stop token included when emitted)
+    logprobs: np.ndarray  # float32 [N] behaviour logprobs
+    versions: np.ndarray  # int32 [N] policy version that produced each token
+    reward: float = 0.0
+    finish_reason: str = ""
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def start_version(self) -> int:
+        return int(self.versions[0]) if len(self.versions) else 0
+
+
+@dataclasses.dataclass
+class StalenessController:
+    """AReaL's admission rule: the n-th prompt (1-based) starts only while floor((n-1)/B) <= version + eta.
+
+    eta = 0 is synchronous RL: the B prompts of version v all start before v's update and none after.
+    """
+
+    batch_prompts: int  # B: prompts per train batch
+    max_staleness: int  # eta
+    started: int = 0
+
+    def __post_init__(self):
+        if self.batch_prompts <= 0:
+            raise ValueError(f"batch_prompts must be > 0, got {self.batch_prompts}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+
+    def can_admit(self, version: int) -> bool:
+        return self.started // self.batch_prompts <= version + self.max_staleness
+
+    def admit(self, version: int) -> int:
+        """Records one admission; returns the prompt's admission number (0-based group id)."""
+        if not self.can_admit(version):
+            raise RuntimeError(f"admission beyond the staleness bound (started={self.started}, version={version})")
+        self.started += 1
+        return self.started - 1
+
+    def ahead(self, version: int) -> int:
+        """How many versions ahead of `version` admission has run (always <= eta)."""
+        return max(0, (self.started - 1) // self.batch_prompts - version) if self.started else 0
+
+
+class RolloutQueue:
+    """Completed prompt groups, handed to the trainer oldest start version first.
+
+    Args:
+      group_size: samples per prompt; a group is ready once all its samples are graded.
+      max_head_staleness: optional hard cap (None = off): groups whose oldest head staleness exceeds it when
+        popped are dropped and counted, with their completion lengths recorded (dropping biases training
+        against long answers, so the lengths are reported).
+    """
+
+    def __init__(self, group_size: int, max_head_staleness: int | None = None):
+        self.group_size = group_size
+        self.max_head_staleness = max_head_staleness
+        self._pending: dict[int, list[Rollout]] = {}
+        self._ready: list[tuple[int, int, list[Rollout]]] = []
+        self.dropped_groups = 0
+        self.dropped_lengths: list[int] = []
+
+    def add(self, rollout: Rollout) -> None:
+        group = self._pending.setdefault(rollout.group, [])
+        group.append(rollout)
+        if len(group) == self.group_size:
+            del self._pending[rollout.group]
+            group.sort(key=lambda r: r.sample_index)
+            start = min(r.start_version for r in group)
+            heapq.heappush(self._ready, (start, rollout.group, group))
+
+    def ready_groups(self) -> int:
+        return len(self._ready)
+
+    def pending_samples(self) -> int:
+        return sum(len(g) for g in self._pending.values())
+
+    def pop_batch(self, num_groups: int, trainer_version: int) -> list[list[Rollout]] | None:
+        """The `num_groups` oldest ready groups, or None if fewer are ready (after dropping over-cap ones)."""
+        if self.max_head_staleness is not None:
+            keep = []
+            for item in self._ready:
+                if trainer_version - item[0] > self.max_head_staleness:
+                    self.dropped_groups += 1
+                    self.dropped_lengths.extend(len(r.tokens) for r in item[2])
+                else:
+                    keep.append(item)
+            if len(keep) != len(self._ready):
+                self._ready = keep
+                heapq.heapify(self._ready)
+        if len(self._ready) < num_groups:
+            return None
+        return [heapq.heappop(self._ready)[2] for _ in range(num_groups)]
+
+
+def staleness_stats(groups: list[list[Rollout]], trainer_version: int) -> dict[str, Any]:
+    """Head and per-token staleness of a train batch."""
+    rollouts = [r for g in groups for r in g]
+    head = np.array([trainer_version - r.start_version for r in rollouts], np.int64)
+    tok = np.concatenate([trainer_version - r.versions.astype(np.int64) for r in rollouts if len(r.versions)]
+                         or [np.zeros(0, np.int64)])
+    return {
+        "head_mean": float(head.mean()) if head.size else 0.0,
+        "head_max": int(head.max()) if head.size else 0,
+        "token_mean": float(tok.mean()) if tok.size else 0.0,
+        "token_max": int(tok.max()) if tok.size else 0,
+        "head_values": head,
+        "token_values": tok,
+    }
