@@ -71,6 +71,7 @@ class DataConfig:
       heldout_fraction: share of examples (by stable hash) reserved for the held-out split.
       digits, operators: arithmetic operands in [0, 10**digits) with operators from "+-*".
       num_train: synthetic examples per epoch.
+      num_eval: size of a synthetic task's "test" split iterator.
       countdown_numbers, countdown_max_number, countdown_max_target: countdown puzzle sizes.
     """
 
@@ -94,6 +95,7 @@ class DataConfig:
     digits: int = 2
     operators: str = "+"
     num_train: int = 100_000
+    num_eval: int = 1000
     countdown_numbers: int = 3
     countdown_max_number: int = 20
     countdown_max_target: int = 100
@@ -113,12 +115,18 @@ class DataConfig:
             raise ValueError(f"DataConfig: heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
         if not 1 <= self.digits <= 9:
             raise ValueError(f"DataConfig: digits must be in [1, 9], got {self.digits}")
-        if not self.operators or set(self.operators) - set("+-*") or len(set(self.operators)) != len(
-            self.operators
+        if (
+            not self.operators
+            or set(self.operators) - set("+-*")
+            or len(set(self.operators)) != len(self.operators)
         ):
-            raise ValueError(f"DataConfig: operators must be distinct characters of '+-*', got {self.operators!r}")
-        if self.num_train < 1:
-            raise ValueError(f"DataConfig: num_train must be >= 1, got {self.num_train}")
+            raise ValueError(
+                f"DataConfig: operators must be distinct characters of '+-*', got {self.operators!r}"
+            )
+        if self.num_train < 1 or self.num_eval < 1:
+            raise ValueError(
+                f"DataConfig: num_train and num_eval must be >= 1, got {self.num_train}, {self.num_eval}"
+            )
         if not 2 <= self.countdown_numbers <= 6:
             raise ValueError(f"DataConfig: countdown_numbers must be in [2, 6], got {self.countdown_numbers}")
         if self.countdown_max_number < 2 or self.countdown_max_target < 1:

@@ -47,7 +47,7 @@ def is_equivalent(completion: str, answer: str) -> bool:
 
 @register_reward("math")
 def math_reward(prompt: str, completion: str, metadata: Mapping[str, Any]) -> Graded:
-    """1.0 when the completion's answer is equivalent to metadata["answer"] (fractions, LaTeX, ...), else 0."""
+    """1.0 when the completion's answer equals metadata["answer"] mathematically (fractions, LaTeX, ...)."""
     from math_verify import parse
 
     answer = str(metadata["answer"])

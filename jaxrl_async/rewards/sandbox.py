@@ -6,7 +6,7 @@ Layers, each used when the kernel and our privileges allow it (see `capabilities
     stdout/stderr capped (the program is killed when it exceeds the cap);
   * `uid`: the program runs under a fresh unprivileged uid (root only), so RLIMIT_NPROC bites, it cannot
     signal its parent, read the parent's `/proc/<pid>/environ` or write files it does not own, and every
-    process it leaves behind (even ones that called setsid) is killed with `kill(-1)` issued as that uid;
+    process it leaves behind (even ones that called setsid) is found by that uid in /proc and killed;
   * `netns`: a private network namespace (no interfaces up, so every connect fails);
   * `mountns`: a private mount namespace where every mount except the working dir is read-only.
 Without `netns` a Python audit hook refuses socket connect/bind/sendto (a weaker guard: code that
@@ -172,27 +172,12 @@ def _child_setup(workdir: str, limits: SandboxLimits, uid: int | None, netns: bo
         os.setuid(uid)
 
 
-def _kill_uid(uid: int):
-    """SIGKILLs every process of `uid` (kill(-1) as that uid), catching children that left the group."""
-    for _ in range(3):
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.setgid(uid)
-                os.setuid(uid)
-                os.kill(-1, signal.SIGKILL)
-            except OSError:
-                pass
-            os._exit(0)
-        os.waitpid(pid, 0)
-
-
-def _spawn(argv, workdir, env, limits, uid, netns, mountns):
+def _spawn(argv, workdir, env, limits, uid, netns, mountns, stdin_file):
     return subprocess.Popen(
         argv,
         cwd=workdir,
         env=env,
-        stdin=subprocess.PIPE,
+        stdin=stdin_file,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
@@ -201,18 +186,13 @@ def _spawn(argv, workdir, env, limits, uid, netns, mountns):
     )
 
 
-def _communicate(proc: subprocess.Popen, stdin_bytes: bytes, limits: SandboxLimits):
-    """Feeds stdin, reads capped stdout/stderr until exit or a limit; returns (out, err, why_killed)."""
+def _communicate(proc: subprocess.Popen, limits: SandboxLimits):
+    """Reads capped stdout/stderr until exit or a limit; returns (out, err, why_killed)."""
     bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
     sel = selectors.DefaultSelector()
     for f in bufs:
         os.set_blocking(f.fileno(), False)
         sel.register(f, selectors.EVENT_READ)
-    try:
-        proc.stdin.write(stdin_bytes)
-        proc.stdin.close()
-    except OSError:
-        pass
     deadline = time.monotonic() + limits.timeout_s
     why = None
 
@@ -270,18 +250,29 @@ def _run(code: str, stdin: str, limits: SandboxLimits, caps: Capabilities, pytho
         prelude = "" if caps.netns else _SOCKET_GUARD
         with open(os.path.join(workdir, "main.py"), "w") as f:
             f.write(prelude + code)
-        env = {"PATH": _PATH, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
+        env = {
+            "PATH": _PATH,
+            "HOME": workdir,
+            "TMPDIR": workdir,
+            "LANG": "C.UTF-8",
+            "PYTHONIOENCODING": "utf-8",
+        }
+        # stdin comes from an unlinked file, not a pipe: a program that never reads cannot block us.
+        with tempfile.TemporaryFile() as stdin_file:
+            stdin_file.write(stdin.encode())
+            stdin_file.seek(0)
+            argv = [python, "-I", "main.py"]
+            try:
+                proc = _spawn(argv, workdir, env, limits, uid, caps.netns, caps.mountns, stdin_file)
+            except (OSError, subprocess.SubprocessError) as e:
+                return SandboxResult("launch_error", None, "", repr(e), time.monotonic() - start)
         try:
-            proc = _spawn([python, "-I", "main.py"], workdir, env, limits, uid, caps.netns, caps.mountns)
-        except (OSError, subprocess.SubprocessError) as e:
-            return SandboxResult("launch_error", None, "", repr(e), time.monotonic() - start)
-        try:
-            out, err, why = _communicate(proc, stdin.encode(), limits)
+            out, err, why = _communicate(proc, limits)
         finally:
             _kill_group(proc.pid)
+            proc.wait()  # before the sweep, which reaps by pid and would steal the main return code
             if uid is not None:
-                _kill_uid(uid)
-            proc.wait()
+                _kill_uids(uid, uid + 1)
         stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
         # The CPU limit and the wall clock can fire together on a busy loop: report the CPU limit.
         status = _classify(proc.returncode, stderr) if proc.returncode == -signal.SIGXCPU else why
@@ -310,7 +301,9 @@ def capabilities() -> Capabilities:
     root = os.geteuid() == 0
     base = Capabilities(uid=False, netns=False, mountns=False)
     if not root:
-        notes.append("not root: no uid drop, so RLIMIT_NPROC and parent protection rely on the kernel defaults")
+        notes.append(
+            "not root: no uid drop, so RLIMIT_NPROC and parent protection rely on the kernel defaults"
+        )
         caps = base
     else:
         caps = Capabilities(uid=True, netns=False, mountns=False)
@@ -346,34 +339,58 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits
     # One run at a time per process: the run's uid is derived from our pid, and preexec_fn is not
     # thread-safe.
     with _RUN_LOCK:
+        _become_subreaper()
         caps = capabilities()
         if limits.isolation == "strict" and not (caps.uid and caps.netns and caps.mountns):
             raise RuntimeError(f"sandbox: strict isolation requested but {caps.describe()}")
         return _run(code, stdin, limits, caps, _pick_python(caps, limits.python))
 
 
+def _uid_and_state(pid: str) -> tuple[int, str] | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["Uid"].split()[0]), fields["State"].split()[0]
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def _kill_uids(lo: int, hi: int) -> int:
+    """SIGKILLs every process whose uid is in [lo, hi) (including ones that left the process group) and
+    reaps those that were orphaned to us; rescans until none is alive, as a fork bomb may grow meanwhile."""
+    seen: set[int] = set()
+    for _ in range(20):
+        alive = 0
+        for entry in os.listdir("/proc"):
+            info = _uid_and_state(entry) if entry.isdigit() else None
+            if info is None or not lo <= info[0] < hi:
+                continue
+            seen.add(int(entry))
+            if info[1] != "Z":
+                alive += 1
+                try:
+                    os.kill(int(entry), signal.SIGKILL)
+                except OSError:
+                    pass
+        if not alive:
+            break
+    for pid in seen:
+        try:
+            os.waitpid(pid, 0)  # ours only when we are their subreaper; others raise
+        except ChildProcessError:
+            pass
+    return len(seen)
+
+
+@functools.cache
+def _become_subreaper() -> bool:
+    """Orphans of sandboxed programs reparent to this process (not to an init that may never reap them)."""
+    pr_set_child_subreaper = 36
+    return _libc().prctl(pr_set_child_subreaper, 1, 0, 0, 0) == 0
+
+
 def kill_leftovers(launcher_pid: int) -> int:
     """SIGKILLs processes left by sandboxed runs launched from `launcher_pid` (e.g. a reward worker that
     was itself killed mid-run); returns how many were signalled. Needs root, like the uid layer."""
     lo = _UID_BASE + 256 * launcher_pid
-    killed = 0
-    for _ in range(3):  # a fork bomb may add processes while we scan
-        found = 0
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/status") as f:
-                    uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
-            except (OSError, StopIteration, ValueError):
-                continue
-            if lo <= uid < lo + 256:
-                try:
-                    os.kill(int(entry), signal.SIGKILL)
-                    found += 1
-                except OSError:
-                    pass
-        killed += found
-        if not found:
-            break
-    return killed
+    return _kill_uids(lo, lo + 256)

@@ -100,6 +100,10 @@ def _worker_main(conn, cfg: RewardConfig):
     """Worker loop: receives (request_id, prompt, completion, metadata), sends back a result tuple."""
     for mod in cfg.imports:
         importlib.import_module(mod)
+    # Load the default reward's modules now so their import time does not count against the first call.
+    get_reward(cfg.reward)
+    if cfg.format_weight:
+        get_reward("format")
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -258,7 +262,9 @@ class RewardService:
 
     def _start_worker(self) -> _Worker:
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_worker_main, args=(child, self.cfg), daemon=True, name="reward-worker")
+        proc = self._ctx.Process(
+            target=_worker_main, args=(child, self.cfg), daemon=True, name="reward-worker"
+        )
         proc.start()
         child.close()
         return _Worker(proc=proc, conn=parent)

@@ -1,0 +1,202 @@
+"""Prompt sources (JSONL / Parquet with a field mapping, GSM8K and MATH adapters, synthetic tasks) and the
+grain pipeline: shard per process, seeded shuffle per epoch, repeat, render + tokenize.
+
+The iterator returned by `make_prompt_iterator` is a grain DatasetIterator: `get_state()`/`set_state()`
+resume at the exact next prompt, and `grain.checkpoint.CheckpointSave/Restore` store it with orbax.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import grain
+import numpy as np
+
+from jaxrl_async.data.answers import extract_boxed, extract_gsm8k
+from jaxrl_async.data.prompt import SYNTHETIC_TASKS, DataConfig, Prompt, is_heldout
+from jaxrl_async.data.synthetic import synthetic_example, synthetic_heldout
+
+log = logging.getLogger(__name__)
+
+_SHOW_LINES = 20  # line numbers listed per skip reason in the warning
+_UNPARSED = ("malformed JSON", "not a JSON object")
+
+
+# ---- file loading -------------------------------------------------------------------------------------
+
+
+def _answer_adapter(task: str) -> Callable[[str], str | None]:
+    if task == "gsm8k":
+        return extract_gsm8k
+    if task == "math":
+        # MATH solutions end in \boxed{answer}; an already-extracted answer field passes through.
+        return lambda s: extract_boxed(s) or (s.strip() if "\\boxed" not in s else None)
+    return lambda s: s.strip()
+
+
+def _rows_jsonl(path: str, skips: dict[str, list[int]]):
+    """Yields (line number, dict) for well-formed lines; malformed ones are recorded in `skips`."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                skips.setdefault(_UNPARSED[0], []).append(lineno)
+                continue
+            if not isinstance(row, dict):
+                skips.setdefault(_UNPARSED[1], []).append(lineno)
+                continue
+            yield lineno, row
+
+
+def _rows_parquet(path: str, required: list[str], skips: dict[str, list[int]]):
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    for name in required:
+        if name not in table.column_names:
+            raise ValueError(
+                f"{path}: required field {name!r} is not a column; columns: {table.column_names}"
+            )
+    yield from enumerate(table.to_pylist(), start=1)
+
+
+def load_records(cfg: DataConfig, path: str) -> list[dict[str, Any]]:
+    """Reads `path` into raw records {uid, prompt, answer, metadata} using the config's field mapping.
+
+    Malformed lines and rows missing a field are skipped, counted and reported (with line numbers) in one
+    warning. A mapped field that no row has raises ValueError naming it.
+    """
+    prompt_field, answer_field = cfg.fields
+    required = [prompt_field, answer_field, *([cfg.id_field] if cfg.id_field else []), *cfg.metadata_fields]
+    parquet = cfg.task == "parquet" or path.endswith(".parquet")
+    skips: dict[str, list[int]] = {}
+    rows = _rows_parquet(path, required, skips) if parquet else _rows_jsonl(path, skips)
+    adapt = _answer_adapter(cfg.task)
+    seen_fields: set[str] = set()
+    records, total = [], 0
+    base = os.path.basename(path)
+    for lineno, row in rows:
+        total += 1
+        seen_fields.update(k for k, v in row.items() if v is not None)
+        missing = [name for name in required if row.get(name) is None]
+        if missing:
+            skips.setdefault(f"missing field {missing[0]!r}", []).append(lineno)
+            continue
+        answer = adapt(str(row[answer_field]))
+        if answer is None or answer == "":
+            skips.setdefault(f"no final answer in {answer_field!r}", []).append(lineno)
+            continue
+        uid = str(row[cfg.id_field]) if cfg.id_field else f"{base}:{lineno}"
+        meta = {name: row[name] for name in cfg.metadata_fields}
+        records.append({"uid": uid, "prompt": str(row[prompt_field]), "answer": answer, "metadata": meta})
+    total += sum(len(skips.get(why, [])) for why in _UNPARSED)  # lines that never became rows
+    absent = [name for name in required if name not in seen_fields]
+    if absent:
+        raise ValueError(
+            f"{path}: required field {absent[0]!r} (from the field mapping) is in no row; "
+            f"fields seen: {sorted(seen_fields)}"
+        )
+    if skips:
+        detail = "; ".join(
+            f"{why}: {len(lines)} (lines {lines[:_SHOW_LINES]}{' ...' if len(lines) > _SHOW_LINES else ''})"
+            for why, lines in skips.items()
+        )
+        log.warning("%s: skipped %d of %d rows: %s", path, sum(map(len, skips.values())), total, detail)
+    if not records:
+        raise ValueError(f"{path}: no usable rows ({total} read)")
+    return records
+
+
+# ---- rendering ----------------------------------------------------------------------------------------
+
+
+def render_prompt(cfg: DataConfig, tokenizer, raw_prompt: str) -> tuple[str, np.ndarray]:
+    """Applies the template (and the tokenizer's chat template when it has one); returns (text, tokens)."""
+    text = cfg.template.format(prompt=raw_prompt)
+    if cfg.use_chat_template and getattr(tokenizer, "chat_template", None):
+        messages = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []) + [
+            {"role": "user", "content": text}
+        ]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = tokenizer.encode(text)
+    bos = getattr(tokenizer, "bos_id", None)
+    if cfg.add_bos and bos is not None and (not ids or ids[0] != bos):
+        ids = [bos, *ids]
+    return text, np.asarray(ids, dtype=np.int32)
+
+
+def to_prompt(cfg: DataConfig, tokenizer, record: dict[str, Any]) -> Prompt:
+    """Turns a raw record into a tokenized Prompt whose metadata is ready for the reward service."""
+    text, tokens = render_prompt(cfg, tokenizer, record["prompt"])
+    meta = {**record["metadata"], "answer": record["answer"], "reward": cfg.reward_name, "task": cfg.task}
+    return Prompt(uid=record["uid"], text=text, tokens=tokens, answer=record["answer"], metadata=meta)
+
+
+# ---- datasets -----------------------------------------------------------------------------------------
+
+
+def _file_records(cfg: DataConfig, split: str) -> list[dict[str, Any]]:
+    if cfg.eval_path:
+        return load_records(cfg, cfg.path if split == "train" else cfg.eval_path)
+    records = load_records(cfg, cfg.path)
+    if split == "test" and cfg.heldout_fraction <= 0:
+        raise ValueError("DataConfig: no held-out split (set eval_path or heldout_fraction > 0)")
+    return [r for r in records if is_heldout(r["uid"], cfg.heldout_fraction) == (split == "test")]
+
+
+def raw_dataset(cfg: DataConfig, split: str = "train") -> grain.MapDataset:
+    """One epoch of raw records of `split` ("train" or "test"), unshuffled and unsharded."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    if cfg.task in SYNTHETIC_TASKS:
+        if split == "test":
+            return grain.MapDataset.source(synthetic_heldout(cfg, cfg.num_eval))
+        return grain.MapDataset.range(cfg.num_train).map(lambda i: synthetic_example(cfg, "train", i))
+    return grain.MapDataset.source(_file_records(cfg, split))
+
+
+def make_prompt_iterator(
+    cfg: DataConfig, tokenizer, *, split: str = "train", process_index: int = 0, process_count: int = 1
+) -> grain.DatasetIterator:
+    """A checkpointable iterator of Prompts for this process.
+
+    Args:
+      cfg: data configuration.
+      tokenizer: anything with `encode` (and optionally `chat_template`/`apply_chat_template`, `bos_id`).
+      split: "train" (shuffled per epoch, `cfg.num_epochs` passes) or "test" (held-out, one ordered pass).
+      process_index, process_count: this host's disjoint shard (records process_index::process_count).
+
+    Returns:
+      A grain DatasetIterator with get_state()/set_state(); exhausted after the last epoch.
+    """
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+    ds = raw_dataset(cfg, split)[process_index::process_count]
+    if len(ds) == 0:
+        raise ValueError(f"process {process_index} of {process_count} gets no {split} records")
+    if split == "train":
+        if cfg.shuffle:
+            ds = ds.shuffle(seed=cfg.seed)  # grain reshuffles with a fresh permutation every epoch
+        ds = ds.repeat(cfg.num_epochs)
+    ds = ds.map(lambda rec: to_prompt(cfg, tokenizer, rec))
+    if cfg.max_prompt_tokens is not None:
+        ds = ds.filter(lambda p: len(p.tokens) <= cfg.max_prompt_tokens)
+    # Few threads: prompts are cheap, and the sampler's host loop should keep the cores.
+    read = grain.ReadOptions(num_threads=1, prefetch_buffer_size=32)
+    return iter(ds.to_iter_dataset(read_options=read))
+
+
+def held_out_prompts(cfg: DataConfig, tokenizer, n: int) -> list[Prompt]:
+    """The first `n` held-out prompts (distinct, fixed order; fewer if the split is smaller)."""
+    if cfg.task in SYNTHETIC_TASKS:
+        records = synthetic_heldout(cfg, n)
+    else:
+        records = _file_records(cfg, "test")[:n]
+    return [to_prompt(cfg, tokenizer, r) for r in records]

@@ -1,0 +1,237 @@
+"""Built-in tasks needing no files: multi-digit arithmetic and countdown, with verifiers and a held-out split.
+
+Both use only characters in `tokenizer.CHAR_VOCAB`. Examples are generated from (seed, split, index) so a
+dataset is lazy, deterministic and indexable; the held-out split is a stable hash of the problem, so no
+train example ever equals a held-out one.
+
+Arithmetic: prompt "37+85=", completion "122" (most significant digit first), graded by exact match.
+Countdown: prompt "make 24 with 3 5 8:", completion an expression using each number exactly once with
++ - * / and parentheses (e.g. "(8-5)*8"), graded by exact rational evaluation.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import random
+import re
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
+from typing import Any
+
+from jaxrl_async.data.prompt import DataConfig, is_heldout, unit_hash
+from jaxrl_async.rewards.registry import register_reward
+
+_ARITH_RE = re.compile(r"(\d+)([+\-*])(\d+)=")
+_COUNTDOWN_RE = re.compile(r"make (\d+) with ([\d ]+):")
+_EXPR_CHARS = set("0123456789+-*/() ")
+_MAX_EXPR_LEN = 200
+_ENUMERATE_LIMIT = 200_000  # problem spaces up to this size are enumerated for a duplicate-free held-out set
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+# ---- arithmetic ---------------------------------------------------------------------------------------
+
+
+def arithmetic_problem(a: int, op: str, b: int) -> tuple[str, str]:
+    """(prompt, answer) for `a op b`, e.g. (37, "+", 85) -> ("37+85=", "122")."""
+    return f"{a}{op}{b}=", str(_OPS[op](a, b))
+
+
+def _arithmetic_draw(cfg: DataConfig, split: str, index: int) -> tuple[int, str, int]:
+    rng = random.Random(f"arithmetic:{cfg.seed}:{split}:{index}")
+    hi = 10**cfg.digits
+    while True:
+        a, op, b = rng.randrange(hi), rng.choice(cfg.operators), rng.randrange(hi)
+        if is_heldout(f"{a}{op}{b}", cfg.heldout_fraction) == (split == "test"):
+            return a, op, b
+
+
+def arithmetic_example(cfg: DataConfig, split: str, index: int) -> dict[str, Any]:
+    """The `index`-th arithmetic example of `split` ("train" or "test") as a raw record."""
+    a, op, b = _arithmetic_draw(cfg, split, index)
+    prompt, answer = arithmetic_problem(a, op, b)
+    return {"uid": f"arithmetic:{split}:{index}", "prompt": prompt, "answer": answer, "metadata": {}}
+
+
+def _arithmetic_heldout(cfg: DataConfig, n: int) -> list[dict[str, Any]]:
+    hi = 10**cfg.digits
+    if hi * hi * len(cfg.operators) > _ENUMERATE_LIMIT:
+        return _sample_unique(lambda i: arithmetic_example(cfg, "test", i), n)
+    keys = [
+        (a, op, b)
+        for a, op, b in itertools.product(range(hi), cfg.operators, range(hi))
+        if is_heldout(f"{a}{op}{b}", cfg.heldout_fraction)
+    ]
+    keys.sort(key=lambda k: unit_hash(f"order:{cfg.seed}:{k}"))
+    out = []
+    for a, op, b in keys[:n]:
+        prompt, answer = arithmetic_problem(a, op, b)
+        out.append({"uid": f"arithmetic:test:{a}{op}{b}", "prompt": prompt, "answer": answer, "metadata": {}})
+    return out
+
+
+@register_reward("arithmetic")
+def arithmetic_reward(prompt: str, completion: str, metadata: Mapping[str, Any]) -> float:
+    """1.0 when the stripped completion is exactly the answer (metadata["answer"], else from the prompt)."""
+    answer = metadata.get("answer") or reference_completion(prompt)
+    return 1.0 if completion.strip() == str(answer) else 0.0
+
+
+# ---- countdown ----------------------------------------------------------------------------------------
+
+
+def _combine(rng: random.Random, items: list[tuple[str, Fraction]]) -> tuple[str, Fraction] | None:
+    """Folds the numbers into one random expression with integer, positive intermediates."""
+    items = list(items)
+    while len(items) > 1:
+        i, j = rng.sample(range(len(items)), 2)
+        (ea, va), (eb, vb) = items[i], items[j]
+        op = rng.choice("+-*/")
+        if op == "-" and va <= vb or op == "/" and (vb == 0 or va % vb != 0):
+            op = "+" if rng.random() < 0.5 else "*"
+        value = {"+": va + vb, "-": va - vb, "*": va * vb, "/": va / vb if vb else None}[op]
+        wrap = lambda e: e if e.isdigit() else f"({e})"
+        items = [x for k, x in enumerate(items) if k not in (i, j)] + [(f"{wrap(ea)}{op}{wrap(eb)}", value)]
+    return items[0]
+
+
+def countdown_problem(numbers: Sequence[int], target: int) -> str:
+    """The prompt text, e.g. ([3, 5, 8], 24) -> "make 24 with 3 5 8:"."""
+    return f"make {target} with {' '.join(map(str, numbers))}:"
+
+
+def countdown_example(cfg: DataConfig, split: str, index: int) -> dict[str, Any]:
+    """The `index`-th countdown puzzle of `split`; always solvable (built from a random expression)."""
+    rng = random.Random(f"countdown:{cfg.seed}:{split}:{index}")
+    while True:
+        nums = [rng.randint(1, cfg.countdown_max_number) for _ in range(cfg.countdown_numbers)]
+        expr, value = _combine(rng, [(str(x), Fraction(x)) for x in nums])
+        if value.denominator != 1 or not 1 <= value <= cfg.countdown_max_target:
+            continue
+        target = int(value)
+        if is_heldout(f"{sorted(nums)}->{target}", cfg.heldout_fraction) == (split == "test"):
+            meta = {"numbers": nums, "target": target, "solution": expr}
+            prompt = countdown_problem(nums, target)
+            return {
+                "uid": f"countdown:{split}:{index}",
+                "prompt": prompt,
+                "answer": str(target),
+                "metadata": meta,
+            }
+
+
+def _eval_node(node: ast.AST, used: list[int]) -> Fraction:
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        used.append(node.value)
+        return Fraction(node.value)
+    if isinstance(node, ast.BinOp) and type(node.op) in (ast.Add, ast.Sub, ast.Mult, ast.Div):
+        a, b = _eval_node(node.left, used), _eval_node(node.right, used)
+        if isinstance(node.op, ast.Add):
+            return a + b
+        if isinstance(node.op, ast.Sub):
+            return a - b
+        if isinstance(node.op, ast.Mult):
+            return a * b
+        if b == 0:
+            raise ZeroDivisionError
+        return a / b
+    raise ValueError(f"disallowed syntax {type(node).__name__}")
+
+
+def countdown_verify(expression: str, numbers: Sequence[int], target: int) -> bool:
+    """True when `expression` uses each of `numbers` exactly once (+ - * / and parentheses) and equals
+    `target` (exact rational arithmetic)."""
+    expr = expression.strip()
+    if not expr or len(expr) > _MAX_EXPR_LEN or set(expr) - _EXPR_CHARS:
+        return False
+    try:
+        used: list[int] = []
+        value = _eval_node(ast.parse(expr, mode="eval").body, used)
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
+        return False
+    return sorted(used) == sorted(numbers) and value == target
+
+
+def _parse_countdown(prompt: str) -> tuple[list[int], int]:
+    m = _COUNTDOWN_RE.findall(prompt)
+    if not m:
+        raise ValueError(f"not a countdown prompt: {prompt!r}")
+    target, nums = m[-1]
+    return [int(x) for x in nums.split()], int(target)
+
+
+@register_reward("countdown")
+def countdown_reward(prompt: str, completion: str, metadata: Mapping[str, Any]) -> float:
+    """1.0 when the completion is a valid expression reaching the target (numbers from metadata or prompt)."""
+    if "numbers" in metadata and "target" in metadata:
+        numbers, target = list(metadata["numbers"]), int(metadata["target"])
+    else:
+        numbers, target = _parse_countdown(prompt)
+    return 1.0 if countdown_verify(completion, numbers, target) else 0.0
+
+
+def solve_countdown(numbers: Sequence[int], target: int) -> str | None:
+    """An expression using every number once that equals `target`, or None (exhaustive search)."""
+    seen: set[tuple] = set()
+
+    def search(items: list[tuple[Fraction, str]]) -> str | None:
+        if len(items) == 1:
+            return items[0][1] if items[0][0] == target else None
+        key = tuple(sorted(v for v, _ in items))
+        if key in seen:
+            return None
+        seen.add(key)
+        for i, j in itertools.permutations(range(len(items)), 2):
+            (va, ea), (vb, eb) = items[i], items[j]
+            rest = [x for k, x in enumerate(items) if k not in (i, j)]
+            cands = [(va + vb, "+"), (va - vb, "-"), (va * vb, "*")] + ([(va / vb, "/")] if vb else [])
+            for value, op in cands:
+                found = search([*rest, (value, f"({ea}{op}{eb})")])
+                if found:
+                    return found
+        return None
+
+    expr = search([(Fraction(x), str(x)) for x in numbers])
+    return expr[1:-1] if expr and expr.startswith("(") and expr.endswith(")") and len(numbers) > 1 else expr
+
+
+# ---- shared -------------------------------------------------------------------------------------------
+
+
+def reference_completion(prompt: str) -> str:
+    """The correct completion text for an arithmetic or countdown prompt (for supervised warm starts)."""
+    m = _ARITH_RE.findall(prompt)
+    if m:
+        a, op, b = m[-1]
+        return arithmetic_problem(int(a), op, int(b))[1]
+    numbers, target = _parse_countdown(prompt)
+    expr = solve_countdown(numbers, target)
+    if expr is None:
+        raise ValueError(f"countdown prompt has no solution: {prompt!r}")
+    return expr
+
+
+def synthetic_example(cfg: DataConfig, split: str, index: int) -> dict[str, Any]:
+    """The `index`-th raw record of a synthetic task's split."""
+    fn = arithmetic_example if cfg.task == "arithmetic" else countdown_example
+    return fn(cfg, split, index)
+
+
+def synthetic_heldout(cfg: DataConfig, n: int) -> list[dict[str, Any]]:
+    """`n` distinct held-out records (fewer if the held-out space is smaller), in a fixed order."""
+    if cfg.task == "arithmetic":
+        return _arithmetic_heldout(cfg, n)
+    return _sample_unique(lambda i: countdown_example(cfg, "test", i), n)
+
+
+def _sample_unique(draw, n: int) -> list[dict[str, Any]]:
+    out, seen = [], set()
+    for i in range(50 * n + 1000):
+        rec = draw(i)
+        if rec["prompt"] not in seen:
+            seen.add(rec["prompt"])
+            out.append(rec)
+            if len(out) == n:
+                break
+    return out

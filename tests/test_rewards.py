@@ -1,0 +1,251 @@
+"""Reward registry, math verifier, format/code rewards and the reward worker pool."""
+
+import multiprocessing as mp
+import sys
+import textwrap
+import time
+
+import pytest
+
+from jaxrl_async.rewards import (
+    Graded,
+    QueueFull,
+    RewardConfig,
+    RewardService,
+    as_graded,
+    get_reward,
+    grade_one,
+    list_rewards,
+    register_reward,
+)
+from jaxrl_async.rewards.math import format_reward, is_equivalent, math_reward
+
+USER_MODULE = textwrap.dedent(
+    """
+    import os, time
+    from jaxrl_async.rewards import register_reward
+
+    @register_reward("user_len")
+    def length_reward(prompt, completion, metadata):
+        return len(completion) / 10
+
+    def hang(prompt, completion, metadata):
+        time.sleep(600)
+
+    def boom(prompt, completion, metadata):
+        raise RuntimeError("boom")
+
+    def die(prompt, completion, metadata):
+        os._exit(7)
+
+    def not_a_number(prompt, completion, metadata):
+        return "high"
+
+    def slow(prompt, completion, metadata):
+        time.sleep(0.3)
+        return 1.0
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def user_module(tmp_path_factory):
+    """A user reward module on sys.path; spawned workers inherit sys.path, so they can import it."""
+    d = tmp_path_factory.mktemp("user_rewards")
+    (d / "my_rewards.py").write_text(USER_MODULE)
+    sys.path.insert(0, str(d))
+    yield "my_rewards"
+    sys.path.remove(str(d))
+
+
+# ---- math verifier ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "completion, answer",
+    [
+        ("so the result is \\boxed{\\frac{1}{2}}", "0.5"),
+        ("The answer is $\\frac{3}{4}$", "0.75"),
+        ("\\boxed{\\dfrac{6}{4}}", "\\frac{3}{2}"),
+        ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}"),
+        ("Total: \\boxed{1,000}", "1000"),
+        ("work...\n#### 72", "72"),
+        ("<answer>3/4</answer>", "\\frac{3}{4}"),
+        ("\\boxed{0.50}", "1/2"),
+        ("\\boxed{\\frac{x^2-1}{x-1}}", "\\frac{(x-1)(x+1)}{x-1}"),
+    ],
+)
+def test_math_equivalent_forms_accepted(completion, answer):
+    assert is_equivalent(completion, answer)
+    assert math_reward("q", completion, {"answer": answer}).reward == 1.0
+
+
+@pytest.mark.parametrize(
+    "completion, answer",
+    [
+        ("\\boxed{\\frac{1}{3}}", "0.5"),
+        ("#### 71", "72"),
+        ("\\boxed{2\\sqrt{3}}", "\\sqrt{8}"),
+        ("\\boxed{-4}", "4"),
+        ("I think it is 10, no, \\boxed{11}", "10"),  # the final boxed answer counts, not earlier ones
+    ],
+)
+def test_math_wrong_answers_rejected(completion, answer):
+    assert not is_equivalent(completion, answer)
+    assert math_reward("q", completion, {"answer": answer}).reward == 0.0
+
+
+def test_math_without_answer_is_zero_with_reason():
+    out = math_reward("q", "I don't know", {"answer": "3"})
+    assert out == Graded(0.0, "no_answer")
+
+
+def test_format_reward():
+    assert format_reward("q", "x \\boxed{3}", {}) == 1.0
+    assert format_reward("q", "blah\n#### 4", {}) == 1.0
+    assert format_reward("q", "<answer>4</answer>", {}) == 1.0
+    assert format_reward("q", "just 4", {}) == 0.0
+    assert format_reward("q", "ANSWER=4", {"format_regex": r"ANSWER=\d+"}) == 1.0
+
+
+# ---- registry -----------------------------------------------------------------------------------------
+
+
+def test_registry_builtins_and_import_paths():
+    assert {"arithmetic", "countdown", "math", "code", "format"} <= set(list_rewards())
+    assert get_reward("arithmetic")("37+85=", " 122 ", {"answer": "122"}) == 1.0
+    assert get_reward("arithmetic")("37+85=", "123", {}) == 0.0  # answer recomputed from the prompt
+    assert get_reward("jaxrl_async.rewards.math:format_reward") is format_reward
+    with pytest.raises(KeyError, match="unknown reward 'nope'"):
+        get_reward("nope")
+
+
+def test_register_reward_decorator():
+    @register_reward("test_const_reward")
+    def const(prompt, completion, metadata):
+        return 0.25
+
+    assert get_reward("test_const_reward") is const
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward("test_const_reward")(lambda p, c, m: 1.0)
+    with pytest.raises(ValueError, match="invalid name"):
+        register_reward("a:b")
+
+
+def test_as_graded_rejects_bad_values():
+    assert as_graded(1) == Graded(1.0, "")
+    with pytest.raises(ValueError, match="non-finite"):
+        as_graded(float("nan"))
+    with pytest.raises(TypeError):
+        as_graded("1.0")
+
+
+def test_grade_one_never_raises_and_adds_format_weight():
+    cfg = RewardConfig(reward="math", format_weight=0.5)
+    assert grade_one(cfg, "q", "\\boxed{2}", {"answer": "2"})[:2] == (1.5, "ok")
+    reward, reason, _ = grade_one(cfg, "q", "\\boxed{2}", {})  # no answer in metadata
+    assert (reward, reason) == (0.0, "error:KeyError")
+
+
+def test_config_validation():
+    with pytest.raises(KeyError, match="unknown reward"):
+        RewardConfig(reward="does_not_exist")
+    with pytest.raises(ValueError, match="num_workers"):
+        RewardConfig(num_workers=0)
+    with pytest.raises(ValueError, match="mp_context"):
+        RewardConfig(mp_context="fork")
+
+
+# ---- code reward (in-process) --------------------------------------------------------------------------
+
+
+def test_code_reward_counts_passed_tests():
+    # Run in a spawned process: the sandbox forks, which is unsafe beside JAX threads in this process.
+    code = "jaxrl_async.rewards.code:code_reward"
+    with mp.get_context("spawn").Pool(1) as pool:
+        run = lambda completion, meta: pool.apply(
+            grade_one, (RewardConfig(reward=code), "p", completion, meta)
+        )
+        completion = "Here you go:\n```python\nn = int(input())\nprint(n * n)\n```\n"
+        tests = [
+            {"input": "3", "output": "9"},
+            {"input": "4", "output": "16"},
+            {"input": "5", "output": "26"},
+        ]
+        reward, reason, info = run(completion, {"tests": tests, "stop_on_failure": False})
+        assert (reward, reason) == (pytest.approx(2 / 3), "ok") and "wrong_output" in info
+        assert run("def f(x):\n    return x + 1\n", {"test_code": "assert f(1) == 2"})[0] == 1.0
+        reward, _, info = run("def f(x):\n    return x\n", {"test_code": "assert f(1) == 2"})
+        assert reward == 0.0 and "exit_nonzero" in info
+        reward, reason, info = run("print(1)", {"tests": tests, "sandbox": {"walltime": 3}})
+        assert reason == "error:ValueError" and "unknown sandbox limits" in info
+
+
+# ---- service ------------------------------------------------------------------------------------------
+
+
+def test_service_survives_errors_hangs_and_deaths(user_module, caplog):
+    cfg = RewardConfig(reward="arithmetic", num_workers=2, timeout_s=1.0, imports=(user_module,))
+    with RewardService(cfg) as svc:
+        svc.wait_ready()
+        items = [
+            ("37+85=", "122", {"answer": "122"}),
+            ("37+85=", "121", {"answer": "122"}),
+            ("p", "x", {"reward": f"{user_module}:boom"}),
+            ("p", "x", {"reward": f"{user_module}:hang"}),
+            ("p", "x", {"reward": f"{user_module}:die"}),
+            ("p", "x", {"reward": f"{user_module}:not_a_number"}),
+            ("p", "abcd", {"reward": "user_len"}),  # registered by decorator in the imported module
+            ("p", "x", {"reward": "no_such_reward"}),
+        ]
+        t0 = time.monotonic()
+        results = svc.grade_batch_results(items, timeout=60)
+        assert time.monotonic() - t0 < 15
+        got = [(r.reward, r.reason) for r in results]
+        assert got == [
+            (1.0, "ok"),
+            (0.0, "ok"),
+            (0.0, "error:RuntimeError"),
+            (0.0, "timeout"),
+            (0.0, "worker_died"),
+            (0.0, "error:TypeError"),
+            (pytest.approx(0.4), "ok"),
+            (0.0, "error:KeyError"),
+        ]
+        # Still healthy: the replaced workers grade normally.
+        assert svc.grade_batch([("2+2=", "4", {})] * 20, timeout=60) == [1.0] * 20
+        stats = svc.stats()
+    assert stats["graded"] == 28 and stats["ok"] == 23
+    assert stats["timeouts"] == 1 and stats["errors"]["worker_died"] == 1
+    assert stats["worker_restarts"] == 2 and stats["workers_alive"] == 2
+    assert "timeout" in caplog.text and "worker_died" in caplog.text
+
+
+def test_service_submit_poll_and_backpressure(user_module):
+    cfg = RewardConfig(reward=f"{user_module}:slow", num_workers=1, timeout_s=10.0, max_queue=2)
+    svc = RewardService(cfg)
+    try:
+        svc.wait_ready()
+        submitted, full = 0, False
+        for i in range(6):
+            try:
+                svc.submit(i, "p", "c", {}, block=False)
+                submitted += 1
+            except QueueFull:
+                full = True
+                break
+        assert full and submitted <= 3  # at most 2 queued + 1 in flight
+        assert svc.stats()["queue_depth"] <= 2
+        svc.submit(99, "p", "c", {}, block=True, timeout=10)  # blocks until a slot frees, then queues
+        results = []
+        deadline = time.monotonic() + 30
+        while len(results) < submitted + 1 and time.monotonic() < deadline:
+            results += svc.poll()
+            time.sleep(0.05)
+        assert sorted(r.request_id for r in results) == [*range(submitted), 99]
+        assert all(r.reward == 1.0 and r.elapsed_s >= 0.3 for r in results)
+        assert svc.poll() == []
+    finally:
+        svc.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        svc.submit(0, "p", "c", {})
