@@ -23,15 +23,31 @@ from jaxrl_async.sharding import SAMPLER_RULES, TRAINER_RULES, Rules, make_mesh
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16}
-COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2, rms_norm_eps=1e-6)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+COMMON = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.2,
+    rms_norm_eps=1e-6,
+)
 
 CASES = {
-    "llama_gqa_rope_scaling_untied": ("LlamaConfig", "LlamaForCausalLM",
-                                      dict(rope_parameters={"rope_theta": 10000.0, **LLAMA3_ROPE},
-                                           tie_word_embeddings=False)),
+    "llama_gqa_rope_scaling_untied": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(rope_parameters={"rope_theta": 10000.0, **LLAMA3_ROPE}, tie_word_embeddings=False),
+    ),
     "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True, num_key_value_heads=4)),
     "qwen2_bias_tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3_qknorm_untied": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=24)),
@@ -88,11 +104,14 @@ def test_sharded_index_export_and_load_into_mesh(tmp_path):
     assert len(files) > 1 and os.path.exists(os.path.join(out, "model.safetensors.index.json"))
     mesh = make_mesh((2, 4), ("fsdp", "tensor"))
     cfg2, sharded = load_hf(out, mesh=mesh, rules=TRAINER_RULES)
-    assert sharded["layers"]["q"].sharding.spec == TRAINER_RULES.spec(("layers", "embed", "q_heads", "head_dim"))
+    assert sharded["layers"]["q"].sharding.spec == TRAINER_RULES.spec(
+        ("layers", "embed", "q_heads", "head_dim")
+    )
     assert len(sharded["layers"]["q"].addressable_shards) == 8
     tokens = _tokens()
-    np.testing.assert_allclose(np.asarray(forward_logits(cfg2, sharded, tokens)), _hf_logits(model, tokens),
-                               atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(forward_logits(cfg2, sharded, tokens)), _hf_logits(model, tokens), atol=1e-4, rtol=0
+    )
 
 
 def test_bf16_load_close_to_fp32(tmp_path):
@@ -112,8 +131,12 @@ def _corrupt(path, mutate):
     arrays = {k: np.array(st.get(k)) for k in st.entries}
     mutate(arrays)
     os.remove(os.path.join(path, "model.safetensors"))
-    write_safetensors(os.path.join(path, "model.safetensors"), {k: (lambda v=v: v) for k, v in arrays.items()},
-                      {k: v.shape for k, v in arrays.items()}, {k: v.dtype for k, v in arrays.items()})
+    write_safetensors(
+        os.path.join(path, "model.safetensors"),
+        {k: (lambda v=v: v) for k, v in arrays.items()},
+        {k: v.shape for k, v in arrays.items()},
+        {k: v.dtype for k, v in arrays.items()},
+    )
 
 
 def test_bad_checkpoints_name_the_problem(tmp_path):
@@ -138,9 +161,17 @@ def test_bad_checkpoints_name_the_problem(tmp_path):
 
 
 def test_config_reads_transformers4_and_5_rope_forms():
-    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
-            "num_attention_heads": 2, "intermediate_size": 16}
-    v4 = from_hf_config({**base, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **LLAMA3_ROPE}})
+    base = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 16,
+    }
+    v4 = from_hf_config(
+        {**base, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **LLAMA3_ROPE}}
+    )
     v5 = from_hf_config({**base, "rope_parameters": {"rope_theta": 500000.0, **LLAMA3_ROPE}})
     assert v4 == v5 and v4.rope_theta == 500000.0 and v4.rope_scaling.factor == 8.0
     with pytest.raises(ValueError, match="yarn"):
@@ -152,16 +183,21 @@ def test_config_reads_transformers4_and_5_rope_forms():
 TINY = presets.tiny(vocab_size=61, n_layers=2, max_seq_len=64, qkv_bias=True, qk_norm=True)
 
 
-@pytest.mark.parametrize("shape,rules", [((2, 4), TRAINER_RULES), ((8, 1), TRAINER_RULES),
-                                         ((2, 4), SAMPLER_RULES), ((1, 8), SAMPLER_RULES)])
+@pytest.mark.parametrize(
+    "shape,rules",
+    [((2, 4), TRAINER_RULES), ((8, 1), TRAINER_RULES), ((2, 4), SAMPLER_RULES), ((1, 8), SAMPLER_RULES)],
+)
 def test_sharded_forward_equals_single_device(shape, rules):
     params = init_params(TINY, jax.random.key(1))
     mesh = make_mesh(shape, rules.mesh_axes)
     sharded = init_params(TINY, jax.random.key(1), mesh, rules)
     assert any(len({str(s.index) for s in x.addressable_shards}) > 1 for x in jax.tree.leaves(sharded))
     tokens = _tokens(b=8, t=9, v=61)
-    np.testing.assert_allclose(np.asarray(forward_logits(TINY, sharded, tokens)),
-                               np.asarray(forward_logits(TINY, params, tokens)), atol=2e-5)
+    np.testing.assert_allclose(
+        np.asarray(forward_logits(TINY, sharded, tokens)),
+        np.asarray(forward_logits(TINY, params, tokens)),
+        atol=2e-5,
+    )
 
 
 def test_rules_reject_colliding_axes():
@@ -196,10 +232,12 @@ def test_packed_equals_separate():
     pos = np.zeros((1, 16), np.int32)
     pos[0, :5], pos[0, 5:12] = np.arange(5), np.arange(7)
     logits, _ = forward(TINY, params, jnp.asarray(packed), jnp.asarray(pos), segment_ids=jnp.asarray(seg))
-    np.testing.assert_allclose(np.asarray(logits[0, :5]), np.asarray(forward_logits(TINY, params, a[None]))[0],
-                               atol=1e-5)
-    np.testing.assert_allclose(np.asarray(logits[0, 5:12]), np.asarray(forward_logits(TINY, params, b[None]))[0],
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(logits[0, :5]), np.asarray(forward_logits(TINY, params, a[None]))[0], atol=1e-5
+    )
+    np.testing.assert_allclose(
+        np.asarray(logits[0, 5:12]), np.asarray(forward_logits(TINY, params, b[None]))[0], atol=1e-5
+    )
     assert np.isfinite(np.asarray(logits)).all()
 
 
@@ -217,8 +255,9 @@ def test_cached_decode_equals_full_forward_with_ragged_rows():
     np.testing.assert_allclose(np.asarray(logits[1, 3]), full[1, 3], atol=1e-5)
     for _ in range(4):
         step_tok = tokens[np.arange(2), lens][:, None]
-        logits, cache = forward(TINY, params, jnp.asarray(step_tok), jnp.asarray(lens[:, None].astype(np.int32)),
-                                cache=cache)
+        logits, cache = forward(
+            TINY, params, jnp.asarray(step_tok), jnp.asarray(lens[:, None].astype(np.int32)), cache=cache
+        )
         for r in range(2):
             np.testing.assert_allclose(np.asarray(logits[r, 0]), full[r, lens[r]], atol=1e-5)
         lens = lens + 1

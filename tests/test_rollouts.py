@@ -12,9 +12,16 @@ from jaxrl_async.weight_sync import WeightSync
 
 def _rollout(group, idx, versions, reward=1.0):
     n = len(versions)
-    return Rollout(uid=f"p{group}", group=group, sample_index=idx, prompt_tokens=np.zeros(3, np.int32),
-                   tokens=np.arange(n, dtype=np.int32), logprobs=np.zeros(n, np.float32),
-                   versions=np.asarray(versions, np.int32), reward=reward)
+    return Rollout(
+        uid=f"p{group}",
+        group=group,
+        sample_index=idx,
+        prompt_tokens=np.zeros(3, np.int32),
+        tokens=np.arange(n, dtype=np.int32),
+        logprobs=np.zeros(n, np.float32),
+        versions=np.asarray(versions, np.int32),
+        reward=reward,
+    )
 
 
 @pytest.mark.parametrize("eta", [0, 1, 3])

@@ -24,10 +24,13 @@ def test_hf_tokenizer_with_chat_template(tmp_path):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
-    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
-                "{% if add_generation_prompt %}<assistant>{% endif %}")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "chat_template": template}))
+    template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "chat_template": template})
+    )
     hf = load_tokenizer(str(tmp_path))
     assert isinstance(hf, HFTokenizer)
     assert (hf.bos_id, hf.eos_id, hf.pad_id) == (1, 2, 0)
