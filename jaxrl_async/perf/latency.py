@@ -43,7 +43,7 @@ class DecodeLatency:
         for name in ("overhead_s", "weights_s", "kv_s_per_seq", "compute_s_per_seq"):
             if getattr(self, name) < 0:
                 raise ValueError(f"DecodeLatency.{name} must be >= 0, got {getattr(self, name)}")
-        if self.overhead_s + self.weights_s <= 0:
+        if self.overhead_s + max(self.weights_s + self.kv_s_per_seq, self.compute_s_per_seq) <= 0:
             raise ValueError("DecodeLatency: t(1) must be > 0")
 
     def step_s(self, batch):
@@ -91,7 +91,7 @@ def _to_curve(alpha: float, beta: float, gamma: float, knee: float) -> DecodeLat
     """Hinge t = alpha + beta b + gamma max(0, b - knee) as a DecodeLatency; None if not roofline-shaped."""
     overhead = alpha - gamma * knee
     tol = 1e-12 * max(1.0, abs(alpha))
-    if beta < -tol or gamma < -tol or overhead < -tol:
+    if beta < -tol or gamma < -tol or overhead < -tol or alpha + beta <= 0:
         return None
     return DecodeLatency(max(0.0, overhead), max(0.0, gamma * knee), max(0.0, beta), max(0.0, beta + gamma))
 

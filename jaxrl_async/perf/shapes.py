@@ -90,7 +90,14 @@ def shape_from_dict(d: dict[str, Any]) -> ModelShape:
 
 
 def dense_param_count(
-    n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, ffw_size: int, vocab: int, tied: bool
+    n_layers: int,
+    d_model: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    ffw_size: int,
+    vocab: int,
+    tied: bool,
 ) -> int:
     """Parameters of a Llama/Qwen-style dense decoder (gated MLP, RMSNorm, no biases)."""
     attn = d_model * head_dim * (n_heads + 2 * n_kv_heads) + n_heads * head_dim * d_model

@@ -56,7 +56,9 @@ class Trainer:
 
     def __post_init__(self):
         if self.tokens_per_s_per_device <= 0 or self.min_devices <= 0 or self.step_overhead_s < 0:
-            raise ValueError("Trainer needs tokens_per_s_per_device > 0, min_devices > 0, step_overhead_s >= 0")
+            raise ValueError(
+                "Trainer needs tokens_per_s_per_device > 0, min_devices > 0, step_overhead_s >= 0"
+            )
 
     def step_s(self, tokens: float, devices: int) -> float:
         return tokens / (self.tokens_per_s_per_device * devices) + self.step_overhead_s
@@ -170,8 +172,12 @@ def build_system(
             hw, shape, context, tp, decode_mem_efficiency, decode_compute_efficiency, decode_overhead_s
         )
     if devices_per_replica is not None and devices_per_replica != tp:
-        raise ValueError(f"devices_per_replica={devices_per_replica} but the decode bench ran on {tp} devices")
-    per_seq_tokens = workload.max_context if kv_reserve == "max" else workload.prompt_len + workload.lengths.mean()
+        raise ValueError(
+            f"devices_per_replica={devices_per_replica} but the decode bench ran on {tp} devices"
+        )
+    per_seq_tokens = (
+        workload.max_context if kv_reserve == "max" else workload.prompt_len + workload.lengths.mean()
+    )
     if kv_reserve not in ("max", "mean"):
         raise ValueError(f"kv_reserve must be 'max' or 'mean', got {kv_reserve!r}")
     free = tp * hw.mem_bytes * (1 - mem_reserve_frac) - shape.weight_bytes
@@ -188,8 +194,12 @@ def build_system(
     if train_bench is not None:
         tps = train_bench[0] / train_bench[1]
     else:
-        flops = shape.train_flops_per_token(workload.prompt_len + workload.lengths.mean(), train_extra_forwards)
+        flops = shape.train_flops_per_token(
+            workload.prompt_len + workload.lengths.mean(), train_extra_forwards
+        )
         tps = train_mfu * hw.peak_flops / flops
-    min_dev = max(1, math.ceil(shape.params * train_bytes_per_param / (hw.mem_bytes * (1 - mem_reserve_frac))))
+    min_dev = max(
+        1, math.ceil(shape.params * train_bytes_per_param / (hw.mem_bytes * (1 - mem_reserve_frac)))
+    )
     trainer = Trainer(tps, min_dev, train_overhead_s)
     return System(total_devices, sampler, trainer, workload, max_staleness)

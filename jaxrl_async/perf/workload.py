@@ -39,15 +39,39 @@ class LengthDist:
         """E[L]."""
         return float(np.mean(_to_tokens(self._grid())))
 
-    def expected_max(self, k: int) -> float:
-        """E[max of k independent lengths] = integral of Q(u) d(u^k)."""
-        edges = np.arange(_GRID + 1) / _GRID
-        w = np.diff(edges**k)
-        return float(np.sum(_to_tokens(self._grid()) * w))
+    def top_order_stats(self, n: int, k: int) -> np.ndarray:
+        """E[j-th largest of n draws] for j = 1..k: the integral of Q(u) against a Beta(n-j+1, j) density.
 
-    def representative(self, n: int) -> np.ndarray:
-        """n lengths at the mid-quantiles (i - 0.5)/n: a deterministic stand-in for a batch of n draws."""
-        return _to_tokens(self.quantile((np.arange(n) + 0.5) / n))
+        Integrated on a log grid in 1-u so that the mass near u = 1 (where the maximum of a large batch
+        lives) is resolved.
+        """
+        v = np.geomspace(1e-13, 1.0, 6000)
+        u = 1.0 - v
+        q = _to_tokens(self.quantile(np.clip(u, 0.0, 1.0 - 1e-13))).astype(float)
+        out = np.empty(min(k, n))
+        for j in range(len(out)):
+            a, b = n - j, j + 1
+            log_pdf = math.lgamma(n + 1) - math.lgamma(a) - math.lgamma(b)
+            with np.errstate(divide="ignore"):
+                log_pdf = log_pdf + (a - 1) * np.log(np.maximum(u, 1e-300)) + (b - 1) * np.log(v)
+            pdf = np.exp(log_pdf)
+            out[j] = np.trapezoid(q * pdf, v) / np.trapezoid(pdf, v)
+        return out
+
+    def expected_max(self, k: int) -> float:
+        """E[max of k independent lengths]."""
+        return float(self.top_order_stats(k, 1)[0])
+
+    def representative(self, n: int, exact_top: int = 32) -> np.ndarray:
+        """n lengths standing in for a batch of n draws, sorted ascending.
+
+        Mid-quantiles (i - 0.5)/n for the body; the top `exact_top` are expected order statistics, since
+        a mid-quantile misses how far a rare long tail reaches in a finite batch.
+        """
+        out = _to_tokens(self.quantile((np.arange(n) + 0.5) / n)).astype(float)
+        top = self.top_order_stats(n, exact_top)
+        out[n - len(top) :] = top[::-1]
+        return np.maximum(1, np.round(np.sort(out))).astype(np.int64)
 
 
 def _to_tokens(x: np.ndarray) -> np.ndarray:
@@ -83,8 +107,13 @@ class LogNormalLengths(LengthDist):
         return _to_tokens(np.clip(x, self.min_len, self.max_len if self.max_len is not None else np.inf))
 
     def to_dict(self):
-        return {"kind": "lognormal", "median": self.median, "p99": self.p99, "max_len": self.max_len,
-                "min_len": self.min_len}  # fmt: skip
+        return {
+            "kind": "lognormal",
+            "median": self.median,
+            "p99": self.p99,
+            "max_len": self.max_len,
+            "min_len": self.min_len,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +153,9 @@ class EmpiricalLengths(LengthDist):
         return float(max(self.values))
 
     def quantile(self, q):
-        return np.quantile(np.asarray(self.values, dtype=float), np.asarray(q, dtype=float), method="inverted_cdf")
+        return np.quantile(
+            np.asarray(self.values, dtype=float), np.asarray(q, dtype=float), method="inverted_cdf"
+        )
 
     def sample(self, rng, n):
         return _to_tokens(rng.choice(np.asarray(self.values, dtype=float), size=n))
@@ -175,8 +206,8 @@ class MixtureLengths(LengthDist):
         return out
 
     def to_dict(self):
-        return {"kind": "mixture", "components": [
-            {"weight": w, **c.to_dict()} for w, c in zip(self.weights, self.components, strict=True)]}  # fmt: skip
+        pairs = zip(self.weights, self.components, strict=True)
+        return {"kind": "mixture", "components": [{"weight": w, **c.to_dict()} for w, c in pairs]}
 
 
 def length_dist_from_dict(d: dict[str, Any]) -> LengthDist:
@@ -197,8 +228,12 @@ def length_dist_from_dict(d: dict[str, Any]) -> LengthDist:
         return EmpiricalLengths(tuple(lengths_from_tensorboard(d["logdir"], d["tag"])))
     if kind == "mixture":
         comps = d["components"]
-        return MixtureLengths(tuple(float(c["weight"]) for c in comps), tuple(length_dist_from_dict(c) for c in comps))
-    raise ValueError(f"unknown length distribution kind {kind!r} (lognormal, uniform, empirical, tensorboard, mixture)")
+        return MixtureLengths(
+            tuple(float(c["weight"]) for c in comps), tuple(length_dist_from_dict(c) for c in comps)
+        )
+    raise ValueError(
+        f"unknown length distribution kind {kind!r} (lognormal, uniform, empirical, tensorboard, mixture)"
+    )
 
 
 def lengths_from_tensorboard(logdir: str, tag: str) -> list[float]:
@@ -222,8 +257,10 @@ def lengths_from_tensorboard(logdir: str, tag: str) -> list[float]:
         return values
     if tag in tags.get("scalars", []):
         return [e.value for e in acc.Scalars(tag)]
-    raise ValueError(f"tag {tag!r} not found in {logdir} (histograms: {tags.get('histograms')}, "
-                     f"scalars: {tags.get('scalars')})")  # fmt: skip
+    raise ValueError(
+        f"tag {tag!r} not found in {logdir} (histograms: {tags.get('histograms')}, "
+        f"scalars: {tags.get('scalars')})"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
