@@ -20,11 +20,11 @@ class Rollout:
     """One graded completion with everything the trainer needs."""
 
     uid: str  # the prompt's id
-    group: int  # admission order of the prompt (samples of one prompt share it)
+    group_id: int  # admission order of the prompt (samples of one prompt share it)
     sample_index: int
     prompt_tokens: np.ndarray  # int32 [P]
-    tokens: np.ndarray  # int32 [N] completion tokens (stop token included when emitted)
-    logprobs: np.ndarray  # float32 [N] behaviour logprobs
+    completion_tokens: np.ndarray  # int32 [N] completion tokens (stop token included when emitted)
+    behav_logprobs: np.ndarray  # float32 [N] behaviour logprobs
     versions: np.ndarray  # int32 [N] policy version that produced each token
     reward: float = 0.0
     finish_reason: str = ""
@@ -86,13 +86,13 @@ class RolloutQueue:
         self.dropped_lengths: list[int] = []
 
     def add(self, rollout: Rollout) -> None:
-        group = self._pending.setdefault(rollout.group, [])
+        group = self._pending.setdefault(rollout.group_id, [])
         group.append(rollout)
         if len(group) == self.group_size:
-            del self._pending[rollout.group]
+            del self._pending[rollout.group_id]
             group.sort(key=lambda r: r.sample_index)
             start = min(r.start_version for r in group)
-            heapq.heappush(self._ready, (start, rollout.group, group))
+            heapq.heappush(self._ready, (start, rollout.group_id, group))
 
     def ready_groups(self) -> int:
         return len(self._ready)
@@ -107,7 +107,7 @@ class RolloutQueue:
             for item in self._ready:
                 if trainer_version - item[0] > self.max_head_staleness:
                     self.dropped_groups += 1
-                    self.dropped_lengths.extend(len(r.tokens) for r in item[2])
+                    self.dropped_lengths.extend(len(r.completion_tokens) for r in item[2])
                 else:
                     keep.append(item)
             if len(keep) != len(self._ready):

@@ -52,7 +52,7 @@ class CharTokenizer:
             i = int(i)
             if i == self.EOS:
                 break
-            if i >= 3:
+            if 3 <= i < self.vocab_size:  # ids past the vocabulary (a padded embedding table) decode to nothing
                 out.append(self.chars[i - 3])
         return "".join(out)
 

@@ -14,11 +14,11 @@ def _rollout(group, idx, versions, reward=1.0):
     n = len(versions)
     return Rollout(
         uid=f"p{group}",
-        group=group,
+        group_id=group,
         sample_index=idx,
         prompt_tokens=np.zeros(3, np.int32),
-        tokens=np.arange(n, dtype=np.int32),
-        logprobs=np.zeros(n, np.float32),
+        completion_tokens=np.arange(n, dtype=np.int32),
+        behav_logprobs=np.zeros(n, np.float32),
         versions=np.asarray(versions, np.int32),
         reward=reward,
     )
@@ -55,7 +55,7 @@ def test_queue_hands_out_oldest_groups_first_and_only_whole_groups():
     q.add(_rollout(2, 1, [0]))
     q.add(_rollout(2, 0, [0, 5]))
     batch = q.pop_batch(2, trainer_version=5)
-    assert [g[0].group for g in batch] == [2, 1]  # start versions 0 then 1
+    assert [g[0].group_id for g in batch] == [2, 1]  # start versions 0 then 1
     assert [r.sample_index for r in batch[0]] == [0, 1]
     assert q.pop_batch(2, trainer_version=5) is None and q.ready_groups() == 1
 
@@ -65,7 +65,7 @@ def test_head_staleness_cap_drops_and_records_lengths():
     q.add(_rollout(0, 0, [0, 1, 2, 3]))  # head staleness 5 at version 5
     q.add(_rollout(1, 0, [4, 5]))
     batch = q.pop_batch(1, trainer_version=5)
-    assert batch[0][0].group == 1
+    assert batch[0][0].group_id == 1
     assert q.dropped_groups == 1 and q.dropped_lengths == [4]
 
 

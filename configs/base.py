@@ -1,0 +1,52 @@
+"""Defaults shared by every run; configs/*.py import this and override.
+
+Component sections (data, reward, sampler, trainer, warm_start) are built from the components' own
+frozen dataclasses, whose docstrings document each field: jaxrl_async.data.DataConfig,
+jaxrl_async.rewards.RewardConfig, jaxrl_async.sampler.SamplerConfig, jaxrl_async.trainer.TrainConfig,
+jaxrl_async.warmstart.WarmStartConfig. Override any field with --config.<section>.<field>=value.
+"""
+
+import ml_collections
+
+from jaxrl_async.data import DataConfig
+from jaxrl_async.rewards import RewardConfig
+from jaxrl_async.run_config import dataclass_section
+from jaxrl_async.sampler import SamplerConfig
+from jaxrl_async.trainer import TrainConfig
+from jaxrl_async.warmstart import WarmStartConfig
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.workdir = ""  # Where TensorBoard events (workdir/tb), checkpoints and the run log go. Required.
+    c.seed = 0  # Seeds parameter init, data order and sampling.
+    c.mode = "async"  # "async": sampler and trainer overlap, eta = max_staleness; "sync": the baseline (eta 0).
+    c.max_staleness = 2  # eta: admission runs at most eta policy versions ahead of training (AReaL's rule).
+    c.max_head_staleness = -1  # Drop groups whose head staleness exceeds this when trained; -1 = off.
+    c.total_steps = 100  # Train steps (= policy versions) to run.
+    c.prompts_per_step = 16  # B: prompts per train batch.
+    c.samples_per_prompt = 8  # Group size: completions per prompt (one shared prefill).
+    c.tokenizer = ""  # "char" (built-in), an HF tokenizer directory, or "" = the model checkpoint's.
+    c.eval_every = 10  # Train steps between greedy pass@1 evaluations on held-out prompts; 0 = only at the end.
+    c.eval_prompts = 200  # Held-out prompts per evaluation.
+    c.log_every = 1  # Train steps between TensorBoard writes and summary lines.
+    c.text_samples = 4  # Completions (with rewards) written to TensorBoard as text at each log step.
+    c.checkpoint_every = 0  # Train steps between orbax checkpoints; 0 = only at the end.
+
+    c.model = ml_collections.ConfigDict()
+    c.model.preset = "tiny"  # Shape preset (jaxrl_async.model.presets) when no checkpoint is given.
+    c.model.checkpoint = ""  # Local HF checkpoint directory; overrides the preset's shape.
+    c.model.dtype = "float32"  # Parameter and compute dtype: float32 | bfloat16.
+    c.model.vocab_size = 0  # Preset override; 0 = the tokenizer's vocabulary size (rounded up to 8).
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.sampler = (4, 1)  # Sampler submesh (data, tensor); takes the first devices.
+    c.mesh.trainer = (4, 1)  # Trainer submesh (fsdp, tensor); takes the devices after the sampler's.
+    c.mesh.fake_cpu_devices = 8  # On a CPU-only machine, create this many fake devices.
+
+    c.data = dataclass_section(DataConfig)
+    c.reward = dataclass_section(RewardConfig)
+    c.sampler = dataclass_section(SamplerConfig)  # update_mode: keep_kv | recompute_kv | finish.
+    c.trainer = dataclass_section(TrainConfig)
+    c.warm_start = dataclass_section(WarmStartConfig, enabled=False)
+    return c

@@ -1,0 +1,183 @@
+"""The run configuration: an ml_collections ConfigDict (configs/*.py) validated into frozen dataclasses.
+
+Each component owns its settings as a frozen dataclass validated in `__post_init__` (DataConfig,
+RewardConfig, SamplerConfig, TrainConfig, WarmStartConfig); a config file's section of the same name is
+built from that dataclass's defaults, so the dataclass docstring is the one place a field is documented.
+`validate` turns the ConfigDict into a `RunConfig` before anything compiles and names the bad field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+import ml_collections
+from ml_collections import config_dict
+
+from jaxrl_async.data import DataConfig
+from jaxrl_async.rewards import RewardConfig
+from jaxrl_async.sampler import SamplerConfig
+from jaxrl_async.trainer import TrainConfig
+from jaxrl_async.warmstart import WarmStartConfig
+
+SECTIONS = {
+    "data": DataConfig,
+    "reward": RewardConfig,
+    "sampler": SamplerConfig,
+    "trainer": TrainConfig,
+    "warm_start": WarmStartConfig,
+}
+MODES = ("async", "sync")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field (config.section.field)."""
+
+
+def _placeholder_type(hint) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if args else hint
+    base = typing.get_origin(base) or base
+    return base if isinstance(base, type) else object
+
+
+def dataclass_section(cls, **overrides) -> ml_collections.ConfigDict:
+    """A ConfigDict with `cls`'s fields and defaults (None defaults become typed placeholders)."""
+    hints = typing.get_type_hints(cls)
+    out = ml_collections.ConfigDict()
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            value = None
+        if f.name in overrides:
+            value = overrides.pop(f.name)
+        if value is None:
+            value = config_dict.placeholder(_placeholder_type(hints[f.name]))
+        elif isinstance(value, dict | types.MappingProxyType):
+            value = dict(value)
+        out[f.name] = value
+    if overrides:
+        raise ConfigError(f"{cls.__name__} has no fields {sorted(overrides)}")
+    return out
+
+
+def _section(name: str, cls, values: dict[str, Any]):
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"config.{name}.{unknown[0]}: unknown field (known: {sorted(known)})")
+    for f in dataclasses.fields(cls):  # lists from the command line -> the tuples the dataclasses expect
+        if isinstance(values.get(f.name), list):
+            values[f.name] = tuple(values[f.name])
+    try:
+        return cls(**values)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"config.{name}: {e}") from e
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """How the devices split into the sampler and trainer submeshes (sampler devices come first)."""
+
+    sampler: tuple[int, int]  # (data, tensor)
+    trainer: tuple[int, int]  # (fsdp, tensor)
+    fake_cpu_devices: int  # device count to create on a CPU-only machine
+
+    @property
+    def sampler_devices(self) -> int:
+        return self.sampler[0] * self.sampler[1]
+
+    @property
+    def trainer_devices(self) -> int:
+        return self.trainer[0] * self.trainer[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything a run needs, validated."""
+
+    workdir: str
+    seed: int
+    mode: str
+    max_staleness: int
+    max_head_staleness: int | None
+    total_steps: int
+    prompts_per_step: int
+    samples_per_prompt: int
+    model: dict[str, Any]
+    tokenizer: str
+    mesh: MeshConfig
+    eval_every: int
+    eval_prompts: int
+    log_every: int
+    text_samples: int
+    checkpoint_every: int
+    data: DataConfig
+    reward: RewardConfig
+    sampler: SamplerConfig
+    trainer: TrainConfig
+    warm_start: WarmStartConfig
+
+    @property
+    def eta(self) -> int:
+        """The admission bound actually used: 0 in sync mode."""
+        return 0 if self.mode == "sync" else self.max_staleness
+
+
+def _positive(values: dict, *names: str, allow_zero: tuple[str, ...] = ()) -> None:
+    for name in names:
+        v = values[name]
+        if not isinstance(v, int) or v < (0 if name in allow_zero else 1):
+            raise ConfigError(f"config.{name}: must be an integer >= {0 if name in allow_zero else 1}, got {v!r}")
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> RunConfig:
+    """Checks every field and builds the RunConfig; raises ConfigError naming the first bad field.
+
+    Args:
+      config: the ConfigDict from a configs/*.py file plus command-line overrides.
+      num_devices: devices present (None = skip the device-count check).
+    """
+    c = config.to_dict()
+    if not c.get("workdir"):
+        raise ConfigError("config.workdir: required (e.g. --config.workdir=runs/my_run)")
+    if c["mode"] not in MODES:
+        raise ConfigError(f"config.mode: {c['mode']!r} not in {MODES}")
+    _positive(c, "total_steps", "prompts_per_step", "samples_per_prompt", "eval_prompts", "log_every")
+    _positive(c, "max_staleness", "eval_every", "text_samples", "checkpoint_every",
+              allow_zero=("max_staleness", "eval_every", "text_samples", "checkpoint_every"))
+    if c["mode"] == "async" and c["max_staleness"] < 1:
+        raise ConfigError("config.max_staleness: async mode needs max_staleness >= 1 (0 is mode=sync)")
+    head = c.get("max_head_staleness")
+    if head is not None and head < 0:
+        head = None  # negative = off
+    m = c["mesh"]
+    for name in ("sampler", "trainer"):
+        shape = tuple(m[name])
+        if len(shape) != 2 or any(not isinstance(x, int) or x < 1 for x in shape):
+            raise ConfigError(f"config.mesh.{name}: must be two positive integers, got {m[name]!r}")
+    mesh = MeshConfig(tuple(m["sampler"]), tuple(m["trainer"]), int(m["fake_cpu_devices"]))
+    need = mesh.sampler_devices + mesh.trainer_devices
+    if num_devices is not None and need > num_devices:
+        raise ConfigError(f"config.mesh: sampler {mesh.sampler} + trainer {mesh.trainer} need {need} devices, "
+                          f"{num_devices} present")
+    if not c["model"].get("preset") and not c["model"].get("checkpoint"):
+        raise ConfigError("config.model: set model.preset or model.checkpoint")
+    sections = {name: _section(name, cls, dict(c[name])) for name, cls in SECTIONS.items()}
+    tr = sections["trainer"]
+    if tr.total_steps < c["total_steps"]:
+        raise ConfigError(f"config.trainer.total_steps ({tr.total_steps}) < config.total_steps "
+                          f"({c['total_steps']}): the learning-rate schedule would end early")
+    return RunConfig(
+        workdir=c["workdir"], seed=int(c["seed"]), mode=c["mode"], max_staleness=int(c["max_staleness"]),
+        max_head_staleness=head, total_steps=c["total_steps"],
+        prompts_per_step=c["prompts_per_step"], samples_per_prompt=c["samples_per_prompt"],
+        model=dict(c["model"]), tokenizer=c["tokenizer"], mesh=mesh, eval_every=c["eval_every"],
+        eval_prompts=c["eval_prompts"], log_every=c["log_every"], text_samples=c["text_samples"],
+        checkpoint_every=c["checkpoint_every"], **sections,
+    )
