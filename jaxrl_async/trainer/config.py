@@ -79,12 +79,16 @@ class TrainConfig:
         if self.prox_mode not in PROX_MODES:
             raise ValueError(f"TrainConfig.prox_mode={self.prox_mode!r} not in {PROX_MODES}")
         if self.compute_dtype not in (None, "float32", "bfloat16"):
-            raise ValueError(f"TrainConfig.compute_dtype={self.compute_dtype!r} not in (None, float32, bfloat16)")
+            raise ValueError(
+                f"TrainConfig.compute_dtype={self.compute_dtype!r} not in (None, float32, bfloat16)"
+            )
         if self.lr < 0 or self.weight_decay < 0 or self.kl_coef < 0:
             raise ValueError("TrainConfig: lr, weight_decay and kl_coef must be >= 0")
         if not 0 <= self.warmup_steps < self.total_steps:
-            raise ValueError(f"TrainConfig: need 0 <= warmup_steps < total_steps, got {self.warmup_steps}, "
-                             f"{self.total_steps}")
+            raise ValueError(
+                f"TrainConfig: need 0 <= warmup_steps < total_steps, got {self.warmup_steps}, "
+                f"{self.total_steps}"
+            )
         if not 0 <= self.end_lr_ratio <= 1:
             raise ValueError(f"TrainConfig.end_lr_ratio must be in [0, 1], got {self.end_lr_ratio}")
         if self.clip_norm is not None and self.clip_norm <= 0:

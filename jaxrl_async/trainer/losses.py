@@ -202,8 +202,12 @@ def reinforce_tis(logp, prox, behav, adv, segs, hp):
     weight = jnp.minimum(ratio, cap)
     loss = -logp * adv * weight
     zeros = jnp.zeros_like(ratio)
-    return loss, {"clip": (ratio > cap).astype(jnp.float32), "dual_clip": zeros, "is_weight": ratio,
-                  "behav_dropped": zeros}
+    return loss, {
+        "clip": (ratio > cap).astype(jnp.float32),
+        "dual_clip": zeros,
+        "is_weight": ratio,
+        "behav_dropped": zeros,
+    }
 
 
 def policy_loss(kind: str, logp, prox_logp, behav_logp, advantages, mask, segment_ids=None, **hp):

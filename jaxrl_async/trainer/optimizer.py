@@ -34,7 +34,11 @@ def decay_mask(params) -> dict:
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """The trainer's optimizer: [clip by global norm] -> AdamW(schedule)."""
     adamw = optax.adamw(
-        learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+        learning_rate_schedule(cfg),
+        b1=cfg.b1,
+        b2=cfg.b2,
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
         mask=decay_mask,
     )
     if cfg.clip_norm is None:

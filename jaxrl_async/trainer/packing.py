@@ -13,9 +13,26 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-FIELDS = ("tokens", "targets", "positions", "segment_ids", "loss_mask", "behav_logp", "versions", "advantages")
-_DTYPES = {"tokens": np.int32, "targets": np.int32, "positions": np.int32, "segment_ids": np.int32,
-           "loss_mask": np.float32, "behav_logp": np.float32, "versions": np.int32, "advantages": np.float32}
+FIELDS = (
+    "tokens",
+    "targets",
+    "positions",
+    "segment_ids",
+    "loss_mask",
+    "behav_logp",
+    "versions",
+    "advantages",
+)
+_DTYPES = {
+    "tokens": np.int32,
+    "targets": np.int32,
+    "positions": np.int32,
+    "segment_ids": np.int32,
+    "loss_mask": np.float32,
+    "behav_logp": np.float32,
+    "versions": np.int32,
+    "advantages": np.float32,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +88,9 @@ class PackedBatch:
         return {k: v[i] for k, v in self.arrays.items()}
 
 
-def ffd_bins(lengths: Sequence[int], capacity: int, min_bins: int = 1, bins_multiple: int = 1) -> list[list[int]]:
+def ffd_bins(
+    lengths: Sequence[int], capacity: int, min_bins: int = 1, bins_multiple: int = 1
+) -> list[list[int]]:
     """Assigns items to bins of `capacity`, longest first (AReaL's first-fit-decreasing variant).
 
     Each item, in decreasing length, goes to a new bin while fewer than `min_bins` exist or when no bin
@@ -158,8 +177,9 @@ def _fill(rollouts, advantages, rows: list[list[int]], rows_per_micro: int, row_
     return PackedBatch(arrays, num_sequences=len(rollouts), num_loss_tokens=tokens)
 
 
-def pack_rollouts(rollouts: Sequence, advantages, token_budget: int, rows_per_micro: int = 1,
-                  min_micro: int = 1) -> PackedBatch:
+def pack_rollouts(
+    rollouts: Sequence, advantages, token_budget: int, rows_per_micro: int = 1, min_micro: int = 1
+) -> PackedBatch:
     """Packs rollouts into micro-batches of `rows_per_micro` rows of `token_budget` positions.
 
     Args:
@@ -179,7 +199,9 @@ def pack_rollouts(rollouts: Sequence, advantages, token_budget: int, rows_per_mi
     return _fill(rollouts, advantages, rows, rows_per_micro, token_budget)
 
 
-def pad_rollouts(rollouts: Sequence, advantages, row_len: int | None = None, rows_per_micro: int = 1) -> PackedBatch:
+def pad_rollouts(
+    rollouts: Sequence, advantages, row_len: int | None = None, rows_per_micro: int = 1
+) -> PackedBatch:
     """The padded baseline: one sequence per row of `row_len` (default: the longest sequence)."""
     lengths = [sequence_length(r) for r in rollouts]
     row_len = max(lengths) if row_len is None else row_len

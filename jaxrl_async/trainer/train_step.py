@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jaxrl_async.model import ModelConfig, forward, param_shardings, token_logprobs
 from jaxrl_async.sharding import TRAINER_RULES
@@ -79,14 +79,28 @@ def loglinear_prox_logp(behav_BxT, logp_BxT, versions_BxT, prox_version):
     return behav_BxT + alpha * (jax.lax.stop_gradient(logp_BxT) - behav_BxT)
 
 
+def _replicated(mesh: Mesh | None):
+    """Where scalars live: replicated over the mesh, or committed to the default device."""
+    return SingleDeviceSharding(jax.devices()[0]) if mesh is None else NamedSharding(mesh, PartitionSpec())
+
+
+def _fresh_copy(tree, shardings):
+    """New buffers placed by `shardings`: the step donates the state, which must not delete the caller's
+    arrays (a device_put may alias a buffer already in place)."""
+    return jax.jit(lambda t: jax.tree.map(lambda x: x * jnp.ones((), x.dtype), t), out_shardings=shardings)(
+        tree
+    )
+
+
 def _with_compute_dtype(cfg: TrainConfig, model_cfg: ModelConfig) -> ModelConfig:
     if cfg.compute_dtype is None or cfg.compute_dtype == model_cfg.dtype:
         return model_cfg
     return dataclasses.replace(model_cfg, dtype=cfg.compute_dtype)
 
 
-def create_train_state(cfg: TrainConfig, model_cfg: ModelConfig, params, mesh: Mesh | None = None,
-                       ref_params=None) -> TrainState:
+def create_train_state(
+    cfg: TrainConfig, model_cfg: ModelConfig, params, mesh: Mesh | None = None, ref_params=None
+) -> TrainState:
     """A fresh TrainState (version 0) around `params`.
 
     Args:
@@ -99,25 +113,48 @@ def create_train_state(cfg: TrainConfig, model_cfg: ModelConfig, params, mesh: M
     if cfg.kl_coef > 0 and ref_params is None:
         raise ValueError("TrainConfig.kl_coef > 0 needs ref_params")
     model_cfg = _with_compute_dtype(cfg, model_cfg)
-    if mesh is not None:
-        if cfg.rows_per_micro % mesh.shape["fsdp"]:
-            raise ValueError(f"rows_per_micro={cfg.rows_per_micro} not a multiple of fsdp={mesh.shape['fsdp']}")
-        shardings = param_shardings(model_cfg, mesh, TRAINER_RULES)
-        params = jax.device_put(params, shardings)
-        ref_params = None if ref_params is None else jax.device_put(ref_params, shardings)
+    if mesh is not None and cfg.rows_per_micro % mesh.shape["fsdp"]:
+        raise ValueError(f"rows_per_micro={cfg.rows_per_micro} not a multiple of fsdp={mesh.shape['fsdp']}")
+    if mesh is None:
+        shardings = jax.tree.map(lambda _: _replicated(None), params)
     else:
-        params = jax.device_put(params, jax.devices()[0])
-    opt_state = jax.jit(make_optimizer(cfg).init)(params)
-    zero = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: the step donates each of them
-    return TrainState(params, opt_state, zero(), zero(), zero(), ref_params if cfg.kl_coef > 0 else None, cfg,
-                      model_cfg, mesh)
+        shardings = param_shardings(model_cfg, mesh, TRAINER_RULES)
+    params = _fresh_copy(params, shardings)
+    if ref_params is not None and cfg.kl_coef > 0:
+        ref_params = _fresh_copy(ref_params, shardings)
+    tx = make_optimizer(cfg)
+    # Optimizer moments live where their parameters do; step counts are replicated. Explicit output
+    # shardings also commit the buffers, so the first step does not compile a second variant.
+    param_sh = jax.tree.map(lambda x: x.sharding, params)
+    opt_sh = optax.tree_utils.tree_map_params(
+        tx,
+        lambda _, sh: sh,
+        jax.eval_shape(tx.init, params),
+        param_sh,
+        transform_non_params=lambda _: _replicated(mesh),
+    )
+    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+    # Distinct, committed buffers: the step donates each of them and recompiles on placement changes.
+    zero = lambda: jax.device_put(np.zeros((), np.int32), _replicated(mesh))
+    return TrainState(
+        params,
+        opt_state,
+        zero(),
+        zero(),
+        zero(),
+        ref_params if cfg.kl_coef > 0 else None,
+        cfg,
+        model_cfg,
+        mesh,
+    )
 
 
 def prepare_batch(cfg: TrainConfig, rollouts: Sequence) -> PackedBatch:
     """Advantages (cfg.advantage over reward / group_id) + packing into cfg's micro-batch shape."""
     get = lambda r, k: r[k] if isinstance(r, dict) else getattr(r, k)
-    adv = compute_advantages(cfg.advantage, [get(r, "reward") for r in rollouts],
-                             [get(r, "group_id") for r in rollouts])
+    adv = compute_advantages(
+        cfg.advantage, [get(r, "reward") for r in rollouts], [get(r, "group_id") for r in rollouts]
+    )
     return pack_rollouts(rollouts, adv, cfg.token_budget, cfg.rows_per_micro, min_micro=cfg.minibatches)
 
 
@@ -131,8 +168,9 @@ class _Compiled:
 
 
 def _model_logprobs(cfg: TrainConfig, model_cfg: ModelConfig, params, mb, remat: bool):
-    logits, _ = forward(model_cfg, params, mb["tokens"], mb["positions"], segment_ids=mb["segment_ids"],
-                        remat=remat)
+    logits, _ = forward(
+        model_cfg, params, mb["tokens"], mb["positions"], segment_ids=mb["segment_ids"], remat=remat
+    )
     return token_logprobs(logits, mb["targets"], cfg.temperature)
 
 
@@ -150,7 +188,9 @@ def _micro_loss(cfg, model_cfg, params, ref_params, mb, prox_BxT, prox_version):
     else:
         prox = prox_BxT
     hp = cfg.loss_hparams()
-    loss_sum, count, m = policy_loss(cfg.loss, logp, prox, behav, mb["advantages"], mask, segment_ids=seg, **hp)
+    loss_sum, count, m = policy_loss(
+        cfg.loss, logp, prox, behav, mb["advantages"], mask, segment_ids=seg, **hp
+    )
     m["entropy_sum"] = jnp.sum(entropy * mask)
     m["kl_behav_sum"] = jnp.sum(kl_estimate("k3", behav, logp) * mask)
     if cfg.kl_coef > 0:
@@ -173,7 +213,8 @@ def _compile(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh | None) -> _Co
     tx = make_optimizer(cfg)
     schedule = learning_rate_schedule(cfg)
     param_sh = None if mesh is None else param_shardings(model_cfg, mesh, TRAINER_RULES)
-    batch_sh = None if mesh is None else NamedSharding(mesh, TRAINER_RULES.spec(("batch", "seq")))
+    replicated = _replicated(mesh)
+    batch_sh = replicated if mesh is None else NamedSharding(mesh, TRAINER_RULES.spec(("batch", "seq")))
 
     def constrain(grads):
         return grads if param_sh is None else jax.lax.with_sharding_constraint(grads, param_sh)
@@ -197,40 +238,65 @@ def _compile(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh | None) -> _Co
         count = jnp.maximum(acc["count"], 1.0)
         grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), acc["grads"])
         loss = acc["loss_sum"] / count
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt = tx.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
         lr = schedule(state.updates)
         state = state.replace(
-            params=keep(new_params, state.params), opt_state=keep(new_opt, state.opt_state),
-            updates=state.updates + ok.astype(jnp.int32), skipped=state.skipped + (~ok).astype(jnp.int32),
+            params=keep(new_params, state.params),
+            opt_state=keep(new_opt, state.opt_state),
+            updates=state.updates + ok.astype(jnp.int32),
+            skipped=state.skipped + (~ok).astype(jnp.int32),
         )
         return state, {"loss": loss, "grad_norm": grad_norm, "applied": ok, "lr": lr}
 
+    zero_fns = {}
+
     def zero_acc(params, ref_params, mb, prox_version):
-        shapes = jax.eval_shape(grads_of, params, ref_params, mb, None, prox_version)
-        acc = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        return {**acc, "grads": constrain(acc["grads"])}
+        """A zero accumulator with every leaf committed where `accumulate` returns it (no recompiles)."""
+        key = jax.tree.map(lambda x: (x.shape, x.dtype), mb)
+        key = tuple(jax.tree.leaves(key))
+        if key not in zero_fns:
+            shapes = jax.eval_shape(grads_of, params, ref_params, mb, None, prox_version)
+            rep = lambda tree: jax.tree.map(lambda _: replicated, tree)
+            grad_sh = rep(shapes["grads"]) if param_sh is None else param_sh
+            out_sh = {
+                "grads": grad_sh,
+                "loss_sum": replicated,
+                "count": replicated,
+                "metrics": rep(shapes["metrics"]),
+            }
+            zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            zero_fns[key] = jax.jit(zeros, out_shardings=out_sh)
+        return zero_fns[key]()
 
     logprobs = lambda params, mb: _model_logprobs(cfg, model_cfg, params, mb, False)[0]
     return _Compiled(
         logprobs=jax.jit(logprobs),
         accumulate=jax.jit(accumulate, donate_argnums=(2,)),
         apply=jax.jit(apply, donate_argnums=(0,)),
-        zero_acc=jax.jit(zero_acc),
+        zero_acc=zero_acc,
         batch_sharding=batch_sh,
     )
 
 
 def _device_batch(fns: _Compiled, batch: PackedBatch) -> list[dict]:
-    put = lambda mb: jax.device_put(mb, fns.batch_sharding) if fns.batch_sharding is not None else mb
-    return [put({k: jnp.asarray(v) for k, v in batch.micro_batch(i).items()}) for i in range(batch.num_micro)]
+    return [jax.device_put(batch.micro_batch(i), fns.batch_sharding) for i in range(batch.num_micro)]
+
+
+def _accumulate(fns: _Compiled, state: TrainState, mbs: list, prox: list, prox_version):
+    acc = fns.zero_acc(state.params, state.ref_params, mbs[0], prox_version)
+    for mb, prox_BxT in zip(mbs, prox, strict=True):
+        acc = fns.accumulate(state.params, state.ref_params, acc, mb, prox_BxT, prox_version)
+    return acc
 
 
 def train_step(state: TrainState, batch: PackedBatch) -> tuple[TrainState, dict]:
     """One trainer step over a packed batch (see module docstring); `state` is donated.
+
+    A batch whose micro-batch shape differs from (rows_per_micro, token_budget) works but compiles anew.
 
     Returns:
       (new state, metrics): device scalars (loss, grad_norm, lr, clip_frac, dual_clip_frac,
@@ -240,22 +306,16 @@ def train_step(state: TrainState, batch: PackedBatch) -> tuple[TrainState, dict]
       bin holding all larger values). Fetch them after dispatching the next step to avoid a sync.
     """
     cfg = state.cfg
-    if batch.shape != (cfg.rows_per_micro, cfg.token_budget):
-        raise ValueError(f"batch micro shape {batch.shape} != (rows_per_micro, token_budget) "
-                         f"{(cfg.rows_per_micro, cfg.token_budget)}")
     fns = _compile(cfg, state.model_cfg, state.mesh)
     mbs = _device_batch(fns, batch)
-    prox_version = state.version
+    prox_version = state.version + 0  # a buffer of its own: each update donates the state
     prox = [None] * len(mbs)
-    needs_forward = cfg.loss not in _NO_PROX_LOSSES and cfg.prox_mode == "recompute" and cfg.minibatches > 1
-    if needs_forward:
-        prox = [fns.logprobs(state.params, mb) for mb in mbs]
+    if cfg.loss not in _NO_PROX_LOSSES and cfg.prox_mode == "recompute" and cfg.minibatches > 1:
+        prox = [fns.logprobs(state.params, mb) for mb in mbs]  # before any update of this step
     groups = np.array_split(np.arange(len(mbs)), min(cfg.minibatches, len(mbs)))
     raw, loss_sum, count, outs = None, 0.0, 0.0, []
     for group in groups:
-        acc = fns.zero_acc(state.params, state.ref_params, mbs[0], prox_version)
-        for i in group:
-            acc = fns.accumulate(state.params, state.ref_params, acc, mbs[i], prox[i], prox_version)
+        acc = _accumulate(fns, state, [mbs[i] for i in group], [prox[i] for i in group], prox_version)
         raw = acc["metrics"] if raw is None else combine_metrics(raw, acc["metrics"])
         loss_sum, count = loss_sum + acc["loss_sum"], count + acc["count"]
         state, out = fns.apply(state, acc)
@@ -271,6 +331,16 @@ def train_step(state: TrainState, batch: PackedBatch) -> tuple[TrainState, dict]
         version=state.version,
     )
     return state, metrics
+
+
+def loss_and_grads(state: TrainState, batch: PackedBatch) -> tuple[jax.Array, Any, dict]:
+    """(loss, gradient, metrics) of the whole batch at the current weights, without updating anything."""
+    fns = _compile(state.cfg, state.model_cfg, state.mesh)
+    mbs = _device_batch(fns, batch)
+    acc = _accumulate(fns, state, mbs, [None] * len(mbs), state.version)
+    count = jnp.maximum(acc["count"], 1.0)
+    grads = jax.tree.map(lambda g: g / count, acc["grads"])
+    return acc["loss_sum"] / count, grads, finalize_metrics(acc["metrics"])
 
 
 def compute_logprobs(state: TrainState, batch: PackedBatch) -> np.ndarray:

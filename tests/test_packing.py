@@ -1,0 +1,72 @@
+"""First-fit-decreasing packing and the packed row layout."""
+
+import numpy as np
+import pytest
+
+from jaxrl_async.trainer.packing import Rollout, ffd_bins, pack_rollouts, pad_rollouts
+
+
+def test_ffd_places_longest_first_and_prefers_bins_with_fewest_sequences():
+    # 8 -> bin0; 6 -> new bin1 (8 + 6 > 10); 2 fits both, equal counts -> earliest, bin0 (full);
+    # then 2, 1, 1 fit only bin1.
+    bins = ffd_bins([2, 8, 1, 6, 2, 1], capacity=10)
+    assert bins == [[1, 0], [3, 4, 2, 5]]
+    # With two bins open, equal-length items alternate to the bin holding fewer sequences (plain first-fit
+    # would stack them all in bin0).
+    assert ffd_bins([5, 5, 1, 1, 1], capacity=10, min_bins=2) == [[0, 2, 4], [1, 3]]
+
+
+def test_ffd_respects_capacity_min_bins_and_multiple():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 50, size=40).tolist()
+    for min_bins, multiple in [(1, 1), (6, 1), (1, 4), (3, 8)]:
+        bins = ffd_bins(lengths, capacity=64, min_bins=min_bins, bins_multiple=multiple)
+        assert sorted(i for b in bins for i in b) == list(range(40))
+        assert all(sum(lengths[i] for i in b) <= 64 for b in bins)
+        assert len(bins) >= min_bins and len(bins) % multiple == 0
+    assert len(ffd_bins([64] * 3, 64, bins_multiple=4)) == 4  # padded with an empty bin
+    with pytest.raises(ValueError, match="exceeds the token budget"):
+        ffd_bins([65], 64)
+
+
+def _rollout(p, c, v=0, reward=0.0, group=0):
+    return Rollout(list(range(100, 100 + p)), list(range(200, 200 + c)), [-0.5] * c, [v] * c, reward, group)
+
+
+def test_packed_layout_of_two_sequences():
+    rs = [_rollout(3, 2, v=4), _rollout(2, 3, v=5)]
+    b = pack_rollouts(rs, advantages=[1.5, -0.5], token_budget=10)
+    a = b.micro_batch(0)
+    assert b.num_micro == 1 and b.shape == (1, 10) and b.num_loss_tokens == 5 and b.num_sequences == 2
+    # Both have 4 positions; ties keep input order: seq 0 then seq 1, then 2 padding positions.
+    np.testing.assert_array_equal(a["tokens"][0], [100, 101, 102, 200, 100, 101, 200, 201, 0, 0])
+    np.testing.assert_array_equal(a["targets"][0], [101, 102, 200, 201, 101, 200, 201, 202, 0, 0])
+    np.testing.assert_array_equal(a["positions"][0], [0, 1, 2, 3, 0, 1, 2, 3, 0, 0])
+    np.testing.assert_array_equal(a["segment_ids"][0], [1, 1, 1, 1, 2, 2, 2, 2, 0, 0])
+    np.testing.assert_array_equal(a["loss_mask"][0], [0, 0, 1, 1, 0, 1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(a["versions"][0] * a["loss_mask"][0], [0, 0, 4, 4, 0, 5, 5, 5, 0, 0])
+    np.testing.assert_allclose(a["advantages"][0][a["loss_mask"][0] > 0], [1.5, 1.5, -0.5, -0.5, -0.5])
+    np.testing.assert_allclose(a["behav_logp"][0][a["loss_mask"][0] > 0], -0.5)
+
+
+def test_every_completion_token_appears_once_and_micro_shape_is_fixed():
+    rng = np.random.default_rng(1)
+    rs = [_rollout(int(rng.integers(1, 20)), int(rng.integers(1, 40))) for _ in range(30)]
+    b = pack_rollouts(rs, np.arange(30, dtype=np.float32), token_budget=64, rows_per_micro=4, min_micro=2)
+    assert b.arrays["tokens"].shape[1:] == (4, 64) and b.num_micro >= 2
+    assert b.arrays["loss_mask"].sum() == sum(len(r.completion_tokens) for r in rs) == b.num_loss_tokens
+    # each advantage value (= sequence index) covers exactly that sequence's completion tokens
+    adv, mask = b.arrays["advantages"], b.arrays["loss_mask"] > 0
+    for i, r in enumerate(rs):
+        assert np.sum(adv[mask] == i) == len(r.completion_tokens)
+    padded = pad_rollouts(rs, np.zeros(30), rows_per_micro=4)
+    assert padded.arrays["loss_mask"].sum() == b.num_loss_tokens
+    assert padded.arrays["tokens"].size > b.arrays["tokens"].size  # packing wastes less
+
+
+def test_rejects_mismatched_rollouts():
+    bad = Rollout([1, 2], [3, 4], [-0.1], [0, 0], 0.0, 0)
+    with pytest.raises(ValueError, match="must match"):
+        pack_rollouts([bad], [0.0], token_budget=16)
+    with pytest.raises(ValueError, match="advantages"):
+        pack_rollouts([_rollout(2, 2)], [0.0, 1.0], token_budget=16)

@@ -1,0 +1,300 @@
+"""Train step: packed == unpacked, micro-batched == one batch, sharded == single device, skips, metrics."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_async.model import forward, init_params, presets, token_logprobs
+from jaxrl_async.sharding import make_mesh
+from jaxrl_async.trainer import (
+    Rollout,
+    TrainConfig,
+    compute_advantages,
+    compute_logprobs,
+    create_train_state,
+    learning_rate_schedule,
+    loglinear_prox_logp,
+    loss_and_grads,
+    pack_rollouts,
+    pad_rollouts,
+    policy_loss,
+    prepare_batch,
+    train_step,
+)
+
+MODEL = presets.tiny(vocab_size=64, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffw_size=128)
+BASE = TrainConfig(
+    lr=1e-2,
+    token_budget=48,
+    rows_per_micro=8,
+    clip_norm=1.0,
+    weight_decay=0.01,
+    behav_mode="truncate",
+    staleness_bins=3,
+)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(MODEL, jax.random.key(0))
+
+
+def make_rollouts(n=16, seed=0, version=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        p, c = int(rng.integers(1, 12)), int(rng.integers(1, 20))
+        behav = -4.2 + 0.3 * rng.normal(size=c)
+        out.append(
+            Rollout(
+                rng.integers(0, 64, p),
+                rng.integers(0, 64, c),
+                behav,
+                [version] * c,
+                float(rng.integers(0, 2)),
+                i // 4,
+            )
+        )
+    return out
+
+
+def tree_close(a, b, rtol=2e-4, atol=2e-6):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def reference_loss_and_grads(cfg, params, rollouts):
+    """One sequence a row, no segment ids, plain jax.grad: independent of packing and accumulation."""
+    adv = compute_advantages(cfg.advantage, [r.reward for r in rollouts], [r.group_id for r in rollouts])
+    a = pad_rollouts(rollouts, adv, rows_per_micro=len(rollouts)).micro_batch(0)
+    t = a["tokens"].shape[1]
+    pos = jnp.broadcast_to(jnp.arange(t), a["tokens"].shape)
+
+    def f(p):
+        logits, _ = forward(MODEL, p, jnp.asarray(a["tokens"]), pos)
+        logp, _ = token_logprobs(logits, jnp.asarray(a["targets"]))
+        s, c, _ = policy_loss(
+            cfg.loss,
+            logp,
+            jax.lax.stop_gradient(logp),
+            a["behav_logp"],
+            a["advantages"],
+            a["loss_mask"],
+            **cfg.loss_hparams(),
+        )
+        return s / c
+
+    return jax.jit(jax.value_and_grad(f))(params)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(
+            loss="decoupled_ppo",
+            aggregation="seq_mean",
+            behav_mode="truncate",
+            behav_level="sequence",
+            behav_cap=1.2,
+        ),
+        dict(
+            loss="gspo",
+            aggregation="constant",
+            constant=20.0,
+            behav_mode="mask",
+            behav_cap=1.5,
+            eps_high=0.01,
+        ),
+    ],
+)
+def test_packed_and_micro_batched_equal_unpacked(params, overrides):
+    rollouts = make_rollouts()
+    cfg = dataclasses.replace(BASE, **overrides)
+    ref_loss, ref_grads = reference_loss_and_grads(cfg, params, rollouts)
+    for rows in (8, 2):  # one micro-batch of 8 rows / several micro-batches of two rows
+        c = dataclasses.replace(cfg, rows_per_micro=rows)
+        batch = prepare_batch(c, rollouts)
+        assert (batch.num_micro == 1) == (rows == 8) and batch.shape == (rows, 48)
+        loss, grads, metrics = loss_and_grads(create_train_state(c, MODEL, params), batch)
+        assert float(loss) == pytest.approx(float(ref_loss), rel=1e-4, abs=1e-6)
+        tree_close(grads, ref_grads)
+        assert float(metrics["tokens"]) == batch.num_loss_tokens
+
+
+def test_trainer_logprobs_of_packed_rows_match_single_sequences(params):
+    rollouts = make_rollouts(6)
+    state = create_train_state(dataclasses.replace(BASE, rows_per_micro=2), MODEL, params)
+    batch = pack_rollouts(rollouts, np.arange(6), state.cfg.token_budget, rows_per_micro=2)
+    assert (batch.arrays["segment_ids"].max(axis=-1) > 1).any(), (
+        "the test needs rows holding several sequences"
+    )
+    packed = compute_logprobs(state, batch)
+    # Plain forward: one sequence a row at positions 0.. with right padding and no segment ids.
+    plain = pad_rollouts(rollouts, np.arange(6), rows_per_micro=6).micro_batch(0)
+    pos = jnp.broadcast_to(jnp.arange(plain["tokens"].shape[1]), plain["tokens"].shape)
+    logp = jax.jit(lambda p, x, t: token_logprobs(forward(MODEL, p, x, pos)[0], t)[0])
+    want = np.asarray(logp(params, jnp.asarray(plain["tokens"]), jnp.asarray(plain["targets"])))
+    for i in range(6):  # the advantage field carries the sequence index
+        got = packed[(batch.arrays["advantages"] == i) & (batch.arrays["loss_mask"] > 0)]
+        np.testing.assert_allclose(got, want[i][plain["loss_mask"][i] > 0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (8, 1)])
+def test_sharded_step_matches_single_device(params, mesh_shape):
+    cfg = BASE
+    batches = [prepare_batch(cfg, make_rollouts(seed=s)) for s in (1, 2)]
+    single = create_train_state(cfg, MODEL, params)
+    sharded = create_train_state(cfg, MODEL, params, mesh=make_mesh(mesh_shape, ("fsdp", "tensor")))
+    emb = sharded.params["layers"]["q"]
+    assert len(emb.sharding.device_set) == 8
+    _, g1, _ = loss_and_grads(single, batches[0])
+    _, g2, _ = loss_and_grads(sharded, batches[0])
+    tree_close(g2, g1, rtol=1e-4, atol=1e-6)
+    for b in batches:
+        single, m1 = train_step(single, b)
+        sharded, m2 = train_step(sharded, b)
+        for k in ("loss", "grad_norm", "clip_frac", "is_weight_mean", "behav_dropped_frac", "entropy_mean"):
+            assert float(m2[k]) == pytest.approx(float(m1[k]), rel=1e-4, abs=1e-6), k
+    # Adam's first steps move every weight by ~lr (1e-2) whatever the gradient's size, so rounding
+    # differences in near-zero gradients can show up here at a few percent of lr.
+    tree_close(sharded.params, single.params, rtol=1e-4, atol=5e-4)
+    assert int(sharded.version) == int(single.version) == 2
+    mu = sharded.opt_state[1][0].mu["layers"]["q"]
+    assert mu.sharding.is_equivalent_to(emb.sharding, mu.ndim)
+
+
+def test_nonfinite_update_is_skipped_and_counted(params):
+    state = create_train_state(BASE, MODEL, params)
+    before = jax.tree.map(np.asarray, state.params)
+    bad = make_rollouts()
+    bad[0] = dataclasses.replace(bad[0], reward=float("nan"))
+    state, m = train_step(state, prepare_batch(BASE, bad))
+    assert int(m["skipped"]) == 1 and int(state.skipped) == 1 and int(state.version) == 0
+    tree_close(state.params, before, rtol=0, atol=0)
+    state, m = train_step(state, prepare_batch(BASE, make_rollouts()))
+    assert int(m["skipped"]) == 0 and int(state.version) == 1 and int(state.updates) == 1
+    assert np.isfinite(float(m["loss"])) and float(m["grad_norm"]) > 0
+
+
+def test_staleness_histogram_and_version(params):
+    cfg = BASE
+    state = create_train_state(cfg, MODEL, params)
+    state, _ = train_step(state, prepare_batch(cfg, make_rollouts(seed=3)))
+    state, _ = train_step(state, prepare_batch(cfg, make_rollouts(seed=4)))
+    assert int(state.version) == 2
+    rollouts = make_rollouts(8, seed=5)
+    versions = [2, 1, -7, 2, 0, 1, 2, 2]  # staleness 0, 1, 9, 0, 2, 1, 0, 0
+    rollouts = [
+        dataclasses.replace(r, versions=[v] * len(r.completion_tokens))
+        for r, v in zip(rollouts, versions, strict=True)
+    ]
+    n = [len(r.completion_tokens) for r in rollouts]
+    state, m = train_step(state, prepare_batch(cfg, rollouts))
+    want = [n[0] + n[3] + n[6] + n[7], n[1] + n[5], n[2] + n[4]]  # the last bin holds staleness >= 2
+    np.testing.assert_array_equal(np.asarray(m["staleness_hist"]), want)
+    assert float(m["staleness_max"]) == 9
+    assert float(m["staleness_mean"]) == pytest.approx((n[1] + n[5] + 9 * n[2] + 2 * n[4]) / sum(n))
+
+
+def test_loglinear_prox_interpolates_by_version():
+    behav, logp = jnp.full((1, 4), -2.0), jnp.full((1, 4), -1.0)
+    got = loglinear_prox_logp(behav, logp, jnp.array([[3, 2, 0, 5]]), prox_version=3)
+    # alpha = (3 - v) / (4 - v): 0, 1/2, 3/4; a token newer than the proximal policy clamps to 0
+    np.testing.assert_allclose(got, [[-2.0, -1.5, -1.25, -2.0]], rtol=1e-6)
+
+
+def test_loglinear_equals_recompute_for_fresh_on_policy_tokens(params):
+    cfg = BASE
+    rollouts = make_rollouts(8, seed=6)
+    state = create_train_state(cfg, MODEL, params)
+    logp = compute_logprobs(state, prepare_batch(cfg, rollouts))
+    batch = prepare_batch(cfg, rollouts)
+    batch.arrays["behav_logp"][...] = logp * batch.arrays["loss_mask"]  # on-policy behaviour logprobs
+    out = {}
+    for mode in ("recompute", "loglinear"):
+        s = create_train_state(dataclasses.replace(cfg, prox_mode=mode), MODEL, params)
+        out[mode] = loss_and_grads(s, batch)
+    assert float(out["loglinear"][2]["is_weight_mean"]) == pytest.approx(1.0, abs=1e-5)
+    assert float(out["loglinear"][0]) == pytest.approx(float(out["recompute"][0]), rel=1e-5, abs=1e-7)
+    tree_close(out["loglinear"][1], out["recompute"][1], rtol=1e-4, atol=1e-6)
+
+
+def test_minibatches_apply_several_updates_per_step(params):
+    cfg = dataclasses.replace(BASE, rows_per_micro=2, minibatches=2, prox_mode="recompute")
+    state = create_train_state(cfg, MODEL, params)
+    state, m = train_step(state, prepare_batch(cfg, make_rollouts()))
+    assert int(state.updates) == 2 and int(state.version) == 1 and int(m["skipped"]) == 0
+
+
+def test_kl_penalty_to_an_identical_reference_is_zero(params):
+    rollouts = make_rollouts(8, seed=7)
+    plain = create_train_state(BASE, MODEL, params)
+    kl_cfg = dataclasses.replace(BASE, kl_coef=0.5, kl_estimator="k3")
+    with_kl = create_train_state(kl_cfg, MODEL, params, ref_params=params)
+    l0, g0, _ = loss_and_grads(plain, prepare_batch(BASE, rollouts))
+    l1, g1, m1 = loss_and_grads(with_kl, prepare_batch(kl_cfg, rollouts))
+    assert float(m1["kl_ref_mean"]) == pytest.approx(0.0, abs=1e-7)
+    assert float(l1) == pytest.approx(float(l0), rel=1e-6)
+    tree_close(g1, g0, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="ref_params"):
+        create_train_state(kl_cfg, MODEL, params)
+
+
+def test_bf16_compute_keeps_fp32_master_weights(params):
+    rollouts = make_rollouts(8, seed=8)
+    f32 = create_train_state(BASE, MODEL, params)
+    bf16 = create_train_state(dataclasses.replace(BASE, compute_dtype="bfloat16"), MODEL, params)
+    assert bf16.model_cfg.dtype == "bfloat16"
+    l32, _, _ = loss_and_grads(f32, prepare_batch(BASE, rollouts))
+    state, m = train_step(bf16, prepare_batch(bf16.cfg, rollouts))
+    assert float(m["loss"]) == pytest.approx(float(l32), rel=0.05, abs=0.02)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
+
+
+def test_training_raises_the_likelihood_of_rewarded_completions(params):
+    cfg = BASE
+    rollouts = make_rollouts(16, seed=9)
+    state = create_train_state(cfg, MODEL, params)
+    batch = prepare_batch(cfg, rollouts)
+    adv = batch.arrays["advantages"] * batch.arrays["loss_mask"]
+    score = lambda s: float(np.sum(compute_logprobs(s, batch) * adv))  # advantage-weighted log-likelihood
+    start = score(state)
+    for _ in range(5):
+        state, _ = train_step(state, batch)
+    assert score(state) > start + 1.0
+
+
+def test_schedule_and_config_validation(params):
+    sched = learning_rate_schedule(TrainConfig(lr=1.0, warmup_steps=10, total_steps=110, end_lr_ratio=0.1))
+    assert float(sched(0)) == 0.0 and float(sched(10)) == pytest.approx(1.0)
+    assert float(sched(60)) == pytest.approx(0.55) and float(sched(110)) == pytest.approx(0.1)
+    for bad in (
+        dict(loss="sft"),
+        dict(prox_mode="exact"),
+        dict(aggregation="sum"),
+        dict(warmup_steps=5, total_steps=5),
+        dict(compute_dtype="float16"),
+        dict(rows_per_micro=0),
+        dict(advantage="gae"),
+    ):
+        with pytest.raises(ValueError):
+            TrainConfig(**bad)
+    with pytest.raises(ValueError, match="multiple of fsdp"):
+        create_train_state(
+            dataclasses.replace(BASE, rows_per_micro=3),
+            MODEL,
+            params,
+            mesh=make_mesh((2, 4), ("fsdp", "tensor")),
+        )
+
+
+def test_pack_rollouts_accepts_mappings():
+    r = make_rollouts(2)
+    as_dicts = [dataclasses.asdict(x) for x in r]
+    a = pack_rollouts(as_dicts, [0.0, 1.0], 48).arrays
+    b = pack_rollouts(r, [0.0, 1.0], 48).arrays
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])

@@ -1,0 +1,204 @@
+"""Benchmarks the train step: tokens/s and achieved FLOP/s vs this machine's matmul peak, packing vs padding.
+
+Prints one JSON object (keys include `train_tokens_per_s` and `devices`) and a table. Example:
+
+    PYTHONPATH=. python tools/bench_train.py --model llama_100m --rows 8 --budget 256 --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_async.model import ModelConfig, init_params, presets
+from jaxrl_async.trainer import (
+    Rollout,
+    TrainConfig,
+    compute_advantages,
+    create_train_state,
+    pack_rollouts,
+    pad_rollouts,
+    train_step,
+)
+
+
+def matmul_peak_flops(n: int, reps: int) -> float:
+    """Median FLOP/s of a jitted float32 n x n matmul (the roofline the train step is judged against)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    mm = jax.jit(jnp.matmul)
+    mm(a, b).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        mm(a, b).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times)
+
+
+def forward_flops_per_row(cfg: ModelConfig, row_len: int) -> float:
+    """Matmul FLOPs of one forward over a row; attention counted as computed (the full masked row)."""
+    d, h, g, k, f, v, layers = (
+        cfg.d_model,
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        cfg.ffw_size,
+        cfg.vocab_size,
+        cfg.n_layers,
+    )
+    per_token = 2 * (layers * (d * h * k + 2 * d * g * k + h * k * d + 3 * d * f) + d * v)
+    attention = layers * 2 * 2 * row_len * row_len * h * k
+    return per_token * row_len + attention
+
+
+def long_tailed_rollouts(n: int, max_len: int, vocab: int, seed: int) -> list[Rollout]:
+    """Prompts of 16-48 tokens and Pareto-tailed completions (most short, a few up to the cap)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        p = int(rng.integers(16, 49))
+        c = int(min(max_len - p + 1, 8 + rng.pareto(1.2) * 24))
+        out.append(
+            Rollout(
+                rng.integers(0, vocab, p),
+                rng.integers(0, vocab, c),
+                -3.0 + 0.1 * rng.normal(size=c),
+                [0] * c,
+                float(rng.integers(0, 2)),
+                i // 8,
+            )
+        )
+    return out
+
+
+def uniform_rollouts(rows: int, budget: int, vocab: int, seed: int) -> list[Rollout]:
+    """Full rows: one sequence of exactly `budget` positions per row (the FACTS.md throughput shape)."""
+    rng = np.random.default_rng(seed)
+    return [
+        Rollout(
+            rng.integers(0, vocab, 32),
+            rng.integers(0, vocab, budget - 31),
+            -3.0 + 0.1 * rng.normal(size=budget - 31),
+            [0] * (budget - 31),
+            float(i % 2),
+            i // 4,
+        )
+        for i in range(rows)
+    ]
+
+
+def time_steps(state, batch, steps: int):
+    """(state, median seconds per step) over `steps` train steps (compile already done by the caller)."""
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        state, m = train_step(state, batch)
+        jax.block_until_ready((state.params, m))
+        times.append(time.perf_counter() - t)
+    return state, statistics.median(times)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama_100m", help="preset name (jaxrl_async.model.presets)")
+    ap.add_argument("--rows", type=int, default=8, help="rows per micro-batch")
+    ap.add_argument("--budget", type=int, default=256, help="positions per packed row")
+    ap.add_argument("--steps", type=int, default=3, help="timed train steps (after one untimed, compiling)")
+    ap.add_argument("--tail-seqs", type=int, default=32, help="sequences in the long-tailed batch")
+    ap.add_argument("--tail-steps", type=int, default=1, help="timed steps per layout in packing vs padding")
+    ap.add_argument("--matmul-n", type=int, default=4096)
+    ap.add_argument("--remat", action="store_true")
+    args = ap.parse_args(argv)
+
+    model = presets.get(args.model)
+    cfg = TrainConfig(lr=1e-5, token_budget=args.budget, rows_per_micro=args.rows, remat=args.remat)
+    params = init_params(model, jax.random.key(0))
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    peak = matmul_peak_flops(args.matmul_n, reps=5)
+
+    # Throughput: one micro-batch of full rows.
+    full = uniform_rollouts(args.rows, args.budget, model.vocab_size, seed=0)
+    adv = compute_advantages(cfg.advantage, [r.reward for r in full], [r.group_id for r in full])
+    batch = pack_rollouts(full, adv, args.budget, args.rows)
+    state = create_train_state(cfg, model, params)
+    t0 = time.perf_counter()
+    state, _ = train_step(state, batch)
+    jax.block_until_ready(state.params)
+    first_step_s = time.perf_counter() - t0
+    state, step_s = time_steps(state, batch, args.steps)
+    tokens = int((batch.arrays["segment_ids"] > 0).sum())
+    flops = 3 * forward_flops_per_row(model, args.budget) * args.rows  # forward + backward (2x forward)
+    achieved = flops / step_s
+
+    # Packing vs padding on the same long-tailed rollouts, same compiled micro-batch shape.
+    tail = long_tailed_rollouts(args.tail_seqs, args.budget, model.vocab_size, seed=1)
+    tail_adv = compute_advantages(cfg.advantage, [r.reward for r in tail], [r.group_id for r in tail])
+    layouts = {
+        "packed": pack_rollouts(tail, tail_adv, args.budget, args.rows),
+        "padded": pad_rollouts(tail, tail_adv, row_len=args.budget, rows_per_micro=args.rows),
+    }
+    tail_tokens = int((layouts["packed"].arrays["segment_ids"] > 0).sum())
+    packing = {"sequences": len(tail), "tokens": tail_tokens}
+    for name, b in layouts.items():
+        state, s = time_steps(state, b, args.tail_steps)
+        packing[name] = {
+            "micro_batches": b.num_micro,
+            "fill": tail_tokens / b.arrays["tokens"].size,
+            "step_s": s,
+            "tokens_per_s": tail_tokens / s,
+        }
+    packing["speedup"] = packing["packed"]["tokens_per_s"] / packing["padded"]["tokens_per_s"]
+
+    result = {
+        "devices": jax.device_count(),
+        "device_kind": jax.devices()[0].device_kind,
+        "model": args.model,
+        "params": int(n_params),
+        "micro_batch": [args.rows, args.budget],
+        "remat": args.remat,
+        "matmul_peak_flops": peak,
+        "first_step_s": first_step_s,
+        "step_s": step_s,
+        "train_tokens_per_s": tokens / step_s,
+        "achieved_flops": achieved,
+        "fraction_of_matmul_peak": achieved / peak,
+        "packing": packing,
+        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+    }
+    print(json.dumps(result, indent=2))
+    rows = [
+        ("model / params", f"{args.model} / {n_params / 1e6:.1f}M"),
+        ("micro-batch", f"{args.rows} x {args.budget}"),
+        ("matmul peak (f32)", f"{peak / 1e9:.1f} GFLOP/s"),
+        ("train step (median)", f"{step_s:.2f} s"),
+        ("train tokens/s", f"{tokens / step_s:.1f}"),
+        ("achieved", f"{achieved / 1e9:.1f} GFLOP/s = {100 * achieved / peak:.0f}% of matmul peak"),
+        ("long-tailed batch", f"{len(tail)} seqs, {tail_tokens} tokens"),
+        (
+            "packed",
+            f"{packing['packed']['micro_batches']} micro-batches, fill {packing['packed']['fill']:.0%}, "
+            f"{packing['packed']['tokens_per_s']:.1f} tok/s",
+        ),
+        (
+            "padded",
+            f"{packing['padded']['micro_batches']} micro-batches, fill {packing['padded']['fill']:.0%}, "
+            f"{packing['padded']['tokens_per_s']:.1f} tok/s",
+        ),
+        ("packing speedup", f"{packing['speedup']:.2f}x"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
