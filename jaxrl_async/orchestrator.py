@@ -15,6 +15,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -98,10 +99,16 @@ class TrainerWorker:
 
 
 class Orchestrator:
-    """Drives one run; `run()` returns a summary dict (also written to workdir/summary.json)."""
+    """Drives one run; `run()` returns a summary dict (also written to workdir/summary.json).
 
-    def __init__(self, setup: Setup):
+    Args:
+      setup: the built parts (see jaxrl_async.setup.build_setup).
+      max_new_tokens_fn: optional prompt index -> generation cap (benchmarks impose a length distribution).
+    """
+
+    def __init__(self, setup: Setup, max_new_tokens_fn: Callable[[int], int] | None = None):
         self.s = setup
+        self.max_new_tokens_fn = max_new_tokens_fn
         run = setup.run
         self.run_cfg = run
         self.controller = StalenessController(run.prompts_per_step, run.eta)
@@ -135,6 +142,7 @@ class Orchestrator:
         self.max_ahead = max(self.max_ahead, self.controller.ahead(self.version))
         return Request(uid=gid, prompt_tokens=tuple(int(t) for t in prompt.tokens),
                        n_samples=self.run_cfg.samples_per_prompt, seed=self.run_cfg.seed * 1_000_003 + gid,
+                       max_new_tokens=self.max_new_tokens_fn(gid) if self.max_new_tokens_fn else None,
                        metadata=prompt)
 
     def _grade(self, completions) -> None:
@@ -283,6 +291,8 @@ class Orchestrator:
         for r in [r for g in result.groups for r in g][: self.run_cfg.text_samples]:
             self.writer.text(self.version, "samples", f"reward {r.reward:.2f} | {r.metadata['prompt']!r} -> "
                                                        f"{r.metadata['text']!r}")
+        values["time/elapsed_s"] = elapsed
+        values["time/trained_tokens"] = float(self._trained_tokens)
         self._metrics_hist.append({k: v for k, v in values.items() if v is not None})
         return values
 
@@ -298,6 +308,7 @@ class Orchestrator:
             "wall_s": wall,
             "eval_s": eval_seconds,
             "train_tokens_per_s": self._trained_tokens / train_wall,
+            "steady_train_tokens_per_s": _steady_rate(hist),
             "sample_tokens_per_s": self._sample_tokens / train_wall,
             "sampler_idle_frac": self._sampler_idle_s / train_wall,
             "trainer_idle_frac": trainer.idle_seconds / train_wall,
@@ -319,6 +330,15 @@ class Orchestrator:
             with open(os.path.join(self.run_cfg.workdir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=2, default=str)
         return summary
+
+
+def _steady_rate(hist: list[dict[str, float]]) -> float:
+    """Trained tokens/s after the first fifth of the steps (at least 2): excludes compilation and fill-up."""
+    k = max(2, len(hist) // 5)
+    if len(hist) <= k:
+        return 0.0
+    a, b = hist[k - 1], hist[-1]
+    return (b["time/trained_tokens"] - a["time/trained_tokens"]) / max(b["time/elapsed_s"] - a["time/elapsed_s"], 1e-9)
 
 
 def run_from_config(config) -> dict[str, Any]:

@@ -9,6 +9,7 @@ built from that dataclass's defaults, so the dataclass docstring is the one plac
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from typing import Any
@@ -156,6 +157,17 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     head = c.get("max_head_staleness")
     if head is not None and head < 0:
         head = None  # negative = off
+    if not c["model"].get("preset") and not c["model"].get("checkpoint"):
+        raise ConfigError("config.model.checkpoint: required (a local HF checkpoint directory), or set "
+                          "config.model.preset")
+    ckpt = c["model"].get("checkpoint")
+    if ckpt and not os.path.isdir(ckpt):
+        raise ConfigError(f"config.model.checkpoint: directory {ckpt!r} not found")
+    sections = {name: _section(name, cls, dict(c[name])) for name, cls in SECTIONS.items()}
+    for field in ("path", "eval_path"):
+        path = getattr(sections["data"], field)
+        if path and not os.path.exists(path):
+            raise ConfigError(f"config.data.{field}: file {path!r} not found")
     m = c["mesh"]
     for name in ("sampler", "trainer"):
         shape = tuple(m[name])
@@ -166,9 +178,6 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     if num_devices is not None and need > num_devices:
         raise ConfigError(f"config.mesh: sampler {mesh.sampler} + trainer {mesh.trainer} need {need} devices, "
                           f"{num_devices} present")
-    if not c["model"].get("preset") and not c["model"].get("checkpoint"):
-        raise ConfigError("config.model: set model.preset or model.checkpoint")
-    sections = {name: _section(name, cls, dict(c[name])) for name, cls in SECTIONS.items()}
     tr = sections["trainer"]
     if tr.total_steps < c["total_steps"]:
         raise ConfigError(f"config.trainer.total_steps ({tr.total_steps}) < config.total_steps "

@@ -24,8 +24,12 @@ def main(argv):
     config = _CONFIG.value
     prepare_devices(config)  # before JAX picks a backend
     from jaxrl_async.orchestrator import run_from_config
+    from jaxrl_async.run_config import ConfigError
 
-    run_from_config(config)
+    try:
+        run_from_config(config)
+    except ConfigError as e:
+        raise app.UsageError(f"invalid config: {e}") from None
 
 
 if __name__ == "__main__":

@@ -1,0 +1,69 @@
+"""An 8B model (Qwen3-8B or Llama-3.1-8B from a local HF checkpoint) on a math JSONL with math-verify.
+
+Layouts:
+  default      64-chip TPU v5p slice: sampler 48 chips (data 12 x tensor 4), trainer 16 (fsdp 16).
+  ":h100"      one 8 x H100 node: sampler 4 GPUs (data 4), trainer 4 (fsdp 4).
+
+  python launch/run.py --config=configs/math_8b.py --config.model.checkpoint=/ckpt/Qwen3-8B \
+      --config.data.path=/data/math_train.jsonl --config.workdir=/runs/math_8b
+"""
+
+from configs import base
+
+
+def get_config(layout: str = "v5p"):
+    c = base.get_config()
+    c.workdir = ""
+    c.mode = "async"
+    c.max_staleness = 4
+    c.total_steps = 500
+    c.prompts_per_step = 64
+    c.samples_per_prompt = 16
+    c.tokenizer = ""  # the checkpoint's tokenizer.json and chat template
+    c.eval_every = 25
+    c.eval_prompts = 500
+    c.checkpoint_every = 25
+
+    c.model.preset = ""  # shapes come from the checkpoint's config.json
+    c.model.checkpoint = ""  # REQUIRED: local HF directory (config.json, tokenizer, safetensors)
+    c.model.dtype = "bfloat16"
+
+    if layout == "v5p":
+        c.mesh.sampler = (12, 4)
+        c.mesh.trainer = (16, 1)
+    elif layout == "h100":
+        c.mesh.sampler = (4, 1)
+        c.mesh.trainer = (4, 1)
+    else:
+        raise ValueError(f"math_8b: unknown layout {layout!r} (v5p, h100)")
+    c.mesh.fake_cpu_devices = 1
+
+    c.data.task = "jsonl"
+    c.data.path = ""  # REQUIRED: JSONL with "prompt" and "answer" fields (see data.prompt_field/answer_field)
+    c.data.template = "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+    c.data.use_chat_template = True
+    c.data.num_epochs = None
+    c.data.max_prompt_tokens = 1024
+    c.reward.reward = "math"
+    c.reward.num_workers = 16
+    c.reward.timeout_s = 10.0
+
+    c.sampler.num_slots = 768
+    c.sampler.max_prompt_len = 1024
+    c.sampler.max_new_tokens = 8192
+    c.sampler.prompt_buckets = (256, 512, 1024)
+    c.sampler.steps_per_call = 16
+    c.sampler.temperature = 1.0
+    c.sampler.update_mode = "keep_kv"
+
+    c.trainer.loss = "decoupled_ppo"
+    c.trainer.advantage = "grpo"
+    c.trainer.lr = 1e-6
+    c.trainer.warmup_steps = 10
+    c.trainer.total_steps = 500
+    c.trainer.token_budget = 16384
+    c.trainer.rows_per_micro = 16
+    c.trainer.compute_dtype = "bfloat16"
+    c.trainer.remat = True
+    c.trainer.temperature = 1.0
+    return c

@@ -1,0 +1,54 @@
+"""Qwen2.5-1.5B (or any ~1.5B HF checkpoint) on a math JSONL: a single 8-accelerator host, or a long CPU run.
+
+  python launch/run.py --config=configs/qwen_1p5b_math.py --config.model.checkpoint=/ckpt/Qwen2.5-1.5B-Instruct \
+      --config.data.path=/data/gsm8k_train.jsonl --config.data.task=gsm8k --config.workdir=/runs/qwen1p5b
+"""
+
+from configs import base
+
+
+def get_config():
+    c = base.get_config()
+    c.workdir = ""
+    c.mode = "async"
+    c.max_staleness = 4
+    c.total_steps = 300
+    c.prompts_per_step = 32
+    c.samples_per_prompt = 8
+    c.tokenizer = ""
+    c.eval_every = 20
+    c.eval_prompts = 300
+    c.checkpoint_every = 20
+
+    c.model.preset = ""
+    c.model.checkpoint = ""  # REQUIRED: local HF directory
+    c.model.dtype = "bfloat16"
+
+    c.mesh.sampler = (6, 1)
+    c.mesh.trainer = (2, 1)
+    c.mesh.fake_cpu_devices = 8
+
+    c.data.task = "jsonl"
+    c.data.path = ""  # REQUIRED: JSONL of math problems
+    c.data.template = "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+    c.data.num_epochs = None
+    c.data.max_prompt_tokens = 512
+    c.reward.reward = "math"
+    c.reward.num_workers = 4
+
+    c.sampler.num_slots = 192
+    c.sampler.max_prompt_len = 512
+    c.sampler.max_new_tokens = 2048
+    c.sampler.prompt_buckets = (128, 256, 512)
+    c.sampler.steps_per_call = 16
+    c.sampler.temperature = 1.0
+
+    c.trainer.lr = 1e-6
+    c.trainer.warmup_steps = 5
+    c.trainer.total_steps = 300
+    c.trainer.token_budget = 8192
+    c.trainer.rows_per_micro = 2
+    c.trainer.compute_dtype = "bfloat16"
+    c.trainer.remat = True
+    c.trainer.temperature = 1.0
+    return c
