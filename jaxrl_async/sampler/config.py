@@ -1,0 +1,125 @@
+"""Sampler configuration: slots, KV budget, buckets, sampling method and the weight-update mode."""
+
+from __future__ import annotations
+
+import dataclasses
+
+UPDATE_MODES = ("keep_kv", "recompute_kv", "finish")
+
+
+def default_buckets(max_len: int, smallest: int = 16) -> tuple[int, ...]:
+    """Powers of two from `smallest` up to (and always ending with) `max_len`."""
+    out, b = [], smallest
+    while b < max_len:
+        out.append(b)
+        b *= 2
+    return (*out, max_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    """Static settings of one sampler engine; every field is static (changing one recompiles).
+
+    Attributes:
+      num_slots: decode batch size (sequences decoded together); a multiple of the mesh's data axis.
+      max_prompt_len: longest prompt accepted (the largest prompt bucket).
+      max_new_tokens: most tokens generated per sequence (a request may ask for fewer).
+      token_budget: KV-cache capacity in tokens over all slots; each slot holds token_budget // num_slots
+        positions. None = num_slots * (max_prompt_len + max_new_tokens), so every request fits.
+      prompt_buckets: prompt lengths are padded up to one of these (one prefill compilation each).
+      steps_per_call: decode steps per compiled `generate` call (`lax.scan`); the host parses round k
+        while round k + 1 runs.
+      temperature: sampling temperature; 0 = greedy. Logprobs use the same temperature (1.0 when greedy).
+      top_k: keep the k most likely tokens (0 = off).
+      top_p: nucleus sampling mass (1.0 = off).
+      top_p_candidates: top-p first looks among this many best tokens and falls back to an exact
+        full-vocabulary threshold search only when their mass is below top_p (a speed knob only).
+      stop_tokens: token ids that end a sequence (included in the completion).
+      update_mode: default weight-update mode: "keep_kv", "recompute_kv" or "finish".
+      overlap_host: dispatch round k + 1 before reading round k back (finished slots refill one round
+        later); False reads each round back before the next is dispatched.
+      fuse_projections: decode with fused q|k|v and gate|up weights (fewer, larger matmuls).
+    """
+
+    num_slots: int = 8
+    max_prompt_len: int = 128
+    max_new_tokens: int = 128
+    token_budget: int | None = None
+    prompt_buckets: tuple[int, ...] | None = None
+    steps_per_call: int = 8
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    top_p_candidates: int = 256
+    stop_tokens: tuple[int, ...] = ()
+    update_mode: str = "keep_kv"
+    overlap_host: bool = True
+    fuse_projections: bool = True
+
+    def __post_init__(self):
+        for name in ("num_slots", "max_prompt_len", "max_new_tokens", "steps_per_call", "top_p_candidates"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"SamplerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.prompt_buckets is None:
+            object.__setattr__(self, "prompt_buckets", default_buckets(self.max_prompt_len))
+        buckets = tuple(int(b) for b in self.prompt_buckets)
+        object.__setattr__(self, "prompt_buckets", buckets)
+        if list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
+            raise ValueError(
+                f"SamplerConfig.prompt_buckets must be strictly increasing and >= 1, got {buckets}"
+            )
+        if buckets[-1] != self.max_prompt_len:
+            raise ValueError(
+                f"SamplerConfig.prompt_buckets must end with max_prompt_len={self.max_prompt_len}, "
+                f"got {buckets}"
+            )
+        if self.token_budget is None:
+            object.__setattr__(
+                self, "token_budget", self.num_slots * (self.max_prompt_len + self.max_new_tokens)
+            )
+        if self.slot_len < self.max_prompt_len + 1:
+            raise ValueError(
+                f"SamplerConfig.token_budget={self.token_budget} gives {self.slot_len} positions per slot "
+                f"over {self.num_slots} slots; need >= max_prompt_len + 1 = {self.max_prompt_len + 1}"
+            )
+        if self.temperature < 0:
+            raise ValueError(f"SamplerConfig.temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplerConfig.top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplerConfig.top_p must be in (0, 1], got {self.top_p}")
+        if self.update_mode not in UPDATE_MODES:
+            raise ValueError(f"SamplerConfig.update_mode={self.update_mode!r} not in {UPDATE_MODES}")
+        object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+
+    @property
+    def slot_len(self) -> int:
+        """KV positions per slot (prompt + generated tokens must fit)."""
+        return self.token_budget // self.num_slots
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Temperature of the reported logprobs: the sampling temperature, or 1.0 when greedy."""
+        return 1.0 if self.greedy else self.temperature
+
+    def prompt_bucket(self, prompt_len: int) -> int:
+        """The smallest prompt bucket >= prompt_len.
+
+        Raises:
+          ValueError: the prompt is longer than max_prompt_len.
+        """
+        for b in self.prompt_buckets:
+            if prompt_len <= b:
+                return b
+        raise ValueError(f"prompt of {prompt_len} tokens exceeds max_prompt_len={self.max_prompt_len}")
+
+    def recompute_bucket(self, length: int) -> int:
+        """Length bucket for re-prefilling every slot after a `recompute_kv` weight update."""
+        for b in (*self.prompt_buckets, *default_buckets(self.slot_len, self.max_prompt_len)):
+            if length <= b:
+                return b
+        raise ValueError(f"sequence of {length} tokens exceeds the slot length {self.slot_len}")

@@ -1,0 +1,334 @@
+"""The host-side sampler loop: continuous batching, group sampling, completions and weight updates.
+
+One `step()` = admit requests into free slots (pull-based), dispatch one `generate` call (k decode steps),
+then read back the previous call's tokens while this one runs (`overlap_host`), so a finished slot is
+refilled one call later. The loop is a plain sequential event loop: easy to trace, no threads.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from jaxrl_async.sampler.config import UPDATE_MODES
+from jaxrl_async.sampler.engine import Engine, Prefix, Round
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A prompt to sample `n_samples` completions of (they share one prefill).
+
+    Attributes:
+      uid: caller's id, copied into every completion.
+      prompt_tokens: token ids (at least one).
+      n_samples: completions wanted (GRPO group size).
+      seed: completions i of a request use the random stream (seed, i), whatever slot they land in.
+      max_new_tokens: None = the engine's max_new_tokens.
+      metadata: anything; copied into every completion.
+    """
+
+    uid: Any
+    prompt_tokens: tuple[int, ...]
+    n_samples: int = 1
+    seed: int = 0
+    max_new_tokens: int | None = None
+    metadata: Any = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt_tokens", tuple(int(t) for t in self.prompt_tokens))
+        if not self.prompt_tokens:
+            raise ValueError(f"Request {self.uid!r}: empty prompt")
+        if self.n_samples < 1:
+            raise ValueError(f"Request {self.uid!r}: n_samples must be >= 1, got {self.n_samples}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"Request {self.uid!r}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One finished sample.
+
+    Attributes:
+      tokens: int32 generated tokens (a stop token, if any, is the last one).
+      logprobs: float32 log softmax(logits / T)[token] under the weights that produced it (the trainer's
+        definition, full vocabulary; T = 1 when greedy).
+      sample_logprobs: float32 log-probability under the top-k/top-p-truncated distribution actually
+        sampled from (equal to logprobs without truncation; 0 when greedy).
+      versions: int64 weight version that produced each token.
+      finish_reason: "stop" (a stop token) or "length" (max_new_tokens reached).
+    """
+
+    uid: Any
+    sample_index: int
+    prompt_tokens: tuple[int, ...]
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    sample_logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: str
+    metadata: Any = None
+
+
+@dataclasses.dataclass
+class SamplerStats:
+    """Counters since the loop started; occupancy counts slot-steps that produced a token."""
+
+    calls: int = 0
+    decode_steps: int = 0
+    tokens_generated: int = 0
+    slot_steps: int = 0
+    prefills: int = 0
+    requests_admitted: int = 0
+    completions: int = 0
+    weight_updates: int = 0
+
+    @property
+    def occupancy(self) -> float:
+        return self.tokens_generated / self.slot_steps if self.slot_steps else 0.0
+
+    @property
+    def idle_fraction(self) -> float:
+        return 1.0 - self.occupancy if self.slot_steps else 0.0
+
+
+@dataclasses.dataclass
+class _Group:
+    request: Request
+    max_new_tokens: int
+    prefix: Prefix | None = None
+    next_sample: int = 0
+
+
+@dataclasses.dataclass
+class _Live:
+    request: Request
+    sample_index: int
+    tokens: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    sample_logprobs: list = dataclasses.field(default_factory=list)
+    versions: list = dataclasses.field(default_factory=list)
+    finished: bool = False
+
+
+class SamplerLoop:
+    """Keeps the engine's slots full from a pull-based request source and applies weight updates.
+
+    Args:
+      engine: the Engine.
+      static_batching: admit only when every slot is free (a baseline for benchmarks).
+    """
+
+    def __init__(self, engine: Engine, static_batching: bool = False):
+        self.engine, self.cfg = engine, engine.cfg
+        self.static_batching = static_batching
+        self.stats = SamplerStats()
+        self._state = engine.init_state()
+        self._slots: list[_Live | None] = [None] * self.cfg.num_slots
+        self._groups: collections.deque[_Group] = collections.deque()  # admitted, samples left to insert
+        self._queue: collections.deque[Request] = collections.deque()  # pushed via add_request
+        self._pending: tuple[Round, list] | None = None  # dispatched, not yet read back
+        self._ready: list[Completion] = []  # finished outside step() (flushes), returned by the next step
+        self._staged: tuple[dict, int] | None = None  # weights waiting for running sequences ("finish")
+        self._stop = set(self.cfg.stop_tokens)
+        self._source_empty = False  # the last admission found no request to take
+
+    # ----- requests -----
+
+    def add_request(self, request: Request) -> None:
+        """Queues a request (push-style alternative to the `admit` callback); fails if it cannot fit."""
+        self._check(request)
+        self._queue.append(request)
+
+    def can_admit(self) -> bool:
+        """Whether the next step would take a new request (free slot, not waiting for a weight swap)."""
+        return self._admitting() and not self._groups and not self._queue and None in self._slots
+
+    @property
+    def num_live(self) -> int:
+        """Slots holding a running sequence (as far as the host knows)."""
+        return sum(s is not None for s in self._slots)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing running, in flight, or waiting to be inserted."""
+        return not self.num_live and self._pending is None and not self._groups and not self._queue
+
+    # ----- stepping -----
+
+    def step(self, admit: Callable[[], Request | None] | None = None) -> list[Completion]:
+        """Admits into free slots (queued requests first, then `admit()` until it returns None), runs one
+        generate call, and returns the completions that finished."""
+        self._maybe_swap_staged()
+        self._source_empty = False
+        if self._admitting():
+            self._admit(admit)
+        new = None
+        if self.num_live:
+            self._state, rnd = self.engine.generate(self._state)
+            new = (rnd, list(self._slots))
+            self.stats.calls += 1
+            self.stats.decode_steps += self.cfg.steps_per_call
+        done, self._ready = self._ready, []
+        if self._pending is not None:
+            done += self._process(*self._pending)
+        self._pending = new
+        if not self.cfg.overlap_host:
+            self._flush_into(done)
+        self._maybe_swap_staged()
+        return done
+
+    def run(
+        self, admit: Callable[[], Request | None] | None = None, max_steps: int | None = None
+    ) -> list[Completion]:
+        """Steps until nothing is left to do (queue and `admit` exhausted); returns all completions."""
+        out, n = [], 0
+        while True:
+            out += self.step(admit)
+            n += 1
+            if (self.idle and self._source_empty and self._staged is None) or (
+                max_steps is not None and n >= max_steps
+            ):
+                return out
+
+    # ----- weight updates -----
+
+    def update_params(self, params: dict, version: int, mode: str | None = None) -> None:
+        """Swaps weights between decode steps.
+
+        Modes: "keep_kv" continues running sequences on their existing KV cache (PipelineRL);
+        "recompute_kv" re-prefills every running sequence (prompt + tokens so far) with the new weights
+        (AReaL); "finish" stops admitting, lets running sequences finish, then swaps. Tokens are stamped
+        with the version of the weights that produced their logits.
+
+        Raises:
+          ValueError: unknown mode, or params that do not match the engine (naming the leaf).
+        """
+        mode = mode or self.cfg.update_mode
+        if mode not in UPDATE_MODES:
+            raise ValueError(f"update mode {mode!r} not in {UPDATE_MODES}")
+        if mode == "finish":
+            self.engine.validate(params)
+            self._staged = (params, version)
+            return
+        self._staged = None
+        self.engine.update_params(params, version)
+        self.stats.weight_updates += 1
+        if mode == "recompute_kv":
+            self._flush_into(self._ready)
+            sequences = [
+                None if s is None else (*s.request.prompt_tokens, *s.tokens)[:-1] for s in self._slots
+            ]
+            if any(s is not None for s in sequences):
+                self._state = self.engine.recompute_kv(self._state, sequences)
+            for g in self._groups:  # not yet inserted samples are prefilled again with the new weights
+                g.prefix = None
+
+    # ----- internals -----
+
+    def _admitting(self) -> bool:
+        return self._staged is None
+
+    def _maybe_swap_staged(self) -> None:
+        if self._staged is not None and not self.num_live and self._pending is None:
+            params, version = self._staged
+            self._staged = None
+            self.engine.update_params(params, version)
+            self.stats.weight_updates += 1
+            for g in self._groups:
+                g.prefix = None
+
+    def _check(self, request: Request) -> int:
+        max_new = request.max_new_tokens or self.cfg.max_new_tokens
+        if max_new > self.cfg.max_new_tokens:
+            raise ValueError(
+                f"Request {request.uid!r}: max_new_tokens={max_new} > the engine's {self.cfg.max_new_tokens}"
+            )
+        try:
+            self.engine.check_fits(len(request.prompt_tokens), max_new)
+        except ValueError as e:
+            raise ValueError(f"Request {request.uid!r} cannot fit: {e}") from None
+        return max_new
+
+    def _next_group(self, admit) -> _Group | None:
+        if self._groups:
+            return self._groups[0]
+        req = self._queue.popleft() if self._queue else (admit() if admit is not None else None)
+        if req is None:
+            return None
+        group = _Group(req, self._check(req))
+        self._groups.append(group)
+        self.stats.requests_admitted += 1
+        return group
+
+    def _admit(self, admit) -> None:
+        if self.static_batching and (self.num_live or self._pending is not None):
+            return
+        free = [b for b, s in enumerate(self._slots) if s is None]
+        while free:
+            group = self._next_group(admit)
+            if group is None:
+                self._source_empty = True
+                return
+            req = group.request
+            if group.prefix is None:
+                group.prefix = self.engine.prefill(req.prompt_tokens)
+                self.stats.prefills += 1
+            while free and group.next_sample < req.n_samples:
+                b, i = free.pop(0), group.next_sample
+                self._state = self.engine.insert(
+                    self._state, group.prefix, b, req.seed, i, group.max_new_tokens
+                )
+                self._slots[b] = _Live(req, i)
+                group.next_sample += 1
+            if group.next_sample == req.n_samples:
+                self._groups.popleft()
+
+    def _flush_into(self, out: list) -> None:
+        if self._pending is not None:
+            out += self._process(*self._pending)
+            self._pending = None
+
+    def _process(self, rnd: Round, owners: list) -> list[Completion]:
+        tokens, logp, slogp = (
+            np.asarray(rnd.tokens),
+            np.asarray(rnd.logprobs),
+            np.asarray(rnd.sample_logprobs),
+        )
+        valid, done = np.asarray(rnd.valid), np.asarray(rnd.done)
+        self.stats.tokens_generated += int(valid.sum())
+        self.stats.slot_steps += valid.size
+        out = []
+        for b, live in enumerate(owners):
+            if live is None or live.finished:
+                continue
+            m = valid[:, b]
+            live.tokens += tokens[m, b].tolist()
+            live.logprobs += logp[m, b].tolist()
+            live.sample_logprobs += slogp[m, b].tolist()
+            live.versions += [rnd.version] * int(m.sum())
+            if done[b]:
+                live.finished = True
+                if self._slots[b] is live:
+                    self._slots[b] = None
+                out.append(self._completion(live))
+        self.stats.completions += len(out)
+        return out
+
+    def _completion(self, live: _Live) -> Completion:
+        reason = "stop" if live.tokens and live.tokens[-1] in self._stop else "length"
+        r = live.request
+        return Completion(
+            uid=r.uid,
+            sample_index=live.sample_index,
+            prompt_tokens=r.prompt_tokens,
+            tokens=np.asarray(live.tokens, np.int32),
+            logprobs=np.asarray(live.logprobs, np.float32),
+            sample_logprobs=np.asarray(live.sample_logprobs, np.float32),
+            versions=np.asarray(live.versions, np.int64),
+            finish_reason=reason,
+            metadata=r.metadata,
+        )
