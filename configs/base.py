@@ -20,14 +20,18 @@ def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.workdir = ""  # Where TensorBoard events (workdir/tb), checkpoints and the run log go. Required.
     c.seed = 0  # Seeds parameter init, data order and sampling.
-    c.mode = "async"  # "async": sampler and trainer overlap, eta = max_staleness; "sync": the baseline (eta 0).
+    c.mode = (
+        "async"  # "async": sampler and trainer overlap, eta = max_staleness; "sync": the baseline (eta 0).
+    )
     c.max_staleness = 2  # eta: admission runs at most eta policy versions ahead of training (AReaL's rule).
     c.max_head_staleness = -1  # Drop groups whose head staleness exceeds this when trained; -1 = off.
     c.total_steps = 100  # Train steps (= policy versions) to run.
     c.prompts_per_step = 16  # B: prompts per train batch.
     c.samples_per_prompt = 8  # Group size: completions per prompt (one shared prefill).
     c.tokenizer = ""  # "char" (built-in), an HF tokenizer directory, or "" = the model checkpoint's.
-    c.eval_every = 10  # Train steps between greedy pass@1 evaluations on held-out prompts; 0 = only at the end.
+    c.eval_every = (
+        10  # Train steps between greedy pass@1 evaluations on held-out prompts; 0 = only at the end.
+    )
     c.eval_prompts = 200  # Held-out prompts per evaluation.
     c.log_every = 1  # Train steps between TensorBoard writes and summary lines.
     c.text_samples = 4  # Completions (with rewards) written to TensorBoard as text at each log step.

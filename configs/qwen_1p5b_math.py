@@ -1,6 +1,7 @@
 """Qwen2.5-1.5B (or any ~1.5B HF checkpoint) on a math JSONL: a single 8-accelerator host, or a long CPU run.
 
-  python launch/run.py --config=configs/qwen_1p5b_math.py --config.model.checkpoint=/ckpt/Qwen2.5-1.5B-Instruct \
+  python launch/run.py --config=configs/qwen_1p5b_math.py \
+      --config.model.checkpoint=/ckpt/Qwen2.5-1.5B-Instruct \
       --config.data.path=/data/gsm8k_train.jsonl --config.data.task=gsm8k --config.workdir=/runs/qwen1p5b
 """
 

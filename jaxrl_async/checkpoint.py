@@ -10,8 +10,11 @@ import orbax.checkpoint as ocp
 
 
 def _items(state) -> dict:
-    return {"params": state.params, "opt_state": state.opt_state,
-            "counters": {"version": state.version, "updates": state.updates, "skipped": state.skipped}}
+    return {
+        "params": state.params,
+        "opt_state": state.opt_state,
+        "counters": {"version": state.version, "updates": state.updates, "skipped": state.skipped},
+    }
 
 
 class RunCheckpoints:
@@ -29,23 +32,35 @@ class RunCheckpoints:
     def save(self, version: int, state, data_iter) -> None:
         if version in (self.manager.all_steps() or []):
             return
-        args = ocp.args.Composite(state=ocp.args.StandardSave(_items(state)),
-                                  data=grain.checkpoint.CheckpointSave(data_iter))
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(_items(state)), data=grain.checkpoint.CheckpointSave(data_iter)
+        )
         self.manager.save(version, args=args)
         self.manager.wait_until_finished()
 
     def restore_latest(self, state, data_iter):
-        """(state, version) from the newest checkpoint, advancing `data_iter` to its saved position; or None."""
+        """(state, version) from the newest checkpoint, restoring `data_iter`'s position; or None."""
         step = self.manager.latest_step()
         if step is None:
             return None
-        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), _items(state))
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), data=grain.checkpoint.CheckpointRestore(data_iter)))
+        target = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), _items(state)
+        )
+        out = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), data=grain.checkpoint.CheckpointRestore(data_iter)
+            ),
+        )
         r = out["state"]
         c = r["counters"]
-        state = state.replace(params=r["params"], opt_state=r["opt_state"], version=c["version"],
-                              updates=c["updates"], skipped=c["skipped"])
+        state = state.replace(
+            params=r["params"],
+            opt_state=r["opt_state"],
+            version=c["version"],
+            updates=c["updates"],
+            skipped=c["skipped"],
+        )
         return state, int(step)
 
     def close(self) -> None:

@@ -24,7 +24,11 @@ def evaluate_accuracy(engine: Engine, rewards, tokenizer, prompts, sampler_param
 
     def admit():
         p = next(it, None)
-        return None if p is None else Request(uid=p.uid, prompt_tokens=tuple(int(t) for t in p.tokens), metadata=p)
+        return (
+            None
+            if p is None
+            else Request(uid=p.uid, prompt_tokens=tuple(int(t) for t in p.tokens), metadata=p)
+        )
 
     completions = loop.run(admit)
     items = [(c.metadata.text, tokenizer.decode(c.tokens), dict(c.metadata.metadata)) for c in completions]

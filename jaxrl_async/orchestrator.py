@@ -22,19 +22,25 @@ import jax
 import numpy as np
 
 from jaxrl_async.data import held_out_prompts, make_prompt_iterator
-from jaxrl_async.metrics import MetricsWriter, summary_line
-from jaxrl_async.rewards import RewardService
-from jaxrl_async.rollouts import Rollout, RolloutQueue, StalenessController, staleness_stats
-from jaxrl_async.run_config import RunConfig
-from jaxrl_async.sampler import Request, SamplerLoop
 from jaxrl_async.evaluation import evaluate_accuracy
+from jaxrl_async.metrics import MetricsWriter, summary_line
+from jaxrl_async.rollouts import Rollout, RolloutQueue, StalenessController, staleness_stats
+from jaxrl_async.sampler import Request, SamplerLoop
 from jaxrl_async.setup import Setup, build_setup, resume
 from jaxrl_async.trainer import prepare_batch, train_step
 
 log = logging.getLogger(__name__)
 
-SUMMARY_KEYS = ("reward/mean", "eval/accuracy", "loss/policy", "staleness/mean", "staleness/max",
-                "staleness/token_mean", "perf/train_tokens_per_s", "perf/weight_sync_s")
+SUMMARY_KEYS = (
+    "reward/mean",
+    "eval/accuracy",
+    "loss/policy",
+    "staleness/mean",
+    "staleness/max",
+    "staleness/token_mean",
+    "perf/train_tokens_per_s",
+    "perf/weight_sync_s",
+)
 
 
 @dataclasses.dataclass
@@ -95,7 +101,9 @@ class TrainerWorker:
         step_s = time.perf_counter() - t0
         sampler_params = s.weight_sync(s.state.params)
         tokens = sum(len(r.prompt_tokens) + len(r.completion_tokens) for r in rollouts)
-        return TrainResult(version, sampler_params, metrics, groups, tokens, step_s, s.weight_sync.last_seconds)
+        return TrainResult(
+            version, sampler_params, metrics, groups, tokens, step_s, s.weight_sync.last_seconds
+        )
 
 
 class Orchestrator:
@@ -113,8 +121,9 @@ class Orchestrator:
         self.run_cfg = run
         self.controller = StalenessController(run.prompts_per_step, run.eta)
         self.queue = RolloutQueue(run.samples_per_prompt, run.max_head_staleness)
-        self.train_iter = make_prompt_iterator(run.data, setup.tokenizer, process_index=jax.process_index(),
-                                               process_count=jax.process_count())
+        self.train_iter = make_prompt_iterator(
+            run.data, setup.tokenizer, process_index=jax.process_index(), process_count=jax.process_count()
+        )
         self.eval_prompts = held_out_prompts(run.data, setup.tokenizer, run.eval_prompts)
         self.sampler = SamplerLoop(setup.engine)
         self.writer = MetricsWriter(run.workdir, enabled=jax.process_index() == 0)
@@ -140,10 +149,14 @@ class Orchestrator:
             return None
         gid = self.controller.admit(self.version)
         self.max_ahead = max(self.max_ahead, self.controller.ahead(self.version))
-        return Request(uid=gid, prompt_tokens=tuple(int(t) for t in prompt.tokens),
-                       n_samples=self.run_cfg.samples_per_prompt, seed=self.run_cfg.seed * 1_000_003 + gid,
-                       max_new_tokens=self.max_new_tokens_fn(gid) if self.max_new_tokens_fn else None,
-                       metadata=prompt)
+        return Request(
+            uid=gid,
+            prompt_tokens=tuple(int(t) for t in prompt.tokens),
+            n_samples=self.run_cfg.samples_per_prompt,
+            seed=self.run_cfg.seed * 1_000_003 + gid,
+            max_new_tokens=self.max_new_tokens_fn(gid) if self.max_new_tokens_fn else None,
+            metadata=prompt,
+        )
 
     def _grade(self, completions) -> None:
         tok = self.s.tokenizer
@@ -157,21 +170,38 @@ class Orchestrator:
     def _collect_rewards(self) -> None:
         for res in self.s.rewards.poll():
             c = self._pending.pop(res.request_id)
-            self.queue.add(Rollout(
-                uid=c.metadata.uid, group_id=int(c.uid), sample_index=int(c.sample_index),
-                prompt_tokens=np.asarray(c.prompt_tokens, np.int32), completion_tokens=np.asarray(c.tokens, np.int32),
-                behav_logprobs=np.asarray(c.logprobs, np.float32), versions=np.asarray(c.versions, np.int32),
-                reward=float(res.reward), finish_reason=c.finish_reason,
-                metadata={"text": self.s.tokenizer.decode(c.tokens), "prompt": c.metadata.text,
-                          "reason": res.reason}))
+            self.queue.add(
+                Rollout(
+                    uid=c.metadata.uid,
+                    group_id=int(c.uid),
+                    sample_index=int(c.sample_index),
+                    prompt_tokens=np.asarray(c.prompt_tokens, np.int32),
+                    completion_tokens=np.asarray(c.tokens, np.int32),
+                    behav_logprobs=np.asarray(c.logprobs, np.float32),
+                    versions=np.asarray(c.versions, np.int32),
+                    reward=float(res.reward),
+                    finish_reason=c.finish_reason,
+                    metadata={
+                        "text": self.s.tokenizer.decode(c.tokens),
+                        "prompt": c.metadata.text,
+                        "reason": res.reason,
+                    },
+                )
+            )
 
     # ----- evaluation -----
 
     def evaluate(self, sampler_params=None) -> float:
         """Greedy pass@1 on the held-out prompts with the sampler's current (or given) weights."""
         s = self.s
-        return evaluate_accuracy(s.eval_engine, s.rewards, s.tokenizer, self.eval_prompts,
-                                 sampler_params or s.engine_params(), self.version)
+        return evaluate_accuracy(
+            s.eval_engine,
+            s.rewards,
+            s.tokenizer,
+            self.eval_prompts,
+            sampler_params or s.engine_params(),
+            self.version,
+        )
 
     # ----- the loop -----
 
@@ -289,8 +319,11 @@ class Orchestrator:
         self.writer.histogram(self.version, "staleness/token", st["token_values"])
         self.writer.histogram(self.version, "completion/length", lengths)
         for r in [r for g in result.groups for r in g][: self.run_cfg.text_samples]:
-            self.writer.text(self.version, "samples", f"reward {r.reward:.2f} | {r.metadata['prompt']!r} -> "
-                                                       f"{r.metadata['text']!r}")
+            self.writer.text(
+                self.version,
+                "samples",
+                f"reward {r.reward:.2f} | {r.metadata['prompt']!r} -> {r.metadata['text']!r}",
+            )
         values["time/elapsed_s"] = elapsed
         values["time/trained_tokens"] = float(self._trained_tokens)
         self._metrics_hist.append({k: v for k, v in values.items() if v is not None})
@@ -338,7 +371,9 @@ def _steady_rate(hist: list[dict[str, float]]) -> float:
     if len(hist) <= k:
         return 0.0
     a, b = hist[k - 1], hist[-1]
-    return (b["time/trained_tokens"] - a["time/trained_tokens"]) / max(b["time/elapsed_s"] - a["time/elapsed_s"], 1e-9)
+    return (b["time/trained_tokens"] - a["time/trained_tokens"]) / max(
+        b["time/elapsed_s"] - a["time/elapsed_s"], 1e-9
+    )
 
 
 def run_from_config(config) -> dict[str, Any]:

@@ -58,7 +58,9 @@ class StalenessController:
     def admit(self, version: int) -> int:
         """Records one admission; returns the prompt's admission number (0-based group id)."""
         if not self.can_admit(version):
-            raise RuntimeError(f"admission beyond the staleness bound (started={self.started}, version={version})")
+            raise RuntimeError(
+                f"admission beyond the staleness bound (started={self.started}, version={version})"
+            )
         self.started += 1
         return self.started - 1
 
@@ -122,8 +124,10 @@ def staleness_stats(groups: list[list[Rollout]], trainer_version: int) -> dict[s
     """Head and per-token staleness of a train batch."""
     rollouts = [r for g in groups for r in g]
     head = np.array([trainer_version - r.start_version for r in rollouts], np.int64)
-    tok = np.concatenate([trainer_version - r.versions.astype(np.int64) for r in rollouts if len(r.versions)]
-                         or [np.zeros(0, np.int64)])
+    tok = np.concatenate(
+        [trainer_version - r.versions.astype(np.int64) for r in rollouts if len(r.versions)]
+        or [np.zeros(0, np.int64)]
+    )
     return {
         "head_mean": float(head.mean()) if head.size else 0.0,
         "head_max": int(head.max()) if head.size else 0,

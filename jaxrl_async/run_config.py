@@ -134,7 +134,9 @@ def _positive(values: dict, *names: str, allow_zero: tuple[str, ...] = ()) -> No
     for name in names:
         v = values[name]
         if not isinstance(v, int) or v < (0 if name in allow_zero else 1):
-            raise ConfigError(f"config.{name}: must be an integer >= {0 if name in allow_zero else 1}, got {v!r}")
+            raise ConfigError(
+                f"config.{name}: must be an integer >= {0 if name in allow_zero else 1}, got {v!r}"
+            )
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> RunConfig:
@@ -150,16 +152,23 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     if c["mode"] not in MODES:
         raise ConfigError(f"config.mode: {c['mode']!r} not in {MODES}")
     _positive(c, "total_steps", "prompts_per_step", "samples_per_prompt", "eval_prompts", "log_every")
-    _positive(c, "max_staleness", "eval_every", "text_samples", "checkpoint_every",
-              allow_zero=("max_staleness", "eval_every", "text_samples", "checkpoint_every"))
+    _positive(
+        c,
+        "max_staleness",
+        "eval_every",
+        "text_samples",
+        "checkpoint_every",
+        allow_zero=("max_staleness", "eval_every", "text_samples", "checkpoint_every"),
+    )
     if c["mode"] == "async" and c["max_staleness"] < 1:
         raise ConfigError("config.max_staleness: async mode needs max_staleness >= 1 (0 is mode=sync)")
     head = c.get("max_head_staleness")
     if head is not None and head < 0:
         head = None  # negative = off
     if not c["model"].get("preset") and not c["model"].get("checkpoint"):
-        raise ConfigError("config.model.checkpoint: required (a local HF checkpoint directory), or set "
-                          "config.model.preset")
+        raise ConfigError(
+            "config.model.checkpoint: required (a local HF checkpoint directory), or set config.model.preset"
+        )
     ckpt = c["model"].get("checkpoint")
     if ckpt and not os.path.isdir(ckpt):
         raise ConfigError(f"config.model.checkpoint: directory {ckpt!r} not found")
@@ -176,17 +185,32 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     mesh = MeshConfig(tuple(m["sampler"]), tuple(m["trainer"]), int(m["fake_cpu_devices"]))
     need = mesh.sampler_devices + mesh.trainer_devices
     if num_devices is not None and need > num_devices:
-        raise ConfigError(f"config.mesh: sampler {mesh.sampler} + trainer {mesh.trainer} need {need} devices, "
-                          f"{num_devices} present")
+        raise ConfigError(
+            f"config.mesh: sampler {mesh.sampler} + trainer {mesh.trainer} need {need} devices, "
+            f"{num_devices} present"
+        )
     tr = sections["trainer"]
     if tr.total_steps < c["total_steps"]:
-        raise ConfigError(f"config.trainer.total_steps ({tr.total_steps}) < config.total_steps "
-                          f"({c['total_steps']}): the learning-rate schedule would end early")
+        raise ConfigError(
+            f"config.trainer.total_steps ({tr.total_steps}) < config.total_steps "
+            f"({c['total_steps']}): the learning-rate schedule would end early"
+        )
     return RunConfig(
-        workdir=c["workdir"], seed=int(c["seed"]), mode=c["mode"], max_staleness=int(c["max_staleness"]),
-        max_head_staleness=head, total_steps=c["total_steps"],
-        prompts_per_step=c["prompts_per_step"], samples_per_prompt=c["samples_per_prompt"],
-        model=dict(c["model"]), tokenizer=c["tokenizer"], mesh=mesh, eval_every=c["eval_every"],
-        eval_prompts=c["eval_prompts"], log_every=c["log_every"], text_samples=c["text_samples"],
-        checkpoint_every=c["checkpoint_every"], **sections,
+        workdir=c["workdir"],
+        seed=int(c["seed"]),
+        mode=c["mode"],
+        max_staleness=int(c["max_staleness"]),
+        max_head_staleness=head,
+        total_steps=c["total_steps"],
+        prompts_per_step=c["prompts_per_step"],
+        samples_per_prompt=c["samples_per_prompt"],
+        model=dict(c["model"]),
+        tokenizer=c["tokenizer"],
+        mesh=mesh,
+        eval_every=c["eval_every"],
+        eval_prompts=c["eval_prompts"],
+        log_every=c["log_every"],
+        text_samples=c["text_samples"],
+        checkpoint_every=c["checkpoint_every"],
+        **sections,
     )

@@ -71,7 +71,9 @@ class Setup:
 def _tokenizer(run: RunConfig) -> Tokenizer:
     path = run.tokenizer or run.model.get("checkpoint") or "char"
     if path != "char" and not os.path.isdir(path):
-        raise ConfigError(f"config.tokenizer / config.model.checkpoint: tokenizer directory {path!r} not found")
+        raise ConfigError(
+            f"config.tokenizer / config.model.checkpoint: tokenizer directory {path!r} not found"
+        )
     return load_tokenizer(path)
 
 
@@ -85,8 +87,9 @@ def _model(run: RunConfig, tokenizer: Tokenizer, mesh) -> tuple[ModelConfig, dic
     if vocab < tokenizer.vocab_size:
         raise ConfigError(f"config.model.vocab_size={vocab} < the tokenizer's {tokenizer.vocab_size}")
     need = run.sampler.slot_len
-    cfg = presets.get(m["preset"], vocab_size=vocab, dtype=m["dtype"], param_dtype=m["dtype"],
-                      eos_token_id=tokenizer.eos_id)
+    cfg = presets.get(
+        m["preset"], vocab_size=vocab, dtype=m["dtype"], param_dtype=m["dtype"], eos_token_id=tokenizer.eos_id
+    )
     if cfg.max_seq_len < need:
         cfg = cfg.replace(max_seq_len=need)
     return cfg, init_params(cfg, jax.random.key(run.seed), mesh, TRAINER_RULES)
@@ -97,8 +100,10 @@ def _sampler_config(run: RunConfig, tokenizer: Tokenizer) -> SamplerConfig:
     if not cfg.stop_tokens:
         cfg = dataclasses.replace(cfg, stop_tokens=(tokenizer.eos_id,))
     if abs(cfg.logprob_temperature - run.trainer.temperature) > 1e-9:
-        raise ConfigError(f"config.trainer.temperature={run.trainer.temperature} must equal the sampler's "
-                          f"logprob temperature {cfg.logprob_temperature} (config.sampler.temperature)")
+        raise ConfigError(
+            f"config.trainer.temperature={run.trainer.temperature} must equal the sampler's "
+            f"logprob temperature {cfg.logprob_temperature} (config.sampler.temperature)"
+        )
     return cfg
 
 
@@ -108,7 +113,7 @@ def _meshes(run: RunConfig):
     if ns + nt > len(devices):
         raise ConfigError(f"config.mesh: needs {ns + nt} devices, {len(devices)} present")
     sampler = make_mesh(run.mesh.sampler, ("data", "tensor"), devices[:ns])
-    trainer = make_mesh(run.mesh.trainer, ("fsdp", "tensor"), devices[ns:ns + nt])
+    trainer = make_mesh(run.mesh.trainer, ("fsdp", "tensor"), devices[ns : ns + nt])
     return sampler, trainer
 
 
@@ -116,20 +121,30 @@ def _warm_start(run: RunConfig, setup: Setup, params: dict) -> tuple[dict, dict 
     if not run.warm_start.enabled:
         return params, None
     if run.data.task not in SYNTHETIC_TASKS:
-        raise ConfigError(f"config.warm_start.enabled: needs a synthetic task (reference completions), "
-                          f"data.task={run.data.task!r}")
+        raise ConfigError(
+            f"config.warm_start.enabled: needs a synthetic task (reference completions), "
+            f"data.task={run.data.task!r}"
+        )
     tok = setup.tokenizer
     data_cfg = dataclasses.replace(run.data, num_epochs=None, seed=run.data.seed + 7919)
     it = make_prompt_iterator(data_cfg, tok)
     examples = ((p.tokens, tok.encode(reference_completion(p.text)) + [tok.eos_id]) for p in it)
     eval_prompts = held_out_prompts(run.data, tok, min(run.eval_prompts, 200))
-    evaluate = lambda p: evaluate_accuracy(setup.eval_engine, setup.rewards, tok, eval_prompts,
-                                           setup.weight_sync(p), 0)
+    evaluate = lambda p: evaluate_accuracy(
+        setup.eval_engine, setup.rewards, tok, eval_prompts, setup.weight_sync(p), 0
+    )
     key = cache_key(setup.model_cfg, run.data, run.warm_start, run.seed, tok.vocab_size)
     bar = setup.progress(run.warm_start.max_steps, "warm start")
     try:
-        params, info = warm_start(setup.model_cfg, params, examples, evaluate, run.warm_start, key,
-                                  progress=lambda step, total: bar.update(1))
+        params, info = warm_start(
+            setup.model_cfg,
+            params,
+            examples,
+            evaluate,
+            run.warm_start,
+            key,
+            progress=lambda step, total: bar.update(1),
+        )
     finally:
         bar.close()
     log.info("warm start: %s", info)
@@ -144,20 +159,37 @@ def build_setup(config) -> Setup:
     sampler_mesh, trainer_mesh = _meshes(run)
     model_cfg, params = _model(run, tokenizer, trainer_mesh)
     if sampler_cfg.slot_len > model_cfg.max_seq_len:
-        raise ConfigError(f"config.sampler: slot length {sampler_cfg.slot_len} exceeds the model's "
-                          f"max_seq_len {model_cfg.max_seq_len}")
+        raise ConfigError(
+            f"config.sampler: slot length {sampler_cfg.slot_len} exceeds the model's "
+            f"max_seq_len {model_cfg.max_seq_len}"
+        )
     os.makedirs(run.workdir, exist_ok=True)
     sync = WeightSync(model_cfg, sampler_mesh)
     sampler_params = sync(params)
     engine = Engine(model_cfg, sampler_params, sampler_mesh, sampler_cfg)
     eval_slots = max(sampler_mesh.shape["data"], min(sampler_cfg.num_slots, 64))
-    eval_cfg = dataclasses.replace(sampler_cfg, temperature=0.0, top_k=0, top_p=1.0, num_slots=eval_slots,
-                                   token_budget=eval_slots * sampler_cfg.slot_len)
+    eval_cfg = dataclasses.replace(
+        sampler_cfg,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        num_slots=eval_slots,
+        token_budget=eval_slots * sampler_cfg.slot_len,
+    )
     eval_engine = Engine(model_cfg, sampler_params, sampler_mesh, eval_cfg)
     rewards = RewardService(run.reward)
-    setup = Setup(run=run, tokenizer=tokenizer, model_cfg=model_cfg, sampler_mesh=sampler_mesh,
-                  trainer_mesh=trainer_mesh, state=None, weight_sync=sync, engine=engine,
-                  eval_engine=eval_engine, rewards=rewards)
+    setup = Setup(
+        run=run,
+        tokenizer=tokenizer,
+        model_cfg=model_cfg,
+        sampler_mesh=sampler_mesh,
+        trainer_mesh=trainer_mesh,
+        state=None,
+        weight_sync=sync,
+        engine=engine,
+        eval_engine=eval_engine,
+        rewards=rewards,
+    )
     params, setup.warm_start_info = _warm_start(run, setup, params)
     setup.state = create_train_state(run.trainer, model_cfg, params, trainer_mesh)
     setup.set_engine_params(sync(setup.state.params))

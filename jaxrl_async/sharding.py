@@ -75,7 +75,9 @@ class Rules:
         """NamedSharding on `mesh` for an array with these logical axes."""
         missing = [a for a in self.mesh_axes if a not in mesh.axis_names]
         if missing:
-            raise ValueError(f"rules {self.name!r} need mesh axes {self.mesh_axes}, mesh has {mesh.axis_names}")
+            raise ValueError(
+                f"rules {self.name!r} need mesh axes {self.mesh_axes}, mesh has {mesh.axis_names}"
+            )
         return NamedSharding(mesh, self.spec(logical_axes, shape, mesh))
 
 

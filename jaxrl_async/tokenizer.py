@@ -20,7 +20,9 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str: ...
 
 
 # Characters the synthetic tasks need (arithmetic, countdown); id 0 = pad, 1 = bos, 2 = eos.
@@ -52,7 +54,9 @@ class CharTokenizer:
             i = int(i)
             if i == self.EOS:
                 break
-            if 3 <= i < self.vocab_size:  # ids past the vocabulary (a padded embedding table) decode to nothing
+            if (
+                3 <= i < self.vocab_size
+            ):  # ids past the vocabulary (a padded embedding table) decode to nothing
                 out.append(self.chars[i - 3])
         return "".join(out)
 

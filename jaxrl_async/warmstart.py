@@ -61,8 +61,11 @@ class WarmStartConfig:
 
 def cache_key(*parts) -> str:
     """A stable hash of the JSON form of `parts` (configs as dicts)."""
-    blob = json.dumps([dataclasses.asdict(p) if dataclasses.is_dataclass(p) else p for p in parts],
-                      sort_keys=True, default=str)
+    blob = json.dumps(
+        [dataclasses.asdict(p) if dataclasses.is_dataclass(p) else p for p in parts],
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -105,7 +108,7 @@ def warm_start(
     key: str,
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[dict, dict]:
-    """Trains `params` on reference completions until `evaluate(params)` >= target, or loads the cached result.
+    """Trains `params` on reference completions until `evaluate(params)` >= target, or loads the cache.
 
     Args:
       model_cfg, params: the model (params may be sharded; the step keeps their shardings).

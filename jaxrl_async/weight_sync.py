@@ -17,7 +17,9 @@ class WeightSync:
     always describe one tree.
     """
 
-    def __init__(self, cfg: ModelConfig, sampler_mesh, rules: Rules = SAMPLER_RULES, dtype: str | None = None):
+    def __init__(
+        self, cfg: ModelConfig, sampler_mesh, rules: Rules = SAMPLER_RULES, dtype: str | None = None
+    ):
         self.shardings = param_shardings(cfg, sampler_mesh, rules)
         self.dtype = dtype  # e.g. "bfloat16" to sample in bf16 from fp32 master weights
         self.last_seconds = 0.0

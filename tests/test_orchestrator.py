@@ -13,9 +13,20 @@ from jaxrl_async.orchestrator import Orchestrator
 from jaxrl_async.run_config import ConfigError, validate
 from jaxrl_async.setup import build_setup
 
-REQUIRED_TAGS = ("eval/accuracy", "reward/mean", "staleness/mean", "staleness/max", "staleness/token_mean",
-                 "perf/train_tokens_per_s", "perf/sample_tokens_per_s", "perf/sampler_idle_frac",
-                 "perf/trainer_idle_frac", "perf/weight_sync_s", "loss/policy", "is_weight/mean")
+REQUIRED_TAGS = (
+    "eval/accuracy",
+    "reward/mean",
+    "staleness/mean",
+    "staleness/max",
+    "staleness/token_mean",
+    "perf/train_tokens_per_s",
+    "perf/sample_tokens_per_s",
+    "perf/sampler_idle_frac",
+    "perf/trainer_idle_frac",
+    "perf/weight_sync_s",
+    "loss/policy",
+    "is_weight/mean",
+)
 
 
 def _small(workdir, **overrides):
@@ -72,7 +83,10 @@ def test_async_run_trains_syncs_respects_eta_and_writes_tags(tmp_path):
         assert summary["max_admission_ahead"] <= 1
         assert summary["staleness_max"] >= 0 and summary["train_tokens_per_s"] > 0
         after = jax.tree.map(np.asarray, setup.state.params)
-        changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after))]
+        changed = [
+            not np.array_equal(a, b)
+            for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True)
+        ]
         assert all(changed), "every parameter should move after 4 updates"
         synced = setup.engine_params()  # the sampler's copy after the last weight sync
         for a, b in zip(jax.tree.leaves(setup.state.params), jax.tree.leaves(synced), strict=True):

@@ -100,10 +100,21 @@ def main():
 
     prepare_devices(_Mesh)
     results = {mode: run_mode(args, mode) for mode in ("sync", "async")}
-    keys = ("steady_train_tokens_per_s", "train_tokens_per_s", "sample_tokens_per_s", "sampler_idle_frac",
-            "trainer_idle_frac", "staleness_mean", "staleness_max", "token_staleness_mean", "wall_s")
+    keys = (
+        "steady_train_tokens_per_s",
+        "train_tokens_per_s",
+        "sample_tokens_per_s",
+        "sampler_idle_frac",
+        "trainer_idle_frac",
+        "staleness_mean",
+        "staleness_max",
+        "token_staleness_mean",
+        "wall_s",
+    )
     table = {m: {k: results[m][k] for k in keys} for m in results}
-    ratio = table["async"]["steady_train_tokens_per_s"] / max(table["sync"]["steady_train_tokens_per_s"], 1e-9)
+    ratio = table["async"]["steady_train_tokens_per_s"] / max(
+        table["sync"]["steady_train_tokens_per_s"], 1e-9
+    )
     out = {"workload": vars(args), "results": table, "async_over_sync": ratio}
     print(json.dumps(out, indent=2))
     print(f"\n| metric | sync | async (eta={args.eta}) |\n|---|---|---|")

@@ -20,7 +20,22 @@ from jaxrl_async.model.transformer import (
 )
 
 __all__ = [
-    "CACHE_LOGICAL_AXES", "ModelConfig", "ParamSpec", "RopeScaling", "abstract_params", "forward",
-    "forward_logits", "from_hf_config", "init_cache", "init_params", "load_hf", "param_shardings",
-    "param_specs", "presets", "save_hf", "to_hf_config", "token_logprobs", "unembed",
+    "CACHE_LOGICAL_AXES",
+    "ModelConfig",
+    "ParamSpec",
+    "RopeScaling",
+    "abstract_params",
+    "forward",
+    "forward_logits",
+    "from_hf_config",
+    "init_cache",
+    "init_params",
+    "load_hf",
+    "param_shardings",
+    "param_specs",
+    "presets",
+    "save_hf",
+    "to_hf_config",
+    "token_logprobs",
+    "unembed",
 ]

@@ -65,7 +65,9 @@ class ModelConfig:
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"ModelConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"ModelConfig.n_heads={self.n_heads} not a multiple of n_kv_heads={self.n_kv_heads}")
+            raise ValueError(
+                f"ModelConfig.n_heads={self.n_heads} not a multiple of n_kv_heads={self.n_kv_heads}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
         for name in ("dtype", "param_dtype"):
@@ -77,7 +79,14 @@ class ModelConfig:
     @property
     def num_params(self) -> int:
         """Parameter count (embeddings counted once when tied)."""
-        d, f, h, g, k, v = self.d_model, self.ffw_size, self.n_heads, self.n_kv_heads, self.head_dim, self.vocab_size
+        d, f, h, g, k, v = (
+            self.d_model,
+            self.ffw_size,
+            self.n_heads,
+            self.n_kv_heads,
+            self.head_dim,
+            self.vocab_size,
+        )
         per_layer = d * h * k + 2 * d * g * k + h * k * d + 3 * d * f + 2 * d
         per_layer += (h * k + 2 * g * k) * self.qkv_bias + d * self.o_bias + 2 * k * self.qk_norm
         return v * d * (1 if self.tie_embeddings else 2) + self.n_layers * per_layer + d
@@ -99,7 +108,9 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     if kind == "default":
         return float(theta), None
     if kind not in ("linear", "llama3"):
-        raise ValueError(f"config.json: rope_scaling rope_type={kind!r} is not supported (default, linear, llama3)")
+        raise ValueError(
+            f"config.json: rope_scaling rope_type={kind!r} is not supported (default, linear, llama3)"
+        )
     kw = {"kind": kind, "factor": float(scaling["factor"])}
     if kind == "llama3":
         kw.update(
@@ -121,7 +132,13 @@ def from_hf_config(hf: dict[str, Any], dtype: str = "float32") -> ModelConfig:
             f"config.json: architectures={archs} / model_type={hf.get('model_type')!r} is not supported "
             f"(supported: {sorted(_ARCHS)})"
         )
-    for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+    for field in (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+    ):
         if field not in hf:
             raise ValueError(f"config.json: missing field {field!r}")
     if hf.get("mlp_bias"):

@@ -21,12 +21,25 @@ from jaxrl_async.model.params import ParamSpec, param_shardings, param_specs
 from jaxrl_async.sharding import Rules
 
 _ST_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
 }
 _ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 class SafetensorsDir:
@@ -75,8 +88,11 @@ def write_safetensors(path: str, tensors: dict[str, Callable[[], np.ndarray]], s
     header, offset = {}, 0
     for name in tensors:
         nbytes = int(np.prod(shapes[name], dtype=np.int64)) * np.dtype(dtypes[name]).itemsize
-        header[name] = {"dtype": _ST_NAMES[np.dtype(dtypes[name])], "shape": list(shapes[name]),
-                        "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": _ST_NAMES[np.dtype(dtypes[name])],
+            "shape": list(shapes[name]),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     header["__metadata__"] = {"format": "pt"}
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -134,7 +150,7 @@ def _unflatten(flat: dict) -> dict:
     out: dict = {"layers": {}}
     for k, v in flat.items():
         if k.startswith("layers/"):
-            out["layers"][k[len("layers/"):]] = v
+            out["layers"][k[len("layers/") :]] = v
         else:
             out[k] = v
     return out
@@ -178,14 +194,19 @@ def load_hf(path: str, dtype: str = "float32", mesh=None, rules: Rules | None = 
         template, _, to_ours, _ = layout[key]
         np_dtype = np.dtype(ml_dtypes.bfloat16) if spec.dtype == "bfloat16" else np.dtype(spec.dtype)
         if key.startswith("layers/"):
+
             def read(idx, template=template, to_ours=to_ours, np_dtype=np_dtype):
                 layers = range(cfg.n_layers)[idx[0]]
                 parts = [to_ours(st.get(template.format(l=i)))[idx[1:]] for i in layers]
                 return np.stack(parts).astype(np_dtype)
         else:
+
             def read(idx, template=template, to_ours=to_ours, np_dtype=np_dtype):
                 return np.ascontiguousarray(to_ours(st.get(template))[idx]).astype(np_dtype)
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0]) if shardings is None else shardings[key]
+
+        sharding = (
+            jax.sharding.SingleDeviceSharding(jax.devices()[0]) if shardings is None else shardings[key]
+        )
         flat[key] = jax.make_array_from_callback(spec.shape, sharding, read, dtype=np_dtype)
     return cfg, _unflatten(flat)
 
@@ -204,8 +225,13 @@ def _to_host(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def save_hf(cfg: ModelConfig, params: dict, path: str, tokenizer_dir: str | None = None,
-            max_shard_bytes: int = 4 << 30) -> None:
+def save_hf(
+    cfg: ModelConfig,
+    params: dict,
+    path: str,
+    tokenizer_dir: str | None = None,
+    max_shard_bytes: int = 4 << 30,
+) -> None:
     """Exports params as HF safetensors + config.json (one host tensor at a time; process 0 writes).
 
     Args:
@@ -221,8 +247,11 @@ def save_hf(cfg: ModelConfig, params: dict, path: str, tokenizer_dir: str | None
         template, hf_shape, _, to_hf = layout[key]
         stacked = key.startswith("layers/")
         for i, name in enumerate(_hf_names(template, stacked, cfg.n_layers)):
-            get = (lambda leaf=leaf, i=i, to_hf=to_hf: to_hf(_to_host(leaf[i]))) if stacked else (
-                lambda leaf=leaf, to_hf=to_hf: to_hf(_to_host(leaf)))
+            get = (
+                (lambda leaf=leaf, i=i, to_hf=to_hf: to_hf(_to_host(leaf[i])))
+                if stacked
+                else (lambda leaf=leaf, to_hf=to_hf: to_hf(_to_host(leaf)))
+            )
             tensors[name], shapes[name] = get, hf_shape
     if jax.process_index() != 0:
         for get in tensors.values():  # other processes still join the all-gathers

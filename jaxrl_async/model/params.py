@@ -46,9 +46,17 @@ class ParamSpec:
 def param_specs(cfg: ModelConfig) -> dict:
     """The parameter tree of `cfg` as ParamSpecs (nested dicts; layer leaves lead with [L])."""
     L, D, H, G, K, F, V = (
-        cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffw_size, cfg.vocab_size,
+        cfg.n_layers,
+        cfg.d_model,
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        cfg.ffw_size,
+        cfg.vocab_size,
     )
-    p = lambda shape, axes, init="normal", fan_in=1: ParamSpec(tuple(shape), cfg.param_dtype, tuple(axes), init, fan_in)
+    p = lambda shape, axes, init="normal", fan_in=1: ParamSpec(
+        tuple(shape), cfg.param_dtype, tuple(axes), init, fan_in
+    )
     layer = {
         "attn_norm": p((L, D), ("layers", None), "ones"),
         "q": p((L, D, H, K), ("layers", "embed", "q_heads", "head_dim"), fan_in=D),

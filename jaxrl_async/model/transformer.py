@@ -105,8 +105,16 @@ def _layer(cfg: ModelConfig, lp: dict, x_BxTxD, positions_BxT, inv_freq, mask_Bx
     return x_BxTxD, kv
 
 
-def forward(cfg: ModelConfig, params: dict, tokens_BxT, positions_BxT, segment_ids=None, cache=None,
-            remat: bool = False, return_hidden: bool = False):
+def forward(
+    cfg: ModelConfig,
+    params: dict,
+    tokens_BxT,
+    positions_BxT,
+    segment_ids=None,
+    cache=None,
+    remat: bool = False,
+    return_hidden: bool = False,
+):
     """Runs the model.
 
     Args:
@@ -161,8 +169,12 @@ def unembed(cfg: ModelConfig, params: dict, x_BxTxD):
     """Float32 logits [B, T, V] from final hidden states."""
     dt = x_BxTxD.dtype
     if cfg.tie_embeddings:
-        return jnp.einsum("btd,vd->btv", x_BxTxD, params["embed"].astype(dt), preferred_element_type=jnp.float32)
-    return jnp.einsum("btd,dv->btv", x_BxTxD, params["lm_head"].astype(dt), preferred_element_type=jnp.float32)
+        return jnp.einsum(
+            "btd,vd->btv", x_BxTxD, params["embed"].astype(dt), preferred_element_type=jnp.float32
+        )
+    return jnp.einsum(
+        "btd,dv->btv", x_BxTxD, params["lm_head"].astype(dt), preferred_element_type=jnp.float32
+    )
 
 
 def forward_logits(cfg: ModelConfig, params: dict, tokens_BxT) -> jax.Array:
