@@ -33,8 +33,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    logging.set_verbosity(logging.INFO)
-    # Library chatter (orbax logs every checkpoint file through absl) stays at warnings; ours at info.
-    std_logging.getLogger("absl").setLevel(std_logging.WARNING)
+    # Library chatter (orbax logs every checkpoint file) stays at warnings; our own loggers at info.
+    logging.set_verbosity(logging.WARNING)
     std_logging.getLogger("jaxrl_async").setLevel(std_logging.INFO)
     app.run(main)
