@@ -3,7 +3,8 @@
 Each prompt's generation cap is drawn from a lognormal (median, p99) and the stop token is disabled, so
 completion lengths follow that distribution exactly; both modes see the same prompts and lengths.
 
-  python tools/bench_async.py --steps 30 --out /tmp/bench_async.json
+  python tools/bench_async.py --steps 30 --out /tmp/bench_async.json             # the documented run
+  python tools/bench_async.py --steps 30 --slots 64                               # engine sized to one batch
 
 Prints a JSON summary and a table: steady-state trained tokens/s (after the first fifth of the steps),
 sampler and trainer idle fractions, head/token staleness, and the async/sync ratio.
@@ -80,7 +81,7 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=4)
-    p.add_argument("--slots", type=int, default=64)
+    p.add_argument("--slots", type=int, default=256)
     p.add_argument("--median", type=float, default=24)
     p.add_argument("--p99", type=float, default=96)
     p.add_argument("--max-len", type=int, default=128)
