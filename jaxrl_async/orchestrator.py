@@ -209,8 +209,8 @@ class Orchestrator:
         run, s = self.run_cfg, self.s
         trainer = TrainerWorker(s)
         t_start = time.perf_counter()
-        evals = [(0, self.evaluate(), 0.0)]
-        self.writer.scalars(0, {"eval/accuracy": evals[0][1]})
+        evals = [(self.version, self.evaluate(), 0.0)]
+        self.writer.scalars(self.version, {"eval/accuracy": evals[0][1]})
         log.info("start: held-out accuracy %.3f (mode=%s, eta=%d)", evals[0][1], run.mode, run.eta)
         eval_seconds = 0.0
         progress = s.progress(run.total_steps, "train steps")
