@@ -28,15 +28,20 @@ def get_config(layout: str = "v5p"):
     c.model.checkpoint = ""  # REQUIRED: local HF directory (config.json, tokenizer, safetensors)
     c.model.dtype = "bfloat16"
 
+    # Sizes checked with tools/plan_check.py (compiled train step + analytic KV cache per device).
     if layout == "v5p":
         c.mesh.sampler = (12, 4)
-        c.mesh.trainer = (16, 1)
+        c.mesh.trainer = (8, 2)  # (16, 1) compiled to ~166 GiB/chip of temporaries at 8k-token rows
+        c.sampler.num_slots = 768  # 64 per data shard; KV heads split over tensor=4
+        c.trainer.rows_per_micro = 8  # one 8k-token row per fsdp shard per micro-batch
     elif layout == "h100":
         c.mesh.sampler = (4, 1)
-        c.mesh.trainer = (4, 1)
+        c.mesh.trainer = (2, 2)  # (4, 1) with 4 rows needed ~71 of 75 GiB: too tight
+        c.sampler.num_slots = 128  # 32 per GPU: 8B bf16 weights (15 GiB) + 32 x 5k-token KV rows
+        c.trainer.rows_per_micro = 2
     else:
         raise ValueError(f"math_8b: unknown layout {layout!r} (v5p, h100)")
-    c.mesh.fake_cpu_devices = 1
+    c.mesh.fake_cpu_devices = 1  # accelerator layouts: check on CPU with tools/plan_check.py
 
     c.data.task = "jsonl"
     c.data.path = ""  # REQUIRED: JSONL with "prompt" and "answer" fields (see data.prompt_field/answer_field)
@@ -48,9 +53,8 @@ def get_config(layout: str = "v5p"):
     c.reward.num_workers = 16
     c.reward.timeout_s = 10.0
 
-    c.sampler.num_slots = 768
     c.sampler.max_prompt_len = 1024
-    c.sampler.max_new_tokens = 8192
+    c.sampler.max_new_tokens = 4096
     c.sampler.prompt_buckets = (256, 512, 1024)
     c.sampler.steps_per_call = 16
     c.sampler.temperature = 1.0
@@ -61,8 +65,7 @@ def get_config(layout: str = "v5p"):
     c.trainer.lr = 1e-6
     c.trainer.warmup_steps = 10
     c.trainer.total_steps = 500
-    c.trainer.token_budget = 16384
-    c.trainer.rows_per_micro = 16
+    c.trainer.token_budget = 8192
     c.trainer.compute_dtype = "bfloat16"
     c.trainer.remat = True
     c.trainer.temperature = 1.0
