@@ -167,7 +167,8 @@ def build_setup(config) -> Setup:
     sync = WeightSync(model_cfg, sampler_mesh)
     sampler_params = sync(params)
     engine = Engine(model_cfg, sampler_params, sampler_mesh, sampler_cfg)
-    eval_slots = max(sampler_mesh.shape["data"], min(sampler_cfg.num_slots, 64))
+    data = sampler_mesh.shape["data"]
+    eval_slots = data * max(1, min(sampler_cfg.num_slots, 64) // data)  # a multiple of the data axis
     eval_cfg = dataclasses.replace(
         sampler_cfg,
         temperature=0.0,
