@@ -5,11 +5,11 @@ import json
 import os
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
 
+from jaxrl_async.model.config import ModelConfig
 from jaxrl_async.perf import model as pm
 from jaxrl_async.perf.hardware import PRESETS, measure_this_cpu
 from jaxrl_async.perf.latency import DecodeLatency, fit_decode_latency, latency_from_hardware
@@ -85,14 +85,14 @@ def test_length_distributions():
 
 def test_shape_from_model_config_counts_llama_params():
     # Llama-3.2-1B: 1,235,814,400 parameters (tied embeddings).
-    cfg = types.SimpleNamespace(
-        n_layers=16,
+    cfg = ModelConfig(
+        vocab_size=128256,
         d_model=2048,
+        n_layers=16,
         n_heads=32,
         n_kv_heads=8,
         head_dim=64,
         ffw_size=8192,
-        vocab_size=128256,
         tie_embeddings=True,
     )
     shape = shape_from_model_config(cfg)

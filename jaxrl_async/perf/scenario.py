@@ -17,9 +17,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-import types
 from typing import Any
 
+from jaxrl_async.model.config import from_hf_config
 from jaxrl_async.perf.hardware import Hardware, hardware_from_dict
 from jaxrl_async.perf.shapes import ModelShape, shape_from_dict, shape_from_model_config
 from jaxrl_async.perf.system import build_system
@@ -55,17 +55,7 @@ def shape_from_hf_config(path: str, param_bytes: int = 2, kv_bytes: int = 2) -> 
     """ModelShape from a Hugging Face config.json of a dense Llama/Qwen model."""
     with open(path) as f:
         c = json.load(f)
-    heads = c["num_attention_heads"]
-    cfg = types.SimpleNamespace(
-        n_layers=c["num_hidden_layers"],
-        d_model=c["hidden_size"],
-        n_heads=heads,
-        n_kv_heads=c.get("num_key_value_heads", heads),
-        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-        ffw_size=c["intermediate_size"],
-        vocab_size=c["vocab_size"],
-        tie_embeddings=c.get("tie_word_embeddings", False),
-    )
+    cfg = from_hf_config(c)  # the model package's reader: same fields, same validation
     return shape_from_model_config(cfg, param_bytes, kv_bytes)
 
 

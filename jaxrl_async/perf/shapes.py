@@ -89,36 +89,9 @@ def shape_from_dict(d: dict[str, Any]) -> ModelShape:
     return ModelShape(**d)
 
 
-def dense_param_count(
-    n_layers: int,
-    d_model: int,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    ffw_size: int,
-    vocab: int,
-    tied: bool,
-) -> int:
-    """Parameters of a Llama/Qwen-style dense decoder (gated MLP, RMSNorm, no biases)."""
-    attn = d_model * head_dim * (n_heads + 2 * n_kv_heads) + n_heads * head_dim * d_model
-    mlp = 3 * d_model * ffw_size
-    norms = 2 * d_model
-    embed = vocab * d_model * (1 if tied else 2)
-    return n_layers * (attn + mlp + norms) + d_model + embed
-
-
 def shape_from_model_config(cfg: Any, param_bytes: int = 2, kv_bytes: int = 2) -> ModelShape:
-    """ModelShape from a `jaxrl_async.model.config.ModelConfig`-like object (duck-typed attributes)."""
-    params = dense_param_count(
-        cfg.n_layers,
-        cfg.d_model,
-        cfg.n_heads,
-        cfg.n_kv_heads,
-        cfg.head_dim,
-        cfg.ffw_size,
-        cfg.vocab_size,
-        bool(cfg.tie_embeddings),
-    )
+    """ModelShape from a `jaxrl_async.model.config.ModelConfig`."""
+    params = cfg.num_params  # the model's own count (embeddings once when tied; biases and norms included)
     return ModelShape(
         params=float(params),
         n_layers=cfg.n_layers,
