@@ -42,11 +42,14 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.checkpoint = ""  # Local HF checkpoint directory; overrides the preset's shape.
     c.model.dtype = "float32"  # Parameter and compute dtype: float32 | bfloat16.
     c.model.vocab_size = 0  # Preset override; 0 = the tokenizer's vocabulary size (rounded up to 8).
+    c.model.n_layers = 0  # Preset override; 0 = the preset's layer count.
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.sampler = (4, 1)  # Sampler submesh (data, tensor); takes the first devices.
     c.mesh.trainer = (4, 1)  # Trainer submesh (fsdp, tensor); takes the devices after the sampler's.
     c.mesh.fake_cpu_devices = 8  # On a CPU-only machine, create this many fake devices.
+    # Sampler and trainer share the first devices (one GPU): the two roles then take turns on them.
+    c.mesh.colocate = False
 
     c.data = dataclass_section(DataConfig)
     c.reward = dataclass_section(RewardConfig)

@@ -1,7 +1,12 @@
 """The CPU default: a tiny model learns 2-digit addition with asynchronous RL on an 8-device fake mesh.
 
-A cached supervised warm start brings held-out accuracy to ~30% so RL has signal; RL (decoupled PPO,
+A cached supervised warm start brings held-out accuracy to 33-40% so RL has signal; RL (decoupled PPO,
 GRPO advantages, eta = 2) takes it the rest of the way.
+
+Each role gets one of the 8 fake devices: on a 2-core machine, splitting a 0.4M-parameter model over
+fake devices only adds collectives (40 steps: 4,514 vs 7,539 trained tokens/s for (2,1)+(2,1) vs
+(1,1)+(1,1)). The sharded paths are the same code; `--config.mesh.sampler=(2,1)
+--config.mesh.trainer=(2,1)` runs them.
 """
 
 from configs import base
@@ -12,17 +17,20 @@ def get_config():
     c.workdir = "runs/tiny_arith"
     c.mode = "async"
     c.max_staleness = 2
-    c.total_steps = 400
+    c.total_steps = 1000
     c.prompts_per_step = 64
     c.samples_per_prompt = 8
     c.tokenizer = "char"
     c.eval_every = 20
-    c.eval_prompts = 200
+    c.eval_prompts = 400  # +-0.02 standard error near 90%
     c.text_samples = 4
 
     c.model.preset = "tiny"
-    c.mesh.sampler = (2, 1)
-    c.mesh.trainer = (2, 1)
+    # A third layer learns addition much faster per RL step than the preset's two (held-out accuracy
+    # after 200 steps on a GPU sweep: 0.78 vs 0.545), for ~1.3x the step cost.
+    c.model.n_layers = 3
+    c.mesh.sampler = (1, 1)
+    c.mesh.trainer = (1, 1)
     c.mesh.fake_cpu_devices = 8
 
     c.data.task = "arithmetic"
@@ -47,7 +55,11 @@ def get_config():
     c.trainer.lr = 3e-4  # 1e-3 collapsed the policy here (accuracy 0.33 -> 0.17 in 40 steps)
     c.trainer.warmup_steps = 5
     c.trainer.total_steps = 1000
-    c.trainer.end_lr_ratio = 1.0
+    # Groups whose 8 rewards are all equal carry no policy gradient; leaving them out makes late steps
+    # (most groups solved) much cheaper.
+    c.trainer.skip_zero_advantage = True
+    # Cosine decay to 0.1x: at a constant rate accuracy stalled near 0.85 with +-0.05 swings.
+    c.trainer.end_lr_ratio = 0.1
     c.trainer.clip_norm = 1.0
     c.trainer.token_budget = 32  # short rows: attention cost grows with the row length squared
     c.trainer.rows_per_micro = 128
@@ -58,6 +70,6 @@ def get_config():
     c.warm_start.batch = 128
     c.warm_start.seq_len = 12
     c.warm_start.lr = 1e-3
-    c.warm_start.target_accuracy = 0.3
-    c.warm_start.eval_every = 10
+    c.warm_start.target_accuracy = 0.33  # RL starts at or a little above this (checked every 5 steps)
+    c.warm_start.eval_every = 5
     return c

@@ -97,6 +97,7 @@ class TrainerWorker:
         batch = prepare_batch(s.run.trainer, rollouts)
         s.state, metrics = train_step(s.state, batch)
         metrics = {k: float(np.asarray(v)) for k, v in metrics.items() if np.ndim(v) == 0}
+        metrics["zero_adv_skipped_frac"] = batch.num_skipped / max(len(rollouts), 1)
         version = int(s.state.version)
         step_s = time.perf_counter() - t0
         sampler_params = s.weight_sync(s.state.params)
@@ -298,6 +299,7 @@ class Orchestrator:
             "train/grad_norm": m.get("grad_norm"),
             "train/entropy": m.get("entropy_mean"),
             "train/skipped_updates": float(np.asarray(self.s.state.skipped)),
+            "train/zero_adv_skipped_frac": m.get("zero_adv_skipped_frac"),
             "staleness/mean": st["head_mean"],
             "staleness/max": float(st["head_max"]),
             "staleness/token_mean": st["token_mean"],

@@ -88,6 +88,7 @@ class MeshConfig:
     sampler: tuple[int, int]  # (data, tensor)
     trainer: tuple[int, int]  # (fsdp, tensor)
     fake_cpu_devices: int  # device count to create on a CPU-only machine
+    colocate: bool = False  # both submeshes on the first devices (e.g. a single GPU)
 
     @property
     def sampler_devices(self) -> int:
@@ -96,6 +97,12 @@ class MeshConfig:
     @property
     def trainer_devices(self) -> int:
         return self.trainer[0] * self.trainer[1]
+
+    @property
+    def devices_needed(self) -> int:
+        if self.colocate:
+            return max(self.sampler_devices, self.trainer_devices)
+        return self.sampler_devices + self.trainer_devices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,11 +189,14 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         shape = tuple(m[name])
         if len(shape) != 2 or any(not isinstance(x, int) or x < 1 for x in shape):
             raise ConfigError(f"config.mesh.{name}: must be two positive integers, got {m[name]!r}")
-    mesh = MeshConfig(tuple(m["sampler"]), tuple(m["trainer"]), int(m["fake_cpu_devices"]))
-    need = mesh.sampler_devices + mesh.trainer_devices
+    mesh = MeshConfig(
+        tuple(m["sampler"]), tuple(m["trainer"]), int(m["fake_cpu_devices"]), bool(m.get("colocate"))
+    )
+    need = mesh.devices_needed
     if num_devices is not None and need > num_devices:
+        how = "colocated on" if mesh.colocate else "+"
         raise ConfigError(
-            f"config.mesh: sampler {mesh.sampler} + trainer {mesh.trainer} need {need} devices, "
+            f"config.mesh: sampler {mesh.sampler} {how} trainer {mesh.trainer} need {need} devices, "
             f"{num_devices} present"
         )
     tr = sections["trainer"]

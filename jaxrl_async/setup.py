@@ -90,6 +90,8 @@ def _model(run: RunConfig, tokenizer: Tokenizer, mesh) -> tuple[ModelConfig, dic
     cfg = presets.get(
         m["preset"], vocab_size=vocab, dtype=m["dtype"], param_dtype=m["dtype"], eos_token_id=tokenizer.eos_id
     )
+    if m.get("n_layers"):
+        cfg = cfg.replace(n_layers=int(m["n_layers"]))
     if cfg.max_seq_len < need:
         cfg = cfg.replace(max_seq_len=need)
     return cfg, init_params(cfg, jax.random.key(run.seed), mesh, TRAINER_RULES)
@@ -110,10 +112,11 @@ def _sampler_config(run: RunConfig, tokenizer: Tokenizer) -> SamplerConfig:
 def _meshes(run: RunConfig):
     devices = jax.devices()
     ns, nt = run.mesh.sampler_devices, run.mesh.trainer_devices
-    if ns + nt > len(devices):
-        raise ConfigError(f"config.mesh: needs {ns + nt} devices, {len(devices)} present")
+    if run.mesh.devices_needed > len(devices):
+        raise ConfigError(f"config.mesh: needs {run.mesh.devices_needed} devices, {len(devices)} present")
+    first = 0 if run.mesh.colocate else ns
     sampler = make_mesh(run.mesh.sampler, ("data", "tensor"), devices[:ns])
-    trainer = make_mesh(run.mesh.trainer, ("fsdp", "tensor"), devices[ns : ns + nt])
+    trainer = make_mesh(run.mesh.trainer, ("fsdp", "tensor"), devices[first : first + nt])
     return sampler, trainer
 
 
@@ -129,11 +132,11 @@ def _warm_start(run: RunConfig, setup: Setup, params: dict) -> tuple[dict, dict 
     data_cfg = dataclasses.replace(run.data, num_epochs=None, seed=run.data.seed + 7919)
     it = make_prompt_iterator(data_cfg, tok)
     examples = ((p.tokens, tok.encode(reference_completion(p.text)) + [tok.eos_id]) for p in it)
-    eval_prompts = held_out_prompts(run.data, tok, min(run.eval_prompts, 200))
+    eval_prompts = held_out_prompts(run.data, tok, run.eval_prompts)  # the RL run's own eval set
     evaluate = lambda p: evaluate_accuracy(
         setup.eval_engine, setup.rewards, tok, eval_prompts, setup.weight_sync(p), 0
     )
-    key = cache_key(setup.model_cfg, run.data, run.warm_start, run.seed, tok.vocab_size)
+    key = cache_key(setup.model_cfg, run.data, run.warm_start, run.seed, tok.vocab_size, run.eval_prompts)
     bar = setup.progress(run.warm_start.max_steps, "warm start")
     try:
         params, info = warm_start(

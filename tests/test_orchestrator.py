@@ -120,3 +120,17 @@ def test_sync_mode_is_eta_zero(tmp_path):
         setup.close()
     assert summary["max_staleness"] == 0 and summary["max_admission_ahead"] == 0
     assert summary["staleness_max"] == 0  # every sample was produced by the policy it trains
+
+
+def test_colocated_roles_share_devices(tmp_path):
+    n = len(jax.devices())
+    with pytest.raises(ConfigError, match=r"config\.mesh.*colocated.*need 16 devices"):
+        big = {"mesh.sampler": (4, 4), "mesh.trainer": (2, 1), "mesh.colocate": True}
+        validate(_small(tmp_path, **big), n)
+    cfg = _small(tmp_path, mode="sync", total_steps=2, eval_every=0, **{"mesh.colocate": True})
+    setup = build_setup(cfg)
+    try:
+        assert list(setup.sampler_mesh.devices.flat) == list(setup.trainer_mesh.devices.flat)
+        assert Orchestrator(setup).run()["steps"] == 2
+    finally:
+        setup.close()

@@ -298,3 +298,24 @@ def test_pack_rollouts_accepts_mappings():
     b = pack_rollouts(r, [0.0, 1.0], 48).arrays
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_skip_zero_advantage_drops_uninformative_groups_without_changing_the_direction(params):
+    rollouts = make_rollouts(16, seed=11)
+    # Groups 0 and 1 get equal rewards throughout -> advantage 0 for their 8 sequences.
+    rollouts = [
+        dataclasses.replace(r, reward=float(r.group_id == 0)) if r.group_id < 2 else r for r in rollouts
+    ]
+    skip = dataclasses.replace(BASE, skip_zero_advantage=True)
+    full, lean = prepare_batch(BASE, rollouts), prepare_batch(skip, rollouts)
+    assert (full.num_sequences, full.num_skipped) == (16, 0)
+    assert (lean.num_sequences, lean.num_skipped) == (8, 8)
+    # token_mean: same policy-gradient sum, divided by fewer tokens -> gradient scaled by n_full / n_lean.
+    _, g_full, _ = loss_and_grads(create_train_state(BASE, MODEL, params), full)
+    _, g_lean, _ = loss_and_grads(create_train_state(skip, MODEL, params), lean)
+    scale = full.num_loss_tokens / lean.num_loss_tokens
+    tree_close(g_lean, jax.tree.map(lambda g: g * scale, g_full), rtol=1e-4, atol=1e-7)
+    none = [dataclasses.replace(r, reward=0.0) for r in rollouts]  # nothing informative: keep everything
+    assert prepare_batch(skip, none).num_sequences == 16
+    with pytest.raises(ValueError, match="kl_coef"):
+        TrainConfig(skip_zero_advantage=True, kl_coef=0.1)

@@ -35,6 +35,10 @@ class TrainConfig:
       kl_coef, kl_estimator: KL penalty to the reference parameters (0 = off, no reference forward).
       remat: rematerialize layers in the backward pass.
       staleness_bins: size of the per-token staleness histogram (last bin = that many or more).
+      skip_zero_advantage: leave sequences whose advantage is 0 (groups whose rewards are all equal)
+        out of the packed batch. Their policy-gradient term is 0, so only the token-mean's denominator
+        changes; the step then costs compute in proportion to the informative samples (DAPO's filter,
+        without resampling). Needs kl_coef == 0 (the KL term has a gradient on every sample).
     """
 
     loss: str = "decoupled_ppo"
@@ -67,6 +71,7 @@ class TrainConfig:
     kl_estimator: str = "k3"
     remat: bool = False
     staleness_bins: int = 16
+    skip_zero_advantage: bool = False
 
     def __post_init__(self):
         if self.loss not in LOSSES:
@@ -96,6 +101,8 @@ class TrainConfig:
         for name in ("token_budget", "rows_per_micro", "minibatches", "staleness_bins"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.skip_zero_advantage and self.kl_coef > 0:
+            raise ValueError("TrainConfig.skip_zero_advantage needs kl_coef == 0 (the KL term has gradients)")
         if self.temperature <= 0:
             raise ValueError(f"TrainConfig.temperature must be > 0, got {self.temperature}")
 

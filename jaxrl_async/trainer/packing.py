@@ -68,11 +68,13 @@ class PackedBatch:
       arrays: FIELDS -> numpy array [M, R, S].
       num_sequences: sequences in the batch.
       num_loss_tokens: completion tokens (loss-mask ones) in the batch.
+      num_skipped: sequences left out before packing (zero advantage, see TrainConfig).
     """
 
     arrays: dict
     num_sequences: int
     num_loss_tokens: int
+    num_skipped: int = 0
 
     @property
     def num_micro(self) -> int:

@@ -150,12 +150,25 @@ def create_train_state(
 
 
 def prepare_batch(cfg: TrainConfig, rollouts: Sequence) -> PackedBatch:
-    """Advantages (cfg.advantage over reward / group_id) + packing into cfg's micro-batch shape."""
+    """Advantages (cfg.advantage over reward / group_id) + packing into cfg's micro-batch shape.
+
+    With cfg.skip_zero_advantage, sequences whose advantage is 0 are left out (all of them are kept when
+    none has a non-zero advantage, so a step always has a batch); `batch.num_skipped` counts them.
+    """
     get = lambda r, k: r[k] if isinstance(r, dict) else getattr(r, k)
-    adv = compute_advantages(
-        cfg.advantage, [get(r, "reward") for r in rollouts], [get(r, "group_id") for r in rollouts]
+    adv = np.asarray(
+        compute_advantages(
+            cfg.advantage, [get(r, "reward") for r in rollouts], [get(r, "group_id") for r in rollouts]
+        )
     )
-    return pack_rollouts(rollouts, adv, cfg.token_budget, cfg.rows_per_micro, min_micro=cfg.minibatches)
+    skipped = 0
+    if cfg.skip_zero_advantage:
+        keep = np.flatnonzero(np.abs(adv) > 1e-8)
+        if 0 < len(keep) < len(rollouts):
+            skipped = len(rollouts) - len(keep)
+            rollouts, adv = [rollouts[i] for i in keep], adv[keep]
+    batch = pack_rollouts(rollouts, adv, cfg.token_budget, cfg.rows_per_micro, min_micro=cfg.minibatches)
+    return dataclasses.replace(batch, num_skipped=skipped)
 
 
 @dataclasses.dataclass(frozen=True)
