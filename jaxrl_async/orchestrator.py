@@ -220,6 +220,11 @@ class Orchestrator:
                 if trainer.error is not None:
                     raise RuntimeError("trainer thread failed") from trainer.error
                 did_work = self._sampler_round()
+                if not did_work and self._pending:  # only rewards in flight: sleep until one lands
+                    t0 = time.perf_counter()
+                    self.s.rewards.wait(0.01)
+                    self._sampler_idle_s += time.perf_counter() - t0
+                    did_work = True
                 if not trainer.busy:
                     groups = self.queue.pop_batch(run.prompts_per_step, self.version)
                     if groups is not None:
@@ -264,7 +269,7 @@ class Orchestrator:
         self._collect_rewards()
         if not active:
             self._sampler_idle_s += time.perf_counter() - t0
-        return active or bool(self._pending)
+        return active
 
     def _poll_trainer(self, trainer: TrainerWorker, block: bool) -> TrainResult | None:
         t0 = time.perf_counter()

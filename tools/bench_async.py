@@ -49,6 +49,7 @@ def make_config(args, mode: str, workdir: str):
     c.eval_prompts = 8
     c.text_samples = 0
     c.model.preset = args.model
+    c.model.n_layers = args.layers
     c.mesh.sampler = (args.sampler_devices, 1)
     c.mesh.trainer = (args.trainer_devices, 1)
     c.warm_start.enabled = False
@@ -60,6 +61,7 @@ def make_config(args, mode: str, workdir: str):
     c.trainer.token_budget = args.token_budget
     c.trainer.rows_per_micro = args.rows
     c.trainer.lr = 1e-5
+    c.trainer.skip_zero_advantage = False  # throughput of the full batch, whatever the rewards
     return c
 
 
@@ -87,6 +89,7 @@ def main():
     p.add_argument("--max-len", type=int, default=128)
     p.add_argument("--eta", type=int, default=4)
     p.add_argument("--model", default="tiny")
+    p.add_argument("--layers", type=int, default=2, help="layer count (0 = the preset's)")
     p.add_argument("--sampler-devices", type=int, default=2)
     p.add_argument("--trainer-devices", type=int, default=2)
     p.add_argument("--token-budget", type=int, default=256)

@@ -188,6 +188,11 @@ class RewardService:
             self._results.clear()
         return out
 
+    def wait(self, timeout: float) -> bool:
+        """Blocks until a result is ready for `poll` or `timeout` seconds pass; True if one is ready."""
+        with self._cond:
+            return self._cond.wait_for(lambda: bool(self._results), timeout)
+
     def grade_batch(
         self, items: Sequence[tuple[str, str, Mapping[str, Any]]], timeout: float | None = None
     ) -> list[float]:
