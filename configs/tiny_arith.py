@@ -3,7 +3,7 @@
 A cached supervised warm start brings held-out accuracy to 33-40% so RL has signal; RL (decoupled PPO,
 GRPO advantages, eta = 2) takes it the rest of the way.
 
-Each role gets one of the 8 fake devices: on a 2-core machine, splitting a 0.4M-parameter model over
+Each role gets one of the 8 fake devices: on a 2-core machine, splitting a sub-million-parameter model over
 fake devices only adds collectives (40 steps: 4,514 vs 7,539 trained tokens/s for (2,1)+(2,1) vs
 (1,1)+(1,1)). The sharded paths are the same code; `--config.mesh.sampler=(2,1)
 --config.mesh.trainer=(2,1)` runs them.
@@ -22,7 +22,7 @@ def get_config():
     c.samples_per_prompt = 8
     c.tokenizer = "char"
     c.eval_every = 20
-    c.eval_prompts = 400  # +-0.02 standard error near 90%
+    c.eval_prompts = 400  # standard error ~0.015 near 90%
     c.text_samples = 4
 
     c.model.preset = "tiny"
