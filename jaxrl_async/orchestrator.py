@@ -101,6 +101,7 @@ class TrainerWorker:
         version = int(s.state.version)
         step_s = time.perf_counter() - t0
         sampler_params = s.weight_sync(s.state.params)
+        # Tokens consumed by the step, including sequences skipped for a zero advantage.
         tokens = sum(len(r.prompt_tokens) + len(r.completion_tokens) for r in rollouts)
         return TrainResult(
             version, sampler_params, metrics, groups, tokens, step_s, s.weight_sync.last_seconds

@@ -176,6 +176,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         raise ConfigError(
             "config.model.checkpoint: required (a local HF checkpoint directory), or set config.model.preset"
         )
+    n_layers = c["model"].get("n_layers", 0)
+    if not isinstance(n_layers, int) or n_layers < 0:
+        raise ConfigError(f"config.model.n_layers: must be an integer >= 0 (0 = preset), got {n_layers!r}")
     ckpt = c["model"].get("checkpoint")
     if ckpt and not os.path.isdir(ckpt):
         raise ConfigError(f"config.model.checkpoint: directory {ckpt!r} not found")

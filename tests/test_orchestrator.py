@@ -64,6 +64,8 @@ def test_config_errors_name_the_field(tmp_path):
         validate(_small(tmp_path, mode="fast"), n)
     with pytest.raises(ConfigError, match=r"config\.mesh.*need 24 devices"):
         validate(_small(tmp_path, **{"mesh.sampler": (4, 4), "mesh.trainer": (4, 2)}), n)
+    with pytest.raises(ConfigError, match=r"config\.model\.n_layers"):
+        validate(_small(tmp_path, **{"model.n_layers": -1}), n)
     with pytest.raises(ConfigError, match=r"config\.workdir"):
         validate(_small(""), n)
     with pytest.raises(ConfigError, match=r"config\.max_staleness"):
