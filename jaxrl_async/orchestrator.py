@@ -91,21 +91,39 @@ class TrainerWorker:
             self.outbox.put(None)
 
     def _step(self, groups: list[list[Rollout]], trainer_version: int) -> TrainResult:
-        s = self.setup
-        t0 = time.perf_counter()
-        rollouts = [r for g in groups for r in g]
-        batch = prepare_batch(s.run.trainer, rollouts)
-        s.state, metrics = train_step(s.state, batch)
-        metrics = {k: float(np.asarray(v)) for k, v in metrics.items() if np.ndim(v) == 0}
-        metrics["zero_adv_skipped_frac"] = batch.num_skipped / max(len(rollouts), 1)
-        version = int(s.state.version)
-        step_s = time.perf_counter() - t0
-        sampler_params = s.weight_sync(s.state.params)
-        # Tokens consumed by the step, including sequences skipped for a zero advantage.
-        tokens = sum(len(r.prompt_tokens) + len(r.completion_tokens) for r in rollouts)
-        return TrainResult(
-            version, sampler_params, metrics, groups, tokens, step_s, s.weight_sync.last_seconds
-        )
+        return train_on(self.setup, groups)
+
+
+def train_on(s: Setup, groups: list[list[Rollout]]) -> TrainResult:
+    """One train step on `groups` (updates `s.state`) and the new policy resharded onto the sampler mesh."""
+    t0 = time.perf_counter()
+    rollouts = [r for g in groups for r in g]
+    batch = prepare_batch(s.run.trainer, rollouts)
+    s.state, metrics = train_step(s.state, batch)
+    metrics = {k: float(np.asarray(v)) for k, v in metrics.items() if np.ndim(v) == 0}
+    metrics["zero_adv_skipped_frac"] = batch.num_skipped / max(len(rollouts), 1)
+    version = int(s.state.version)
+    step_s = time.perf_counter() - t0
+    sampler_params = s.weight_sync(s.state.params)
+    # Tokens consumed by the step, including sequences skipped for a zero advantage.
+    tokens = sum(len(r.prompt_tokens) + len(r.completion_tokens) for r in rollouts)
+    return TrainResult(version, sampler_params, metrics, groups, tokens, step_s, s.weight_sync.last_seconds)
+
+
+def to_rollout(c, reward: float, reason: str, tokenizer) -> Rollout:
+    """A graded sampler Completion (its metadata is the Prompt) as a trainer Rollout."""
+    return Rollout(
+        uid=c.metadata.uid,
+        group_id=int(c.uid),
+        sample_index=int(c.sample_index),
+        prompt_tokens=np.asarray(c.prompt_tokens, np.int32),
+        completion_tokens=np.asarray(c.tokens, np.int32),
+        behav_logprobs=np.asarray(c.logprobs, np.float32),
+        versions=np.asarray(c.versions, np.int32),
+        reward=float(reward),
+        finish_reason=c.finish_reason,
+        metadata={"text": tokenizer.decode(c.tokens), "prompt": c.metadata.text, "reason": reason},
+    )
 
 
 class Orchestrator:
@@ -172,24 +190,7 @@ class Orchestrator:
     def _collect_rewards(self) -> None:
         for res in self.s.rewards.poll():
             c = self._pending.pop(res.request_id)
-            self.queue.add(
-                Rollout(
-                    uid=c.metadata.uid,
-                    group_id=int(c.uid),
-                    sample_index=int(c.sample_index),
-                    prompt_tokens=np.asarray(c.prompt_tokens, np.int32),
-                    completion_tokens=np.asarray(c.tokens, np.int32),
-                    behav_logprobs=np.asarray(c.logprobs, np.float32),
-                    versions=np.asarray(c.versions, np.int32),
-                    reward=float(res.reward),
-                    finish_reason=c.finish_reason,
-                    metadata={
-                        "text": self.s.tokenizer.decode(c.tokens),
-                        "prompt": c.metadata.text,
-                        "reason": res.reason,
-                    },
-                )
-            )
+            self.queue.add(to_rollout(c, res.reward, res.reason, self.s.tokenizer))
 
     # ----- evaluation -----
 

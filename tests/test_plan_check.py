@@ -5,7 +5,13 @@ import dataclasses
 import jax
 
 from jaxrl_async.model import presets
-from jaxrl_async.perf.plan_check import kv_cache_bytes, plan_check, sampler_weight_bytes, train_memory
+from jaxrl_async.perf.plan_check import (
+    decode_memory,
+    kv_cache_bytes,
+    plan_check,
+    sampler_weight_bytes,
+    train_memory,
+)
 from jaxrl_async.sampler import SamplerConfig
 from jaxrl_async.trainer import TrainConfig
 
@@ -34,4 +40,34 @@ def test_sampler_bytes_and_full_report():
         trainer: tuple = (2, 1)
 
     report = plan_check(CFG, TrainConfig(token_budget=64, rows_per_micro=2), s, Mesh())
-    assert report["trainer"]["peak_estimate"] > 0 and report["sampler"]["total"] > 0
+    assert report["trainer"]["peak_estimate"] > 0
+    sampler = report["sampler"]
+    # The compiled decode step holds at least the weights and the KV cache it was sized with analytically.
+    assert sampler["argument_size"] >= sampler["analytic"]["total"] > 0
+
+
+def test_decode_memory_is_compiled_and_tracks_the_kv_cache():
+    small = decode_memory(
+        CFG, SamplerConfig(num_slots=4, max_prompt_len=16, max_new_tokens=16), (1, 1), jax.devices()[:1]
+    )
+    big = decode_memory(
+        CFG, SamplerConfig(num_slots=16, max_prompt_len=16, max_new_tokens=16), (1, 1), jax.devices()[:1]
+    )
+    per_slot = 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * 32 * 4
+    # 12 more slots: the argument bytes grow by exactly their KV cache (plus a few per-slot scalars).
+    assert 12 * per_slot <= big["argument_size"] - small["argument_size"] <= 12 * per_slot + 12 * 64
+    split = decode_memory(
+        CFG, SamplerConfig(num_slots=16, max_prompt_len=16, max_new_tokens=16), (2, 1), jax.devices()[:2]
+    )
+    assert split["argument_size"] < big["argument_size"]  # slots split over the data axis
+
+
+def test_decode_memory_of_a_bf16_model_drops_the_cpu_upcast_copies():
+    bf16 = dataclasses.replace(CFG, dtype="bfloat16", param_dtype="bfloat16")
+    s = SamplerConfig(num_slots=8, max_prompt_len=16, max_new_tokens=16)
+    m = decode_memory(bf16, s, (1, 1), jax.devices()[:1])
+    f32 = decode_memory(CFG, s, (1, 1), jax.devices()[:1])
+    assert m["argument_size"] < f32["argument_size"]  # bf16 weights and KV cache
+    assert m["temp_size_accelerator"] == f32["temp_size"]  # temporaries taken from the f32 twin
+    assert f32["temp_size_accelerator"] == f32["temp_size"]
+    assert m["peak_accelerator"] >= m["argument_size"]

@@ -8,6 +8,12 @@ discrete-event simulator. Writes report.json and PNG plots to --out.
   python tools/perf_model.py --scenario S.json --decode-bench decode.json --train-bench train.json --out D
   python tools/perf_model.py --hardware cpu --devices 8 --eta 2 --model-json config.json \\
       --prompts 64 --samples-per-prompt 8 --prompt-len 16 --lengths lognormal:median=8,p99=24 --out D
+
+Roles sharing one host (fake CPU devices, or `mesh.colocate`): give tools/bench_roles.py files instead;
+with --devices, every benched split summing to it is swept (docs/performance-model.md, "Shared host"):
+
+  python tools/perf_model.py --roles-bench roles_1.json --eta 2 --out D
+  python tools/perf_model.py --roles-bench r1.json r2.json r3.json --devices 4 --eta 2 --out D
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from jaxrl_async.perf import model as perf_model  # noqa: E402
 from jaxrl_async.perf.latency import load_decode_bench  # noqa: E402
 from jaxrl_async.perf.report import build_report, format_table, plot_latency, plot_sweep, write_report  # noqa: E402
 from jaxrl_async.perf.scenario import scenario_from_dict  # noqa: E402
+from jaxrl_async.perf.shared_host import load_role_bench, predict_async, predict_sync, sweep_shared  # noqa: E402
 from jaxrl_async.perf.simulator import simulate  # noqa: E402
 from jaxrl_async.perf.system import build_system, load_train_bench  # noqa: E402
 
@@ -79,6 +86,45 @@ def scenario_dict(args: argparse.Namespace) -> dict:
     return d
 
 
+def shared_host_main(args: argparse.Namespace) -> dict:
+    """Predictions from role benches (roles share the host's cores); writes report.json and sweep.png."""
+    benches = [load_role_bench(p) for p in args.roles_bench]
+    if args.eta is None:
+        raise SystemExit("--roles-bench needs --eta")
+    first = benches[0]
+    sync = predict_sync(first, first)
+    if args.devices:
+        sweep = sweep_shared(benches, args.devices, args.eta)
+    else:
+        sweep = [predict_async(first, first, args.eta)]
+    best = max(sweep, key=lambda r: r.tokens_per_s)
+    print(f"shared host: {first.cores} cores, η = {args.eta}; trained tokens/s per split")
+    print(f"{'sampler':>8} {'trainer':>8} {'tok/s':>9} {'period s':>9} {'bound':>8} {'stale mean':>10}")
+    for r in [sync, *sweep]:
+        print(
+            f"{r.sampler_devices:>8} {r.trainer_devices:>8} {r.tokens_per_s:>9.1f} {r.period_s:>9.3f} "
+            f"{r.bottleneck:>8} {r.mean_staleness:>10.2f}"
+        )
+    report = {
+        "model": "shared_host",
+        "best": best.to_dict(),
+        "sync": sync.to_dict(),
+        "speedup": best.tokens_per_s / sync.tokens_per_s,
+        "sweep": [r.to_dict() for r in sweep],
+        "role_benches": list(args.roles_bench),
+    }
+    write_report(args.out, report)
+    plot_sweep(os.path.join(args.out, "sweep.png"), sweep, sync, args.eta, ylabel="trained tokens / s")
+    print(
+        f"best: {best.sampler_devices} sampler + {best.trainer_devices} trainer devices, "
+        f"{best.tokens_per_s:.4g} tok/s, {report['speedup']:.2f}x sync of the first bench "
+        f"({sync.tokens_per_s:.4g} tok/s), staleness mean {best.mean_staleness:.2f} "
+        f"max {best.max_staleness:.2f}"
+    )
+    print(f"wrote {args.out}/report.json, sweep.png")
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenario", help="scenario JSON (tools/scenarios/)")
@@ -100,7 +146,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--simulate", action="store_true", help="check the best split and sync with the simulator")
     p.add_argument("--sim-steps", type=int, default=30)
     p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--roles-bench", nargs="+", help="tools/bench_roles.py JSON file(s): shared-host model")
     args = p.parse_args(argv)
+    if args.roles_bench:
+        return shared_host_main(args)
 
     sc = scenario_from_dict(scenario_dict(args))
     hw = sc.hardware

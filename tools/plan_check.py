@@ -1,4 +1,4 @@
-"""Will this config fit? Compile its train step for the target mesh on fake CPU devices; size the KV cache.
+"""Will this config fit? Compile its train step and decode step for the target meshes on fake CPU devices.
 
   python tools/plan_check.py --config configs/math_8b.py:h100 --preset qwen3-8b --hardware h100
   python tools/plan_check.py --config configs/math_8b.py --preset llama-3.1-8b --hardware tpu-v5p
@@ -61,7 +61,7 @@ def main():
     report["hardware"] = {"name": hw.name, "mem_bytes": hw.mem_bytes}
     report["fits"] = {
         "trainer": report["trainer"]["peak_estimate"] <= hw.mem_bytes,
-        "sampler": report["sampler"]["total"] <= hw.mem_bytes,
+        "sampler": report["sampler"]["peak_accelerator"] <= hw.mem_bytes,
     }
     print(json.dumps(report, indent=2))
     tr, sa, ok = report["trainer"], report["sampler"], report["fits"]
@@ -72,9 +72,12 @@ def main():
         f"{tr['temp_size'] / gib:.2f} GiB, peak ~{tr['peak_estimate'] / gib:.2f} GiB "
         f"-> {verdict(ok['trainer'])}"
     )
+    an = sa["analytic"]
     print(
-        f"  sampler {config.mesh.sampler}: weights {sa['weights'] / gib:.2f} GiB + KV cache "
-        f"{sa['kv_cache'] / gib:.2f} GiB -> {verdict(ok['sampler'])}"
+        f"  sampler {config.mesh.sampler}: args {sa['argument_size'] / gib:.2f} GiB (analytic: weights "
+        f"{an['weights'] / gib:.2f} + KV cache {an['kv_cache'] / gib:.2f}), temps "
+        f"{sa['temp_size_accelerator'] / gib:.2f} GiB (XLA:CPU {sa['temp_size'] / gib:.2f}), "
+        f"peak ~{sa['peak_accelerator'] / gib:.2f} GiB -> {verdict(ok['sampler'])}"
     )
     if args.out:
         with open(args.out, "w") as f:

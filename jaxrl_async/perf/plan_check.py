@@ -4,7 +4,9 @@ Nothing is allocated: parameters, optimizer state and the micro-batch are ShapeD
 trainer shardings, and XLA's compiled memory analysis gives the per-device argument, output and
 temporary bytes. On a CPU-only machine the mesh is made of fake CPU devices (the caller creates enough
 before JAX starts), so a user learns before launch whether params + optimizer + activations fit.
-The KV cache of the sampler is sized analytically (slots x slot length x layers x 2 x KV heads x head dim).
+The sampler's `generate` (weights, KV cache, decode temporaries) is compiled the same way for the sampler
+mesh (see `decode_memory` for bf16 on XLA:CPU); an analytic size (weights + slots x slot length x layers x
+2 x KV heads x head dim) is reported beside it as a cross-check.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxrl_async.model import ModelConfig, abstract_params, forward, token_logprobs
+from jaxrl_async.sampler import Engine
 from jaxrl_async.sharding import SAMPLER_RULES, TRAINER_RULES, make_mesh
 from jaxrl_async.trainer import TrainConfig, make_optimizer, policy_loss
 
@@ -78,7 +81,11 @@ def train_memory(cfg: TrainConfig, model_cfg: ModelConfig, trainer_shape: tuple[
         donate_argnums=(0, 1),
         out_shardings=(param_sh, opt_sh),
     )
-    compiled = fn.lower(params, opt_state, mb).compile()
+    return compiled_memory(fn.lower(params, opt_state, mb).compile())
+
+
+def compiled_memory(compiled) -> dict[str, int]:
+    """Per-device bytes from XLA's memory analysis of a compiled program, plus a peak estimate."""
     mem = compiled.memory_analysis()
     out = {
         k: int(getattr(mem, k + "_in_bytes", 0) or 0)
@@ -121,8 +128,29 @@ def sampler_weight_bytes(model_cfg: ModelConfig, sampler_shape: tuple[int, int],
     return total
 
 
+def decode_memory(model_cfg: ModelConfig, sampler_cfg: Any, sampler_shape: tuple[int, int], devices) -> dict:
+    """Per-device bytes of the sampler's compiled `generate` on a (data, tensor) mesh over `devices`.
+
+    XLA:CPU has no bfloat16 matmul: it converts bf16 operands (weights, KV cache) to f32 copies, which show
+    up as temporaries an accelerator would not need. For a bf16 model the same step is therefore also
+    compiled in f32, and its temporaries (f32 activations, an upper bound for bf16 ones) are reported as
+    `temp_size_accelerator`; `peak_accelerator` = arguments + outputs - aliased + those temporaries.
+    """
+    mesh = make_mesh(sampler_shape, ("data", "tensor"), devices)
+    out = compiled_memory(Engine(model_cfg, None, mesh, sampler_cfg).compile_generate())
+    temps = out["temp_size"]
+    if jnp.dtype(model_cfg.dtype) == jnp.bfloat16 or jnp.dtype(model_cfg.param_dtype) == jnp.bfloat16:
+        f32 = dataclasses.replace(model_cfg, dtype="float32", param_dtype="float32")
+        temps = compiled_memory(Engine(f32, None, mesh, sampler_cfg).compile_generate())["temp_size"]
+    out["temp_size_accelerator"] = temps
+    out["peak_accelerator"] = out["argument_size"] + out["output_size"] - out["alias_size"] + temps
+    return out
+
+
 def plan_check(model_cfg: ModelConfig, train_cfg: TrainConfig, sampler: Any, mesh: Any) -> dict:
-    """Memory per device for the trainer (compiled) and the sampler (weights + KV cache, analytic).
+    """Memory per device for the trainer and the sampler, both from compiled programs.
+
+    The sampler's analytic weights + KV-cache figure is kept beside the compiled one as a cross-check.
 
     Args:
       model_cfg: the model.
@@ -139,4 +167,6 @@ def plan_check(model_cfg: ModelConfig, train_cfg: TrainConfig, sampler: Any, mes
     dtype_bytes = 2 if model_cfg.dtype == "bfloat16" else 4
     weights = sampler_weight_bytes(model_cfg, tuple(mesh.sampler), dtype_bytes)
     kv = kv_cache_bytes(model_cfg, sampler.num_slots, sampler.slot_len, tuple(mesh.sampler), dtype_bytes)
-    return {"trainer": train, "sampler": {"weights": weights, "kv_cache": kv, "total": weights + kv}}
+    compiled = decode_memory(model_cfg, sampler, tuple(mesh.sampler), devices[:ns])
+    analytic = {"weights": weights, "kv_cache": kv, "total": weights + kv}
+    return {"trainer": train, "sampler": {**compiled, "analytic": analytic}}

@@ -108,8 +108,8 @@ def write_report(out_dir: str, report: dict[str, Any]) -> str:
     return path
 
 
-def plot_sweep(path: str, results: list[SplitResult], sync: SplitResult, eta: int) -> None:
-    """Throughput and staleness against the number of sampler devices."""
+def plot_sweep(path: str, results: list, sync, eta: int, ylabel: str = "response tokens / s") -> None:
+    """Throughput and staleness against the number of sampler devices (SplitResult-like rows)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -122,7 +122,7 @@ def plot_sweep(path: str, results: list[SplitResult], sync: SplitResult, eta: in
     ax1.plot(s, tps, "-", color="C0", label="async (all splits)")
     ax1.plot(s[ok], tps[ok], "o", color="C0", label="async (feasible)")
     ax1.axhline(sync.tokens_per_s, color="C3", ls="--", label="sync, all devices")
-    ax1.set_ylabel("response tokens / s")
+    ax1.set_ylabel(ylabel)
     ax1.legend()
     ax2.plot(s, [r.max_staleness for r in results], "-o", label="max staleness (longest sample / period)")
     ax2.plot(s, [r.mean_staleness for r in results], "-s", label="mean staleness (closed form)")

@@ -91,6 +91,8 @@ class Engine:
     ):
         """Compiles nothing yet; validates and converts `params` (already in the sampler layout on `mesh`).
 
+        With `params=None` nothing is allocated: only `compile_generate` may be called (plan checks).
+
         Raises:
           ValueError: the slot count does not divide over the data axis, the slot length exceeds the model's
             max_seq_len, or `params` do not match the model's sampler layout.
@@ -160,7 +162,8 @@ class Engine:
         self._init_state = jax.jit(self._init_state_fn, out_shardings=self._state_sh)
         self.version = version
         self._dparams = None
-        self.update_params(params, version)
+        if params is not None:
+            self.update_params(params, version)
 
     # ----- public API -----
 
@@ -176,6 +179,15 @@ class Engine:
         self.validate(params)
         self._dparams = self._to_layout(params)
         self.version = int(version)
+
+    def compile_generate(self):
+        """`generate` compiled on abstract weights and decode state (nothing allocated; for plan checks)."""
+        to_layout = functools.partial(decode.to_decode_layout, self.model_cfg, fuse=self.cfg.fuse_projections)
+        abstract = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+        dshapes = jax.eval_shape(to_layout, abstract_params(self.model_cfg))
+        dparams = jax.tree.map(abstract, dshapes, self._dparams_sh)
+        state = jax.tree.map(abstract, jax.eval_shape(self._init_state_fn), self._state_sh)
+        return self._generate.lower(dparams, state).compile()
 
     def validate(self, params: dict) -> None:
         """Raises ValueError (naming the leaf) unless `params` match this engine's sampler layout."""

@@ -1,0 +1,147 @@
+"""Shared-host model (roles on the same cores) and the role bench that calibrates it."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxrl_async.perf.shared_host import (
+    RoleBench,
+    load_role_bench,
+    predict_async,
+    predict_sync,
+    sweep_shared,
+)
+
+
+def _bench(devices=1, w_s=0.2, c_s=0.2, w_t=0.8, c_t=0.8, cores=2, batch_s=0.25, update_s=0.0):
+    return RoleBench(
+        sampler_devices=devices,
+        trainer_devices=devices,
+        cores=cores,
+        num_slots=64,
+        samples_per_batch=128,
+        tokens_per_batch=1000.0,
+        sample_batch_s=batch_s,
+        sample_batch_cpu_s=c_s,
+        sample_stream_s=w_s,
+        sample_stream_cpu_s=c_s,
+        train_step_s=w_t,
+        train_step_cpu_s=c_t,
+        update_s=update_s,
+    )
+
+
+def test_sync_adds_both_roles():
+    b = _bench(batch_s=0.3, w_t=0.7, update_s=0.05)
+    p = predict_sync(b, b)
+    assert p.period_s == pytest.approx(1.05)
+    assert p.tokens_per_s == pytest.approx(1000 / 1.05)
+    assert p.mean_staleness == 0
+
+
+def test_async_without_contention_is_the_slower_role():
+    # One core each (p_s = p_t = 1) on two cores: no slowdown, the trainer sets the pace, staleness = eta.
+    p = predict_async(
+        _bench(w_s=0.2, c_s=0.2, w_t=0.8, c_t=0.8), _bench(w_s=0.2, c_s=0.2, w_t=0.8, c_t=0.8), 3
+    )
+    assert p.slowdown == 1.0
+    assert p.period_s == pytest.approx(0.8)
+    assert p.bottleneck == "trainer" and p.mean_staleness == 3 and p.max_staleness == 3
+
+
+def test_async_when_each_role_fills_the_host_gains_nothing():
+    # Each role alone keeps both cores busy: processor sharing halves both, async == running them in turn.
+    b = _bench(w_s=0.3, c_s=0.6, w_t=0.5, c_t=1.0)
+    p = predict_async(b, b, 2)
+    assert p.slowdown == pytest.approx(2.0)
+    assert p.period_s == pytest.approx(0.8)
+
+
+def test_async_partial_contention_between_the_bounds():
+    b = _bench(w_s=0.2, c_s=0.26, w_t=0.8, c_t=1.4)  # 1.3 + 1.75 cores wanted on 2
+    p = predict_async(b, b, 2)
+    assert 0.8 < p.period_s < 1.0
+    assert p.period_s == pytest.approx(0.8 + 0.2 * ((1.3 + 1.75) / 2 - 1))
+    # More cores remove the contention.
+    assert predict_async(b, b, 2, cores=4).period_s == pytest.approx(0.8)
+
+
+def test_sampler_paced_staleness_is_below_eta():
+    b = _bench(w_s=0.9, c_s=0.9, w_t=0.3, c_t=0.3)
+    p = predict_async(b, b, 4)
+    assert p.bottleneck == "sampler"
+    assert p.mean_staleness < 4
+
+
+def test_sweep_pairs_sampler_and_trainer_counts():
+    benches = [
+        _bench(devices=1, w_s=0.2, c_s=0.2, w_t=1.0, c_t=1.0),
+        _bench(devices=2, w_s=0.3, c_s=0.3, w_t=0.7, c_t=0.7),
+        _bench(devices=3, w_s=0.5, c_s=0.5, w_t=0.6, c_t=0.6),
+    ]
+    sweep = sweep_shared(benches, 4, 2)
+    assert [(r.sampler_devices, r.trainer_devices) for r in sweep] == [(1, 3), (2, 2), (3, 1)]
+    # (1, 3): sampler from the 1-device bench, trainer from the 3-device bench.
+    assert sweep[0].sampler_s == pytest.approx(0.2) and sweep[0].trainer_s == pytest.approx(0.6)
+    assert sweep[2].sampler_s == pytest.approx(0.5) and sweep[2].trainer_s == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no benched split sums to 9"):
+        sweep_shared(benches, 9, 2)
+
+
+def test_load_names_missing_fields_and_rejects_zero(tmp_path):
+    d = dataclasses.asdict(_bench())
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps(d))
+    assert load_role_bench(str(path)) == _bench()
+    del d["train_step_cpu_s"]
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="train_step_cpu_s"):
+        load_role_bench(str(path))
+    with pytest.raises(ValueError, match="RoleBench.train_step_s"):
+        _bench(w_t=0.0)
+
+
+def test_cli_shared_host_sweep(tmp_path):
+    paths = []
+    for k, (w_s, w_t) in enumerate([(0.2, 1.0), (0.3, 0.7), (0.5, 0.9)], start=1):
+        p = tmp_path / f"r{k}.json"
+        p.write_text(json.dumps(dataclasses.asdict(_bench(devices=k, w_s=w_s, c_s=w_s, w_t=w_t, c_t=w_t))))
+        paths.append(str(p))
+    out = tmp_path / "out"
+    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "perf_model.py")
+    cmd = [sys.executable, tool, "--roles-bench", *paths, "--devices", "4", "--eta", "2", "--out", str(out)]
+    printed = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    report = json.loads((out / "report.json").read_text())
+    assert "best: 2 sampler + 2 trainer devices" in printed
+    assert (report["best"]["sampler_devices"], report["best"]["trainer_devices"]) == (2, 2)
+    assert report["speedup"] == pytest.approx(report["best"]["tokens_per_s"] / report["sync"]["tokens_per_s"])
+    assert len(report["sweep"]) == 3 and (out / "sweep.png").stat().st_size > 0
+
+
+def test_calibrate_roles_times_each_role_of_a_real_run(tmp_path):
+    from test_orchestrator import _small
+
+    from jaxrl_async.calibration import calibrate_roles, host_cores
+    from jaxrl_async.setup import build_setup
+
+    cfg = _small(tmp_path, **{"mesh.sampler": (1, 1), "mesh.trainer": (1, 1)})
+    setup = build_setup(cfg)
+    try:
+        d = calibrate_roles(setup, batches=2)
+    finally:
+        setup.close()
+    assert int(setup.state.version) == 3  # one untimed (compiling) + two timed train steps
+    assert d["samples_per_batch"] == cfg.prompts_per_step * cfg.samples_per_prompt == 16
+    assert d["cores"] == host_cores() and d["num_slots"] == 8
+    max_len = cfg.sampler.max_prompt_len + cfg.sampler.max_new_tokens
+    assert 16 * 2 <= d["tokens_per_batch"] <= 16 * max_len
+    assert 1 <= d["completion_length_mean"] <= cfg.sampler.max_new_tokens
+    path = tmp_path / "roles.json"
+    path.write_text(json.dumps(d))
+    bench = load_role_bench(str(path))  # every timing positive, or this raises
+    p = predict_async(bench, bench, 1)
+    assert max(p.sampler_s, p.trainer_s) <= p.period_s <= p.sampler_s + p.trainer_s + 1e-9
