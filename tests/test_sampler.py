@@ -2,6 +2,7 @@
 no recompilation inside a bucket, sharded == single device, and the generate CLI."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -306,3 +307,28 @@ def test_generate_cli_on_hf_checkpoint(tmp_path, params):
     ids_lines = [line for line in res.stdout.splitlines() if line.startswith("ids:")]
     ref = _greedy_reference(p, tok.encode(prompt), 5, cfg, stop=tok.eos_id)  # the CLI stops at eos
     assert ids_lines == ["ids: " + " ".join(map(str, ref))]
+
+
+def test_cpu_attention_kernel_matches_the_trainer(params):
+    if shutil.which("g++") is None and shutil.which("c++") is None and not os.environ.get("CXX"):
+        pytest.skip("no C++ compiler to build the CPU attention kernel")
+    temp = 0.8
+    prompts = _prompts(6, seed=5)
+    outs = {}
+    for attention in ("xla", "cpu_kernel"):
+        loop = _loop(params, temperature=temp, attention=attention, steps_per_call=3)
+        for i, p in enumerate(prompts):
+            loop.add_request(Request(i, p, n_samples=2, seed=i, max_new_tokens=4 + i))
+        outs[attention] = _by_uid(loop.run())
+    for key, c in outs["cpu_kernel"].items():
+        ref = outs["xla"][key]
+        assert c.tokens.tolist() == ref.tokens.tolist()  # same draws: the logits agree to float rounding
+        p = prompts[key[0]]
+        np.testing.assert_allclose(
+            c.logprobs, _trainer_logprobs(params, p, c.tokens, temp), atol=1e-5, rtol=0
+        )
+    mesh2 = make_mesh((2, 1), ("data", "tensor"), jax.devices()[:2])
+    with pytest.raises(ValueError, match="one CPU device"):
+        _loop(_params(mesh=mesh2), mesh=mesh2, attention="cpu_kernel")
+    with pytest.raises(ValueError, match="SamplerConfig.attention"):
+        SamplerConfig(attention="flash")

@@ -212,6 +212,13 @@ def main(argv=None) -> None:
     ap.add_argument("--json-out", help="write the full results here")
     ap.add_argument("--quick", action="store_true", help="tiny model, few reps (a smoke test)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument(
+        "--attention",
+        default="xla",
+        choices=("xla", "cpu_kernel"),
+        help="the engine's decode attention (SamplerConfig.attention); with cpu_kernel the transformers "
+        "comparison also times the xla engine in the same place",
+    )
     args = ap.parse_args(argv)
 
     quick = args.quick
@@ -228,7 +235,9 @@ def main(argv=None) -> None:
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
         "steps_per_call": k,
+        "attention": args.attention,
     }
+    attn = {"attention": args.attention}
 
     bw = measure_bandwidth(0.25 if quick else 1.0)
     ctx = prompt_len + new_tokens // 2
@@ -237,7 +246,7 @@ def main(argv=None) -> None:
 
     points = []
     for b in batches:
-        eng = _engine(cfg, params, mesh, b, prompt_len, new_tokens, k)
+        eng = _engine(cfg, params, mesh, b, prompt_len, new_tokens, k, **attn)
         points.append({"batch": b, "step_s": engine_step_time(eng, prompt_len, reps)})
         del eng
     res["latency"] = points
@@ -250,7 +259,9 @@ def main(argv=None) -> None:
 
     bmax = batches[-1]
     # Side by side, alternating, best of two: the machine may be shared.
-    variants = {f: _engine(cfg, params, mesh, bmax, prompt_len, new_tokens, k, fuse=f) for f in (False, True)}
+    variants = {
+        f: _engine(cfg, params, mesh, bmax, prompt_len, new_tokens, k, fuse=f, **attn) for f in (False, True)
+    }
     ablation = {"model_forward_scan": [], "decode_unfused": [], "decode_fused": []}
     for _ in range(2):
         ablation["model_forward_scan"].append(
@@ -270,9 +281,14 @@ def main(argv=None) -> None:
             res["vs_hf"] = {}
             for b in (1, bmax):
                 prompts = rng.integers(3, cfg.vocab_size, size=(b, prompt_len)).tolist()
-                eng = _engine(cfg, params, mesh, b, prompt_len, new_tokens, k)
+                eng = _engine(cfg, params, mesh, b, prompt_len, new_tokens, k, **attn)
                 ours_s, ours = engine_end_to_end(eng, prompts, new_tokens)
                 ours_step = engine_step_time(eng, prompt_len, reps)  # measured next to the HF run
+                xla_step = ours_step
+                if args.attention != "xla":
+                    xla_eng = _engine(cfg, params, mesh, b, prompt_len, new_tokens, k)
+                    xla_step = engine_step_time(xla_eng, prompt_len, reps)
+                    del xla_eng
                 hf_runs = {
                     t: hf_generate(tmp, prompts, new_tokens, t) for t in sorted({1, os.cpu_count() or 1})
                 }
@@ -287,6 +303,7 @@ def main(argv=None) -> None:
                     "ours_decode_tok_s": b / ours_step,
                     "hf_decode_tok_s": b / hf_decode_step,
                     "decode_speedup": hf_decode_step / ours_step,
+                    "xla_attention_decode_tok_s": b / xla_step,
                     "greedy_sequences_identical": agree,
                     "hf_torch_threads": best,
                     "hf_tok_s_by_threads": {t: b * new_tokens / r[0] for t, r in hf_runs.items()},
@@ -328,7 +345,12 @@ def _print_table(res: dict) -> None:
             f"vs transformers, batch {b}: end-to-end {r['ours_tok_s']:.1f} vs {r['hf_tok_s']:.1f} tok/s "
             f"({r['end_to_end_speedup']:.2f}x); decode {r['ours_decode_tok_s']:.1f} vs "
             f"{r['hf_decode_tok_s']:.1f} tok/s ({r['decode_speedup']:.2f}x); identical greedy sequences "
-            f"{r['greedy_sequences_identical']:.2f}"
+            f"{r['greedy_sequences_identical']:.2f}; attention {res['attention']}"
+            + (
+                f" (xla attention, same place: {r['xla_attention_decode_tok_s']:.1f} tok/s)"
+                if res["attention"] != "xla"
+                else ""
+            )
         )
     bt = res["batching"]
     print(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+ATTENTIONS = ("xla", "cpu_kernel")
 UPDATE_MODES = ("keep_kv", "recompute_kv", "finish")
 
 
@@ -39,6 +40,8 @@ class SamplerConfig:
       overlap_host: dispatch round k + 1 before reading round k back (finished slots refill one round
         later); False reads each round back before the next is dispatched.
       fuse_projections: decode with fused q|k|v and gate|up weights (fewer, larger matmuls).
+      attention: decode attention: "xla" (einsums, any backend) or "cpu_kernel" (a C++ custom call for
+        XLA:CPU that reads only valid positions on all cores; one sampler device; needs a C++ compiler).
     """
 
     num_slots: int = 8
@@ -55,6 +58,7 @@ class SamplerConfig:
     update_mode: str = "keep_kv"
     overlap_host: bool = True
     fuse_projections: bool = True
+    attention: str = "xla"
 
     def __post_init__(self):
         for name in ("num_slots", "max_prompt_len", "max_new_tokens", "steps_per_call", "top_p_candidates"):
@@ -90,6 +94,8 @@ class SamplerConfig:
             raise ValueError(f"SamplerConfig.top_p must be in (0, 1], got {self.top_p}")
         if self.update_mode not in UPDATE_MODES:
             raise ValueError(f"SamplerConfig.update_mode={self.update_mode!r} not in {UPDATE_MODES}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"SamplerConfig.attention={self.attention!r} not in {ATTENTIONS}")
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
 
     @property

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from jaxrl_async.model import ModelConfig, param_specs
 from jaxrl_async.model.transformer import apply_rope, rms_norm, rope_inv_freq
+from jaxrl_async.sampler import cpu_attention
 
 _NEG_INF = -1e30
 CACHE_AXES = ("batch", "kv_heads", "seq", "head_dim")  # logical axes of one layer's K or V buffer
@@ -163,12 +164,15 @@ def prefill_kv(cfg: ModelConfig, dparams: dict, tokens_BxT):
     return keys, values
 
 
-def decode_step(cfg: ModelConfig, dparams: dict, keys: list, values: list, tokens_B, positions_B):
+def decode_step(
+    cfg: ModelConfig, dparams: dict, keys: list, values: list, tokens_B, positions_B, attention: str = "xla"
+):
     """One decode step: writes each row's new key/value at its own position, attends to positions <= it.
 
     Args:
       keys, values: per layer [B, G, S, K] caches (updated in place when donated).
       tokens_B: int32 input token per row; positions_B: its absolute position (= cache index).
+      attention: "xla" (einsums over the whole row) or "cpu_kernel" (`cpu_attention`: valid positions only).
 
     Returns:
       (logits_BxV float32, keys, values).
@@ -188,7 +192,13 @@ def decode_step(cfg: ModelConfig, dparams: dict, keys: list, values: list, token
         q, k = apply_rope(q, positions_Bx1, inv_freq), apply_rope(k, positions_Bx1, inv_freq)
         keys[i] = keys[i].at[rows, :, positions_B].set(k[:, 0].astype(keys[i].dtype))
         values[i] = values[i].at[rows, :, positions_B].set(v[:, 0].astype(values[i].dtype))
-        attn = _attend(q, keys[i].astype(dt), values[i].astype(dt), mask_Bx1xS)
+        if attention == "cpu_kernel":
+            g = keys[i].shape[1]
+            q_BxGxRxK = q[:, 0].reshape(b, g, -1, q.shape[-1])
+            out = cpu_attention.decode_attention(q_BxGxRxK, keys[i], values[i], positions_B + 1)
+            attn = out.reshape(b, 1, -1, q.shape[-1]).astype(dt)
+        else:
+            attn = _attend(q, keys[i].astype(dt), values[i].astype(dt), mask_Bx1xS)
         x_Bx1xD = _mlp_residual(cfg, lp, x_Bx1xD, attn)
     x_BxD = rms_norm(x_Bx1xD, dparams["final_norm"], cfg.rms_eps)[:, 0]
     unembed_VxD = dparams["lm_head"] if "lm_head" in dparams else dparams["embed"]

@@ -101,6 +101,13 @@ class Engine:
             raise ValueError(
                 f"num_slots={cfg.num_slots} is not a multiple of the data axis ({mesh.shape['data']})"
             )
+        if cfg.attention == "cpu_kernel" and (
+            mesh.devices.size != 1 or mesh.devices.flat[0].platform != "cpu"
+        ):
+            raise ValueError(
+                "SamplerConfig.attention='cpu_kernel' runs on one CPU device; the sampler mesh has "
+                f"{mesh.devices.size} {mesh.devices.flat[0].platform} device(s) (use attention='xla')"
+            )
         if cfg.slot_len > model_cfg.max_seq_len:
             raise ValueError(
                 f"slot length {cfg.slot_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}"
@@ -306,7 +313,13 @@ class Engine:
 
         def one(state, _):
             logits_BxV, keys, values = decode.decode_step(
-                self.model_cfg, dparams, state["k"], state["v"], state["next_token"], state["pos"]
+                self.model_cfg,
+                dparams,
+                state["k"],
+                state["v"],
+                state["next_token"],
+                state["pos"],
+                attention=c.attention,
             )
             new_pos = state["pos"] + 1
             tok, logp, slogp = sampling.sample(
