@@ -202,6 +202,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
             f"config.mesh: sampler {mesh.sampler} {how} trainer {mesh.trainer} need {need} devices, "
             f"{num_devices} present"
         )
+    if sections["sampler"].attention == "cpu_kernel" and mesh.sampler_devices != 1:
+        raise ConfigError(
+            f"config.sampler.attention: 'cpu_kernel' runs on one CPU device, config.mesh.sampler is "
+            f"{mesh.sampler} (use 'xla')"
+        )
     tr = sections["trainer"]
     if tr.total_steps < c["total_steps"]:
         raise ConfigError(

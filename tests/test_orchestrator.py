@@ -70,6 +70,8 @@ def test_config_errors_name_the_field(tmp_path):
         validate(_small(""), n)
     with pytest.raises(ConfigError, match=r"config\.max_staleness"):
         validate(_small(tmp_path, max_staleness=0), n)
+    with pytest.raises(ConfigError, match=r"config\.sampler\.attention"):
+        validate(_small(tmp_path, **{"sampler.attention": "cpu_kernel"}), n)  # sampler mesh (2, 1)
     with pytest.raises(ConfigError, match=r"config\.sampler: .*top_p"):
         validate(_small(tmp_path, **{"sampler.top_p": 1.5}), n)
     with pytest.raises(ConfigError, match=r"config\.trainer\.temperature"):
