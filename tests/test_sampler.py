@@ -330,5 +330,8 @@ def test_cpu_attention_kernel_matches_the_trainer(params):
     mesh2 = make_mesh((2, 1), ("data", "tensor"), jax.devices()[:2])
     with pytest.raises(ValueError, match="one CPU device"):
         _loop(_params(mesh=mesh2), mesh=mesh2, attention="cpu_kernel")
+    bf16 = presets.tiny(vocab_size=64, n_layers=1, max_seq_len=64, dtype="bfloat16")
+    with pytest.raises(ValueError, match="needs a float32 model"):
+        _loop(_params(cfg=bf16), cfg=bf16, attention="cpu_kernel")
     with pytest.raises(ValueError, match="SamplerConfig.attention"):
         SamplerConfig(attention="flash")

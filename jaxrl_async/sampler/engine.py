@@ -108,6 +108,11 @@ class Engine:
                 "SamplerConfig.attention='cpu_kernel' runs on one CPU device; the sampler mesh has "
                 f"{mesh.devices.size} {mesh.devices.flat[0].platform} device(s) (use attention='xla')"
             )
+        if cfg.attention == "cpu_kernel" and jnp.dtype(model_cfg.dtype) != jnp.float32:
+            # The kernel reads float32; any other cache dtype would be converted in full every step.
+            raise ValueError(
+                f"SamplerConfig.attention='cpu_kernel' needs a float32 model, got dtype={model_cfg.dtype}"
+            )
         if cfg.slot_len > model_cfg.max_seq_len:
             raise ValueError(
                 f"slot length {cfg.slot_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}"
