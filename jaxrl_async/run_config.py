@@ -202,16 +202,17 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
             f"config.mesh: sampler {mesh.sampler} {how} trainer {mesh.trainer} need {need} devices, "
             f"{num_devices} present"
         )
-    if sections["sampler"].attention == "cpu_kernel" and mesh.sampler_devices != 1:
-        raise ConfigError(
-            f"config.sampler.attention: 'cpu_kernel' runs on one CPU device, config.mesh.sampler is "
-            f"{mesh.sampler} (use 'xla')"
-        )
-    if sections["sampler"].attention == "cpu_kernel" and c["model"]["dtype"] != "float32":
-        raise ConfigError(
-            f"config.sampler.attention: 'cpu_kernel' needs config.model.dtype='float32', "
-            f"got {c['model']['dtype']!r}"
-        )
+    for name in sections["sampler"].cpu_kernels:
+        if mesh.sampler_devices != 1:
+            raise ConfigError(
+                f"config.sampler.{name}: 'cpu_kernel' runs on one CPU device, config.mesh.sampler is "
+                f"{mesh.sampler} (use 'xla')"
+            )
+        if c["model"]["dtype"] != "float32":
+            raise ConfigError(
+                f"config.sampler.{name}: 'cpu_kernel' needs config.model.dtype='float32', "
+                f"got {c['model']['dtype']!r}"
+            )
     tr = sections["trainer"]
     if tr.total_steps < c["total_steps"]:
         raise ConfigError(

@@ -72,6 +72,11 @@ def test_config_errors_name_the_field(tmp_path):
         validate(_small(tmp_path, max_staleness=0), n)
     with pytest.raises(ConfigError, match=r"config\.sampler\.attention"):
         validate(_small(tmp_path, **{"sampler.attention": "cpu_kernel"}), n)  # sampler mesh (2, 1)
+    with pytest.raises(ConfigError, match=r"config\.sampler\.linear: 'cpu_kernel' runs on one CPU"):
+        validate(_small(tmp_path, **{"sampler.linear": "cpu_kernel"}), n)
+    one = {"mesh.sampler": (1, 1), "sampler.linear": "cpu_kernel", "model.dtype": "bfloat16"}
+    with pytest.raises(ConfigError, match=r"config\.sampler\.linear: .*float32"):
+        validate(_small(tmp_path, **one), n)
     with pytest.raises(ConfigError, match=r"config\.sampler: .*top_p"):
         validate(_small(tmp_path, **{"sampler.top_p": 1.5}), n)
     with pytest.raises(ConfigError, match=r"config\.trainer\.temperature"):

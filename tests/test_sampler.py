@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxrl_async.model import forward_logits, init_params, presets, save_hf, token_logprobs
-from jaxrl_async.sampler import Engine, Request, SamplerConfig, SamplerLoop, sampling
+from jaxrl_async.sampler import Engine, Request, SamplerConfig, SamplerLoop, cpu_kernels, sampling
 from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -309,29 +309,50 @@ def test_generate_cli_on_hf_checkpoint(tmp_path, params):
     assert ids_lines == ["ids: " + " ".join(map(str, ref))]
 
 
-def test_cpu_attention_kernel_matches_the_trainer(params):
+def _need_cxx():
     if shutil.which("g++") is None and shutil.which("c++") is None and not os.environ.get("CXX"):
-        pytest.skip("no C++ compiler to build the CPU attention kernel")
+        pytest.skip("no C++ compiler to build the CPU kernels")
+
+
+def test_cpu_kernels_match_the_trainer(params):
+    _need_cxx()
     temp = 0.8
     prompts = _prompts(6, seed=5)
     outs = {}
-    for attention in ("xla", "cpu_kernel"):
-        loop = _loop(params, temperature=temp, attention=attention, steps_per_call=3)
+    for kernels in (("xla", "xla"), ("cpu_kernel", "xla"), ("cpu_kernel", "cpu_kernel")):
+        attention, linear = kernels
+        loop = _loop(params, temperature=temp, attention=attention, linear=linear, steps_per_call=3)
         for i, p in enumerate(prompts):
             loop.add_request(Request(i, p, n_samples=2, seed=i, max_new_tokens=4 + i))
-        outs[attention] = _by_uid(loop.run())
-    for key, c in outs["cpu_kernel"].items():
-        ref = outs["xla"][key]
-        assert c.tokens.tolist() == ref.tokens.tolist()  # same draws: the logits agree to float rounding
-        p = prompts[key[0]]
-        np.testing.assert_allclose(
-            c.logprobs, _trainer_logprobs(params, p, c.tokens, temp), atol=1e-5, rtol=0
-        )
+        outs[kernels] = _by_uid(loop.run())
+    for kernels in (("cpu_kernel", "xla"), ("cpu_kernel", "cpu_kernel")):
+        for key, c in outs[kernels].items():
+            ref = outs[("xla", "xla")][key]
+            assert c.tokens.tolist() == ref.tokens.tolist()  # same draws: the logits agree to float rounding
+            p = prompts[key[0]]
+            np.testing.assert_allclose(
+                c.logprobs, _trainer_logprobs(params, p, c.tokens, temp), atol=1e-5, rtol=0
+            )
     mesh2 = make_mesh((2, 1), ("data", "tensor"), jax.devices()[:2])
-    with pytest.raises(ValueError, match="one CPU device"):
-        _loop(_params(mesh=mesh2), mesh=mesh2, attention="cpu_kernel")
+    for name in ("attention", "linear"):
+        with pytest.raises(ValueError, match=f"SamplerConfig.{name}='cpu_kernel' runs on one CPU device"):
+            _loop(_params(mesh=mesh2), mesh=mesh2, **{name: "cpu_kernel"})
     bf16 = presets.tiny(vocab_size=64, n_layers=1, max_seq_len=64, dtype="bfloat16")
     with pytest.raises(ValueError, match="needs a float32 model"):
-        _loop(_params(cfg=bf16), cfg=bf16, attention="cpu_kernel")
+        _loop(_params(cfg=bf16), cfg=bf16, linear="cpu_kernel")
     with pytest.raises(ValueError, match="SamplerConfig.attention"):
         SamplerConfig(attention="flash")
+    with pytest.raises(ValueError, match="SamplerConfig.linear"):
+        SamplerConfig(linear="mkl")
+
+
+@pytest.mark.parametrize("m", [1, 3, 5, 16])
+def test_cpu_linear_kernel_matches_numpy(m):
+    """Every row blocking (4 inputs x 4 weight rows, remainders) on the threaded path and a tiny call."""
+    _need_cxx()
+    rng = np.random.default_rng(m)
+    for n, d in ((1030, 96), (6, 5)):  # 1030 rows: split over the pool with a remainder; 6x5: one thread
+        x = rng.standard_normal((m, d), dtype=np.float32)
+        w = rng.standard_normal((n, d), dtype=np.float32)
+        y = np.asarray(jax.jit(cpu_kernels.linear)(x, w))
+        np.testing.assert_allclose(y, x.astype(np.float64) @ w.T.astype(np.float64), atol=1e-4, rtol=1e-5)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-ATTENTIONS = ("xla", "cpu_kernel")
+KERNELS = ("xla", "cpu_kernel")  # values of SamplerConfig.attention and .linear
 UPDATE_MODES = ("keep_kv", "recompute_kv", "finish")
 
 
@@ -42,6 +42,8 @@ class SamplerConfig:
       fuse_projections: decode with fused q|k|v and gate|up weights (fewer, larger matmuls).
       attention: decode attention: "xla" (einsums, any backend) or "cpu_kernel" (a C++ custom call for
         XLA:CPU that reads only valid positions on all cores; one sampler device; needs a C++ compiler).
+      linear: decode-step matmuls: "xla" (dots) or "cpu_kernel" (a C++ custom call for XLA:CPU used when a
+        matmul has at most 16 rows, i.e. small batches, where it streams the weights faster; same limits).
     """
 
     num_slots: int = 8
@@ -59,6 +61,7 @@ class SamplerConfig:
     overlap_host: bool = True
     fuse_projections: bool = True
     attention: str = "xla"
+    linear: str = "xla"
 
     def __post_init__(self):
         for name in ("num_slots", "max_prompt_len", "max_new_tokens", "steps_per_call", "top_p_candidates"):
@@ -94,8 +97,9 @@ class SamplerConfig:
             raise ValueError(f"SamplerConfig.top_p must be in (0, 1], got {self.top_p}")
         if self.update_mode not in UPDATE_MODES:
             raise ValueError(f"SamplerConfig.update_mode={self.update_mode!r} not in {UPDATE_MODES}")
-        if self.attention not in ATTENTIONS:
-            raise ValueError(f"SamplerConfig.attention={self.attention!r} not in {ATTENTIONS}")
+        for name in ("attention", "linear"):
+            if getattr(self, name) not in KERNELS:
+                raise ValueError(f"SamplerConfig.{name}={getattr(self, name)!r} not in {KERNELS}")
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
 
     @property
@@ -129,3 +133,8 @@ class SamplerConfig:
             if length <= b:
                 return b
         raise ValueError(f"sequence of {length} tokens exceeds the slot length {self.slot_len}")
+
+    @property
+    def cpu_kernels(self) -> tuple[str, ...]:
+        """Names of the fields that select a CPU kernel (each needs one CPU sampler device, float32)."""
+        return tuple(n for n in ("attention", "linear") if getattr(self, n) == "cpu_kernel")

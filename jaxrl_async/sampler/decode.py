@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jaxrl_async.model import ModelConfig, param_specs
 from jaxrl_async.model.transformer import apply_rope, rms_norm, rope_inv_freq
-from jaxrl_async.sampler import cpu_attention
+from jaxrl_async.sampler import cpu_kernels
 
 _NEG_INF = -1e30
 CACHE_AXES = ("batch", "kv_heads", "seq", "head_dim")  # logical axes of one layer's K or V buffer
@@ -90,41 +90,45 @@ def decode_layout_axes(cfg: ModelConfig, fuse: bool) -> dict:
     return out
 
 
-def _linear(x_MxD, w_NxD, bias_N=None):
-    """x @ w.T for an output-major weight, in x's dtype."""
-    y_MxN = jax.lax.dot_general(x_MxD, w_NxD.astype(x_MxD.dtype), (((1,), (1,)), ((), ())))
+def _linear(x_MxD, w_NxD, bias_N=None, kernel: bool = False):
+    """x @ w.T for an output-major weight, in x's dtype; `kernel`: the CPU kernel when M is small."""
+    if kernel and x_MxD.shape[0] <= cpu_kernels.LINEAR_MAX_ROWS:
+        y_MxN = cpu_kernels.linear(x_MxD, w_NxD).astype(x_MxD.dtype)
+    else:
+        y_MxN = jax.lax.dot_general(x_MxD, w_NxD.astype(x_MxD.dtype), (((1,), (1,)), ((), ())))
     return y_MxN if bias_N is None else y_MxN + bias_N.astype(x_MxD.dtype)
 
 
-def _qkv(cfg: ModelConfig, lp: dict, h_BxTxD):
+def _qkv(cfg: ModelConfig, lp: dict, h_BxTxD, kernel: bool = False):
     """Query [B, T, H, K], key and value [B, T, G, K] projections (with biases and QK-norm)."""
     b, t, d = h_BxTxD.shape
     G, K = cfg.n_kv_heads, cfg.head_dim
     R = cfg.n_heads // G
     h_MxD = h_BxTxD.reshape(b * t, d)
     if "qkv" in lp:
-        qkv = _linear(h_MxD, lp["qkv"], lp.get("qkv_bias")).reshape(b, t, G, R + 2, K)
+        qkv = _linear(h_MxD, lp["qkv"], lp.get("qkv_bias"), kernel).reshape(b, t, G, R + 2, K)
         q, k, v = qkv[:, :, :, :R].reshape(b, t, G * R, K), qkv[:, :, :, R], qkv[:, :, :, R + 1]
     else:
-        q = _linear(h_MxD, lp["q"], lp.get("q_bias")).reshape(b, t, G * R, K)
-        k = _linear(h_MxD, lp["k"], lp.get("k_bias")).reshape(b, t, G, K)
-        v = _linear(h_MxD, lp["v"], lp.get("v_bias")).reshape(b, t, G, K)
+        q = _linear(h_MxD, lp["q"], lp.get("q_bias"), kernel).reshape(b, t, G * R, K)
+        k = _linear(h_MxD, lp["k"], lp.get("k_bias"), kernel).reshape(b, t, G, K)
+        v = _linear(h_MxD, lp["v"], lp.get("v_bias"), kernel).reshape(b, t, G, K)
     if cfg.qk_norm:
         q, k = rms_norm(q, lp["q_norm"], cfg.rms_eps), rms_norm(k, lp["k_norm"], cfg.rms_eps)
     return q, k, v
 
 
-def _mlp_residual(cfg: ModelConfig, lp: dict, x_BxTxD, attn_BxTxHxK):
+def _mlp_residual(cfg: ModelConfig, lp: dict, x_BxTxD, attn_BxTxHxK, kernel: bool = False):
     """Output projection, residual, MLP block and residual (as in the model's `_layer`)."""
     b, t, d = x_BxTxD.shape
-    x_BxTxD = x_BxTxD + _linear(attn_BxTxHxK.reshape(b * t, -1), lp["o"], lp.get("o_bias")).reshape(b, t, d)
+    attn_MxHK = attn_BxTxHxK.reshape(b * t, -1)
+    x_BxTxD = x_BxTxD + _linear(attn_MxHK, lp["o"], lp.get("o_bias"), kernel).reshape(b, t, d)
     h_MxD = rms_norm(x_BxTxD, lp["mlp_norm"], cfg.rms_eps).reshape(b * t, d)
     if "gate_up" in lp:
-        gu_MxFx2 = _linear(h_MxD, lp["gate_up"]).reshape(b * t, -1, 2)
+        gu_MxFx2 = _linear(h_MxD, lp["gate_up"], kernel=kernel).reshape(b * t, -1, 2)
         gate, up = gu_MxFx2[..., 0], gu_MxFx2[..., 1]
     else:
-        gate, up = _linear(h_MxD, lp["gate"]), _linear(h_MxD, lp["up"])
-    return x_BxTxD + _linear(jax.nn.silu(gate) * up, lp["down"]).reshape(b, t, d)
+        gate, up = _linear(h_MxD, lp["gate"], kernel=kernel), _linear(h_MxD, lp["up"], kernel=kernel)
+    return x_BxTxD + _linear(jax.nn.silu(gate) * up, lp["down"], kernel=kernel).reshape(b, t, d)
 
 
 def _attend(q_BxTxHxK, k_BxGxSxK, v_BxGxSxK, mask_BxTxS):
@@ -165,14 +169,22 @@ def prefill_kv(cfg: ModelConfig, dparams: dict, tokens_BxT):
 
 
 def decode_step(
-    cfg: ModelConfig, dparams: dict, keys: list, values: list, tokens_B, positions_B, attention: str = "xla"
+    cfg: ModelConfig,
+    dparams: dict,
+    keys: list,
+    values: list,
+    tokens_B,
+    positions_B,
+    attention: str = "xla",
+    linear: str = "xla",
 ):
     """One decode step: writes each row's new key/value at its own position, attends to positions <= it.
 
     Args:
       keys, values: per layer [B, G, S, K] caches (updated in place when donated).
       tokens_B: int32 input token per row; positions_B: its absolute position (= cache index).
-      attention: "xla" (einsums over the whole row) or "cpu_kernel" (`cpu_attention`: valid positions only).
+      attention: "xla" (einsums over the whole row) or "cpu_kernel" (`cpu_kernels`: valid positions only).
+      linear: "xla" (dots) or "cpu_kernel" (`cpu_kernels.linear` for up to LINEAR_MAX_ROWS rows).
 
     Returns:
       (logits_BxV float32, keys, values).
@@ -184,25 +196,29 @@ def decode_step(
     positions_Bx1 = positions_B[:, None]
     mask_Bx1xS = (jnp.arange(s)[None, :] <= positions_Bx1)[:, None, :]
     rows = jnp.arange(b)
+    kernel = linear == "cpu_kernel"
     x_Bx1xD = dparams["embed"].astype(dt)[tokens_B][:, None]
     keys, values = list(keys), list(values)
     for i, lp in enumerate(dparams["layers"]):
         h_Bx1xD = rms_norm(x_Bx1xD, lp["attn_norm"], cfg.rms_eps)
-        q, k, v = _qkv(cfg, lp, h_Bx1xD)
+        q, k, v = _qkv(cfg, lp, h_Bx1xD, kernel)
         q, k = apply_rope(q, positions_Bx1, inv_freq), apply_rope(k, positions_Bx1, inv_freq)
         keys[i] = keys[i].at[rows, :, positions_B].set(k[:, 0].astype(keys[i].dtype))
         values[i] = values[i].at[rows, :, positions_B].set(v[:, 0].astype(values[i].dtype))
         if attention == "cpu_kernel":
             g = keys[i].shape[1]
             q_BxGxRxK = q[:, 0].reshape(b, g, -1, q.shape[-1])
-            out = cpu_attention.decode_attention(q_BxGxRxK, keys[i], values[i], positions_B + 1)
+            out = cpu_kernels.decode_attention(q_BxGxRxK, keys[i], values[i], positions_B + 1)
             attn = out.reshape(b, 1, -1, q.shape[-1]).astype(dt)
         else:
             attn = _attend(q, keys[i].astype(dt), values[i].astype(dt), mask_Bx1xS)
-        x_Bx1xD = _mlp_residual(cfg, lp, x_Bx1xD, attn)
+        x_Bx1xD = _mlp_residual(cfg, lp, x_Bx1xD, attn, kernel)
     x_BxD = rms_norm(x_Bx1xD, dparams["final_norm"], cfg.rms_eps)[:, 0]
     unembed_VxD = dparams["lm_head"] if "lm_head" in dparams else dparams["embed"]
-    logits_BxV = jax.lax.dot_general(
-        x_BxD, unembed_VxD.astype(dt), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-    )
+    if kernel and b <= cpu_kernels.LINEAR_MAX_ROWS:
+        logits_BxV = cpu_kernels.linear(x_BxD, unembed_VxD)
+    else:
+        logits_BxV = jax.lax.dot_general(
+            x_BxD, unembed_VxD.astype(dt), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
     return logits_BxV, keys, values

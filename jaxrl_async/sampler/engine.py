@@ -101,18 +101,17 @@ class Engine:
             raise ValueError(
                 f"num_slots={cfg.num_slots} is not a multiple of the data axis ({mesh.shape['data']})"
             )
-        if cfg.attention == "cpu_kernel" and (
-            mesh.devices.size != 1 or mesh.devices.flat[0].platform != "cpu"
-        ):
-            raise ValueError(
-                "SamplerConfig.attention='cpu_kernel' runs on one CPU device; the sampler mesh has "
-                f"{mesh.devices.size} {mesh.devices.flat[0].platform} device(s) (use attention='xla')"
-            )
-        if cfg.attention == "cpu_kernel" and jnp.dtype(model_cfg.dtype) != jnp.float32:
-            # The kernel reads float32; any other cache dtype would be converted in full every step.
-            raise ValueError(
-                f"SamplerConfig.attention='cpu_kernel' needs a float32 model, got dtype={model_cfg.dtype}"
-            )
+        for name in cfg.cpu_kernels:
+            if mesh.devices.size != 1 or mesh.devices.flat[0].platform != "cpu":
+                raise ValueError(
+                    f"SamplerConfig.{name}='cpu_kernel' runs on one CPU device; the sampler mesh has "
+                    f"{mesh.devices.size} {mesh.devices.flat[0].platform} device(s) (use {name}='xla')"
+                )
+            if jnp.dtype(model_cfg.dtype) != jnp.float32:
+                # The kernels read float32; other weights/caches would be converted in full every step.
+                raise ValueError(
+                    f"SamplerConfig.{name}='cpu_kernel' needs a float32 model, got dtype={model_cfg.dtype}"
+                )
         if cfg.slot_len > model_cfg.max_seq_len:
             raise ValueError(
                 f"slot length {cfg.slot_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}"
@@ -325,6 +324,7 @@ class Engine:
                 state["next_token"],
                 state["pos"],
                 attention=c.attention,
+                linear=c.linear,
             )
             new_pos = state["pos"] + 1
             tok, logp, slogp = sampling.sample(

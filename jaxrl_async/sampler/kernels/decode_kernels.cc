@@ -1,0 +1,277 @@
+// Decode-step kernels for the sampler on XLA:CPU (XLA FFI custom calls; built by cpu_kernels.py).
+//
+// DecodeAttention: q [B, G, R, K], key/value caches [B, G, S, K] (head-major, as the engine stores them),
+//   n_valid [B]: out[b, g, r] = softmax_s(q . k[b, g, s] * scale) . v[b, g, s] over s < n_valid[b] only.
+//   XLA:CPU runs the equivalent batched matrix-vector einsums on one thread over the whole row (~10 GB/s).
+// Linear: y [M, N] = x [M, D] . w [N, D]^T for few rows M. XLA:CPU's matrix-vector products stream the
+//   weights at ~80% of the machine's read bandwidth; here every weight row is read once for all M inputs.
+//
+// Both split their work over one persistent pool whose workers spin between calls: a decode step makes
+// ~50 small calls, and waking sleeping threads for each cost more than the split gained (measured).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cfloat>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Work split into `parts` contiguous pieces; fn(ctx, part) runs one piece.
+using PartFn = void (*)(const void* ctx, int part, int parts);
+
+class Pool {
+ public:
+  explicit Pool(int n) : n_(n) {
+    for (int i = 1; i < n_; ++i) workers_.emplace_back([this, i] { Loop(i); });
+  }
+  int size() const { return n_; }
+
+  // Runs fn on every part, the caller taking part 0. A call that finds the pool busy (XLA may run two
+  // custom calls concurrently) runs all parts itself rather than wait.
+  void Run(PartFn fn, const void* ctx) {
+    std::unique_lock<std::mutex> busy(run_mu_, std::try_to_lock);
+    if (!busy.owns_lock() || n_ == 1) {
+      for (int p = 0; p < n_; ++p) fn(ctx, p, n_);
+      return;
+    }
+    fn_ = fn;
+    ctx_ = ctx;
+    pending_.store(n_ - 1, std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> lock(sleep_mu_);
+      gen_.fetch_add(1, std::memory_order_release);
+    }
+    if (sleepers_.load(std::memory_order_acquire) > 0) wake_.notify_all();
+    fn(ctx, 0, n_);
+    while (pending_.load(std::memory_order_acquire) != 0) _mm_pause();
+  }
+
+ private:
+  void Loop(int part) {
+    uint64_t seen = 0;
+    for (;;) {
+      uint64_t g;
+      auto idle_since = std::chrono::steady_clock::now();
+      int spins = 0;
+      while ((g = gen_.load(std::memory_order_acquire)) == seen) {
+        _mm_pause();
+        // Spin for a short while after the last job, then sleep: between the kernels of a batch-1 step
+        // only small XLA ops run, but XLA's own multi-threaded dots need the core back (spinning 2 ms made
+        // a batch-1 step with XLA matmuls 1.6x slower; 50-200 us cost nothing measurable).
+        if (++spins % 1024 == 0 &&
+            std::chrono::steady_clock::now() - idle_since > kSpin) {
+          std::unique_lock<std::mutex> lock(sleep_mu_);
+          sleepers_.fetch_add(1);
+          wake_.wait(lock, [&] { return gen_.load() != seen; });
+          sleepers_.fetch_sub(1);
+          idle_since = std::chrono::steady_clock::now();
+        }
+      }
+      seen = g;
+      fn_(ctx_, part, n_);
+      pending_.fetch_sub(1, std::memory_order_release);
+    }
+  }
+
+  static constexpr std::chrono::microseconds kSpin{100};
+  const int n_;
+  std::vector<std::thread> workers_;
+  std::mutex run_mu_, sleep_mu_;
+  std::condition_variable wake_;
+  std::atomic<uint64_t> gen_{0};
+  std::atomic<int> pending_{0}, sleepers_{0};
+  PartFn fn_ = nullptr;
+  const void* ctx_ = nullptr;
+};
+
+Pool& GetPool(int64_t threads) {
+  // One pool per process, sized by the first call; leaked on purpose (workers live as long as the process).
+  static Pool* pool = new Pool(static_cast<int>(std::max<int64_t>(1, threads)));
+  return *pool;
+}
+
+// [lo, hi) of `total` items for one part, rounded to multiples of `align` so inner blocks stay whole.
+inline void PartRange(int64_t total, int part, int parts, int64_t align, int64_t* lo, int64_t* hi) {
+  const int64_t per = ((total + parts - 1) / parts + align - 1) / align * align;
+  *lo = std::min<int64_t>(total, part * per);
+  *hi = std::min<int64_t>(total, *lo + per);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Attention.
+
+struct AttentionArgs {
+  const float *q, *kc, *vc;
+  const int32_t* n_valid;
+  float* out;
+  int64_t rows, G, R, S, K;
+  float scale;
+};
+
+void AttendRows(const void* ctx, int part, int parts) {
+  const auto& a = *static_cast<const AttentionArgs*>(ctx);
+  const int64_t G = a.G, R = a.R, S = a.S, K = a.K;
+  int64_t lo, hi;
+  PartRange(a.rows, part, parts, 1, &lo, &hi);
+  if (lo >= hi) return;
+  std::vector<float> scores(R * S);
+  for (int64_t bg = lo; bg < hi; ++bg) {
+    const int64_t b = bg / G;
+    const int64_t n = std::min<int64_t>(std::max<int32_t>(a.n_valid[b], 0), S);
+    const float* qb = a.q + bg * R * K;
+    const float* kb = a.kc + bg * S * K;
+    const float* vb = a.vc + bg * S * K;
+    float* ob = a.out + bg * R * K;
+    for (int64_t r = 0; r < R; ++r) {
+      const float* qr = qb + r * K;
+      float* sr = scores.data() + r * S;
+      float m = -FLT_MAX;  // finite: the kernel is built with -ffast-math
+      int64_t s = 0;
+      for (; s + 4 <= n; s += 4) {  // four positions at once: independent accumulators
+        const float* k0 = kb + s * K;
+        const float *k1 = k0 + K, *k2 = k1 + K, *k3 = k2 + K;
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+        for (int64_t k = 0; k < K; ++k) {
+          a0 += qr[k] * k0[k];
+          a1 += qr[k] * k1[k];
+          a2 += qr[k] * k2[k];
+          a3 += qr[k] * k3[k];
+        }
+        sr[s] = a0 * a.scale; sr[s + 1] = a1 * a.scale; sr[s + 2] = a2 * a.scale; sr[s + 3] = a3 * a.scale;
+      }
+      for (; s < n; ++s) {
+        const float* ks = kb + s * K;
+        float acc = 0.f;
+        for (int64_t k = 0; k < K; ++k) acc += qr[k] * ks[k];
+        sr[s] = acc * a.scale;
+      }
+      for (int64_t t = 0; t < n; ++t) m = std::max(m, sr[t]);
+#pragma omp simd
+      for (int64_t t = 0; t < n; ++t) sr[t] = expf(sr[t] - m);  // libmvec's vector expf with -fopenmp-simd
+      float denom = 0.f;
+      for (int64_t t = 0; t < n; ++t) denom += sr[t];
+      float* orow = ob + r * K;
+      for (int64_t k = 0; k < K; ++k) orow[k] = 0.f;
+      const float inv = n > 0 ? 1.f / denom : 0.f;  // no valid position: zeros
+      for (int64_t s = 0; s < n; ++s) {
+        const float p = sr[s] * inv;
+        const float* vs = vb + s * K;
+        for (int64_t k = 0; k < K; ++k) orow[k] += p * vs[k];
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Linear.
+
+struct LinearArgs {
+  const float *x, *w;
+  float* y;
+  int64_t M, D, N;
+};
+
+// y[m:m+MB, n:n+4]: four weight rows against MB inputs per pass over D (the weights stream once from
+// memory; the inputs stay in L1).
+template <int MB>
+inline void Block(const LinearArgs& a, int64_t n, int64_t m) {
+  const int64_t D = a.D;
+  const float* w0 = a.w + n * D;
+  const float *w1 = w0 + D, *w2 = w1 + D, *w3 = w2 + D;
+  const float* x = a.x + m * D;
+  float acc[MB][4] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const float c0 = w0[d], c1 = w1[d], c2 = w2[d], c3 = w3[d];
+    for (int i = 0; i < MB; ++i) {
+      const float xi = x[i * D + d];
+      acc[i][0] += xi * c0;
+      acc[i][1] += xi * c1;
+      acc[i][2] += xi * c2;
+      acc[i][3] += xi * c3;
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < 4; ++j) a.y[(m + i) * a.N + n + j] = acc[i][j];
+}
+
+void LinearRows(const void* ctx, int part, int parts) {
+  const auto& a = *static_cast<const LinearArgs*>(ctx);
+  int64_t lo, hi;
+  PartRange(a.N, part, parts, 4, &lo, &hi);
+  int64_t n = lo;
+  for (; n + 4 <= hi; n += 4) {
+    int64_t m = 0;
+    for (; m + 4 <= a.M; m += 4) Block<4>(a, n, m);
+    for (; m < a.M; ++m) Block<1>(a, n, m);
+  }
+  for (; n < hi; ++n) {  // fewer than four rows left (N not a multiple of 4)
+    const float* wn = a.w + n * a.D;
+    for (int64_t m = 0; m < a.M; ++m) {
+      const float* xm = a.x + m * a.D;
+      float acc = 0.f;
+      for (int64_t d = 0; d < a.D; ++d) acc += xm[d] * wn[d];
+      a.y[m * a.N + n] = acc;
+    }
+  }
+}
+
+}  // namespace
+
+static ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc, ffi::Buffer<ffi::F32> vc,
+                                      ffi::Buffer<ffi::S32> n_valid, ffi::ResultBuffer<ffi::F32> out, float scale,
+                                      int64_t threads) {
+  auto qd = q.dimensions();   // [B, G, R, K]
+  auto kd = kc.dimensions();  // [B, G, S, K]
+  if (qd.size() != 4 || kd.size() != 4) return ffi::Error::InvalidArgument("expected rank-4 q and cache");
+  const AttentionArgs args{q.typed_data(), kc.typed_data(), vc.typed_data(), n_valid.typed_data(),
+                           out->typed_data(), qd[0] * qd[1], qd[1], qd[2], kd[2], qd[3], scale};
+  if (args.rows * args.S * args.K < (1 << 14)) {  // tiny calls: one thread
+    AttendRows(&args, 0, 1);
+  } else {
+    GetPool(threads).Run(AttendRows, &args);
+  }
+  return ffi::Error::Success();
+}
+
+static ffi::Error LinearImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y,
+                             int64_t threads) {
+  auto xd = x.dimensions();  // [M, D]
+  auto wd = w.dimensions();  // [N, D]
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
+    return ffi::Error::InvalidArgument("expected x [M, D] and w [N, D]");
+  const LinearArgs args{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[0]};
+  if (args.N * args.D < (1 << 14)) {
+    LinearRows(&args, 0, 1);
+  } else {
+    GetPool(threads).Run(LinearRows, &args);
+  }
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttention, DecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Linear, LinearImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("threads"));
