@@ -333,6 +333,8 @@ def test_cpu_kernels_match_the_trainer(params):
             np.testing.assert_allclose(
                 c.logprobs, _trainer_logprobs(params, p, c.tokens, temp), atol=1e-5, rtol=0
             )
+    packed = jax.tree.leaves(_loop(params, linear="cpu_kernel").engine._dparams)
+    assert sum(x.ndim == 3 for x in packed) == 1 + 7 * TINY.n_layers  # lm head, q, k, v, o, gate, up, down
     mesh2 = make_mesh((2, 1), ("data", "tensor"), jax.devices()[:2])
     for name in ("attention", "linear"):
         with pytest.raises(ValueError, match=f"SamplerConfig.{name}='cpu_kernel' runs on one CPU device"):
@@ -346,13 +348,35 @@ def test_cpu_kernels_match_the_trainer(params):
         SamplerConfig(linear="mkl")
 
 
-@pytest.mark.parametrize("m", [1, 3, 5, 16])
+def test_cpu_linear_kernel_with_unpackable_and_tied_weights():
+    """Matrices whose rows are not a multiple of 16 (here k, v, gate and up) and a tied embedding stay with
+    XLA's dots; the rest use the kernel; decoding still matches the trainer."""
+    _need_cxx()
+    shape = dict(n_heads=8, n_kv_heads=1, head_dim=10, ffw_size=100)  # q 80 rows; k, v 10; gate, up 100
+    cfg = presets.tiny(vocab_size=61, n_layers=1, max_seq_len=64, tie_embeddings=True, **shape)
+    p = _params(cfg=cfg)
+    loop = _loop(p, cfg=cfg, linear="cpu_kernel", temperature=0.9)
+    shapes = {k: v.shape for k, v in loop.engine._dparams["layers"][0].items()}
+    assert len(shapes["k"]) == len(shapes["gate"]) == 2 and len(shapes["q"]) == len(shapes["o"]) == 3
+    prompts = _prompts(3, seed=2, hi=10)
+    for i, prompt in enumerate(prompts):
+        loop.add_request(Request(i, prompt, seed=i, max_new_tokens=6))
+    for c in loop.run():
+        np.testing.assert_allclose(
+            c.logprobs, _trainer_logprobs(p, prompts[c.uid], c.tokens, 0.9, cfg), atol=1e-5, rtol=0
+        )
+
+
+@pytest.mark.parametrize("m", [1, 3, 5, 13, 29, 100])
 def test_cpu_linear_kernel_matches_numpy(m):
-    """Every row blocking (4 inputs x 4 weight rows, remainders) on the threaded path and a tiny call."""
+    """Every input blocking (14 / 8 / 4 / 1 rows, a second 96-row chunk), panel pairs with an odd panel left
+    over, the threaded path and a one-thread call."""
     _need_cxx()
     rng = np.random.default_rng(m)
-    for n, d in ((1030, 96), (6, 5)):  # 1030 rows: split over the pool with a remainder; 6x5: one thread
+    for n, d in ((1040, 96), (16, 5)):  # 65 panels split over the pool; one tiny panel on the caller
         x = rng.standard_normal((m, d), dtype=np.float32)
         w = rng.standard_normal((n, d), dtype=np.float32)
-        y = np.asarray(jax.jit(cpu_kernels.linear)(x, w))
+        y = np.asarray(jax.jit(lambda x, w: cpu_kernels.linear(x, cpu_kernels.pack(w)))(x, w))
         np.testing.assert_allclose(y, x.astype(np.float64) @ w.T.astype(np.float64), atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_kernels.pack(np.zeros((24, 8), np.float32))

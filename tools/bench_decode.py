@@ -1,6 +1,7 @@
 """Decode benchmark of the sampler engine (prints JSON and a table; figures go in docs/sampler.md).
 
-  JAX_PLATFORMS=cpu python tools/bench_decode.py [--latency-out FILE] [--json-out FILE] [--quick]
+  JAX_PLATFORMS=cpu python tools/bench_decode.py [--attention cpu_kernel] [--linear cpu_kernel]
+      [--latency-out FILE] [--json-out FILE] [--quick]
 
 Measures, in one run on one device:
   - memory read bandwidth (sum over a 1 GiB array) and the batch-1 decode roofline it implies;
@@ -153,8 +154,10 @@ def hf_generate(path: str, prompts, new_tokens: int, threads: int) -> tuple[floa
     return time.perf_counter() - t0, t1, out[:, ids.shape[1] :].numpy()
 
 
-def batching_comparison(cfg, params, mesh, slots, n_requests, median, sigma, cap, k, seed=0) -> dict:
-    """Tokens/s of static vs continuous batching (host overlap on and off) on lognormal lengths."""
+def batching_comparison(cfg, params, mesh, slots, n_requests, median, sigma, cap, k, seed=0, **kw) -> dict:
+    """Tokens/s of static vs continuous batching (host overlap on and off) on lognormal lengths.
+
+    `kw`: further SamplerConfig fields (the kernels under test)."""
     rng = np.random.default_rng(seed)
     lengths = np.clip(np.round(rng.lognormal(np.log(median), sigma, n_requests)), 1, cap).astype(int)
     prompts = [rng.integers(3, cfg.vocab_size, size=rng.integers(8, 33)).tolist() for _ in range(n_requests)]
@@ -165,6 +168,7 @@ def batching_comparison(cfg, params, mesh, slots, n_requests, median, sigma, cap
         max_new_tokens=cap,
         steps_per_call=k,
         temperature=1.0,
+        **kw,
     )
     engines = {
         True: Engine(cfg, params, mesh, scfg),
@@ -244,7 +248,7 @@ def main(argv=None) -> None:
         "attention": args.attention,
         "linear": args.linear,
     }
-    attn = {"attention": args.attention, "linear": args.linear}
+    engine_kw = {"attention": args.attention, "linear": args.linear}
     kernels = args.attention != "xla" or args.linear != "xla"
 
     bw = measure_bandwidth(0.25 if quick else 1.0)
@@ -254,7 +258,7 @@ def main(argv=None) -> None:
 
     points = []
     for b in batches:
-        eng = _engine(cfg, params, mesh, b, prompt_len, new_tokens, k, **attn)
+        eng = _engine(cfg, params, mesh, b, prompt_len, new_tokens, k, **engine_kw)
         points.append({"batch": b, "step_s": engine_step_time(eng, prompt_len, reps)})
         del eng
     res["latency"] = points
@@ -268,7 +272,8 @@ def main(argv=None) -> None:
     bmax = batches[-1]
     # Side by side, alternating, best of two: the machine may be shared.
     variants = {
-        f: _engine(cfg, params, mesh, bmax, prompt_len, new_tokens, k, fuse=f, **attn) for f in (False, True)
+        f: _engine(cfg, params, mesh, bmax, prompt_len, new_tokens, k, fuse=f, **engine_kw)
+        for f in (False, True)
     }
     ablation = {"model_forward_scan": [], "decode_unfused": [], "decode_fused": []}
     for _ in range(2):
@@ -289,7 +294,7 @@ def main(argv=None) -> None:
             res["vs_hf"] = {}
             for b in (1, bmax):
                 prompts = rng.integers(3, cfg.vocab_size, size=(b, prompt_len)).tolist()
-                eng = _engine(cfg, params, mesh, b, prompt_len, new_tokens, k, **attn)
+                eng = _engine(cfg, params, mesh, b, prompt_len, new_tokens, k, **engine_kw)
                 ours_s, ours = engine_end_to_end(eng, prompts, new_tokens)
                 ours_step = engine_step_time(eng, prompt_len, reps)  # measured next to the HF run
                 xla_step = ours_step
@@ -327,6 +332,7 @@ def main(argv=None) -> None:
         sigma=1.0,
         cap=32 if quick else 96,
         k=4,
+        **engine_kw,
     )
     print(json.dumps(res, indent=1))
     if args.json_out:

@@ -39,11 +39,12 @@ class SamplerConfig:
       update_mode: default weight-update mode: "keep_kv", "recompute_kv" or "finish".
       overlap_host: dispatch round k + 1 before reading round k back (finished slots refill one round
         later); False reads each round back before the next is dispatched.
-      fuse_projections: decode with fused q|k|v and gate|up weights (fewer, larger matmuls).
+      fuse_projections: decode with fused q|k|v and gate|up weights (fewer, larger matmuls; not with
+        linear="cpu_kernel", where separate matrices measured faster).
       attention: decode attention: "xla" (einsums, any backend) or "cpu_kernel" (a C++ custom call for
         XLA:CPU that reads only valid positions on all cores; one sampler device; needs a C++ compiler).
-      linear: decode-step matmuls: "xla" (dots) or "cpu_kernel" (a C++ custom call for XLA:CPU used when a
-        matmul has at most 16 rows, i.e. small batches, where it streams the weights faster; same limits).
+      linear: sampler matmuls: "xla" (dots) or "cpu_kernel" (a C++ custom call for XLA:CPU over weights
+        packed in 16-row panels at each weight update; all cores; same limits as attention).
     """
 
     num_slots: int = 8

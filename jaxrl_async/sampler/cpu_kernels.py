@@ -5,7 +5,9 @@ slot's whole cache row) on a single thread at ~10 GB/s; at batch 32 on llama_100
 per step. The kernel reads only each slot's valid positions and splits the (slot, KV head) rows over
 threads.
 Linear: at batch 1 the weight matrix-vector products are the whole step, and XLA:CPU's stream the
-weights at ~80% of the read bandwidth; the kernel reads every weight row once for all (few) input rows.
+weights at ~80% of the read bandwidth; at batch 4-32 its dots with few rows are far from peak. The kernel
+takes weights packed in panels of 16 output rows (`pack`, done once per weight update), so each panel is
+one sequential stream and every weight load feeds up to 28 multiply-adds.
 
 `kernels/decode_kernels.cc` is compiled with the system C++ compiler on first use into a per-user cache
 keyed by the source and jaxlib version, then registered with `jax.ffi`. CPU only, one sampler device (the
@@ -28,9 +30,7 @@ import numpy as np
 
 _TARGETS = {"DecodeAttention": "jaxrl_async_decode_attention", "Linear": "jaxrl_async_linear"}
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels", "decode_kernels.cc")
-# Matmuls with more input rows than this stay with XLA: at batch 32 its blocked dots win, at 1-16 rows the
-# kernel streamed the llama_100m layer weights 1.1-1.5x faster (12-layer matmul chain, docs/sampler.md).
-LINEAR_MAX_ROWS = 16
+PANEL = 16  # output rows per packed weight panel (the kernel's vector width)
 
 
 def _cache_dir() -> str:
@@ -99,9 +99,17 @@ def decode_attention(q_BxGxRxK, k_BxGxSxK, v_BxGxSxK, n_valid_B, threads: int | 
     )
 
 
-def linear(x_MxD, w_NxD, threads: int | None = None):
-    """x @ w.T in float32 for an output-major weight (few rows M; see LINEAR_MAX_ROWS)."""
-    out = jax.ShapeDtypeStruct((x_MxD.shape[0], w_NxD.shape[0]), jnp.float32)
+def pack(w_NxD):
+    """[N, D] output-major weight -> [N / 16, D, 16] panels for `linear` (N must be a multiple of 16)."""
+    n, d = w_NxD.shape
+    if n % PANEL:
+        raise ValueError(f"pack needs a multiple of {PANEL} output rows, got {n}")
+    return w_NxD.reshape(n // PANEL, PANEL, d).transpose(0, 2, 1)
+
+
+def linear(x_MxD, w_PxDx16, threads: int | None = None):
+    """x @ w.T in float32 for a weight packed by `pack` (any number of rows M)."""
+    out = jax.ShapeDtypeStruct((x_MxD.shape[0], w_PxDx16.shape[0] * PANEL), jnp.float32)
     call = jax.ffi.ffi_call(load()["Linear"], out)
     threads = np.int64(threads or default_threads())
-    return call(x_MxD.astype(jnp.float32), w_NxD.astype(jnp.float32), threads=threads)
+    return call(x_MxD.astype(jnp.float32), w_PxDx16.astype(jnp.float32), threads=threads)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_async.model import ModelConfig, param_specs
+from jaxrl_async.model import ModelConfig, abstract_params, param_specs
 from jaxrl_async.model.transformer import apply_rope, rms_norm, rope_inv_freq
 from jaxrl_async.sampler import cpu_kernels
 
@@ -27,7 +27,12 @@ _NEG_INF = -1e30
 CACHE_AXES = ("batch", "kv_heads", "seq", "head_dim")  # logical axes of one layer's K or V buffer
 
 
-def to_decode_layout(cfg: ModelConfig, params: dict, fuse: bool) -> dict:
+def _packable(name: str, shape) -> bool:
+    """Matrices the CPU linear kernel takes packed (not the embedding: decoding looks rows up in it)."""
+    return name != "embed" and len(shape) == 2 and shape[0] % cpu_kernels.PANEL == 0
+
+
+def to_decode_layout(cfg: ModelConfig, params: dict, fuse: bool, pack: bool = False) -> dict:
     """The sampler's parameter layout (see module doc); pure, so it can be jitted with out shardings.
 
     Every matrix is 2-D and output-major, [N_out, D_in]: XLA:CPU then contracts the weight's last axis
@@ -35,6 +40,8 @@ def to_decode_layout(cfg: ModelConfig, params: dict, fuse: bool) -> dict:
     and with [in, out] weights its small-row matmuls were ~1.7x slower at batch 32 (measured).
     Fused q|k|v rows are ordered (kv head, q heads of the group + k + v, head dim) and gate|up rows
     (F, 2), so sharding the row axis over "tensor" splits whole KV groups / MLP columns.
+    With `pack` (SamplerConfig.linear="cpu_kernel") every matrix whose row count is a multiple of 16 is
+    stored in `cpu_kernels.pack` panels, [N/16, D, 16], and `_linear` sends it to the CPU kernel.
     """
     D, G, K = cfg.d_model, cfg.n_kv_heads, cfg.head_dim
     R = cfg.n_heads // G
@@ -62,10 +69,15 @@ def to_decode_layout(cfg: ModelConfig, params: dict, fuse: bool) -> dict:
             lp["gate"], lp["up"] = lp["gate"].T, lp["up"].T  # [F, D]
         layers.append(lp)
     out["layers"] = layers
+    if pack:
+        packed = lambda name, w: cpu_kernels.pack(w) if _packable(name, w.shape) else w
+        out = {k: packed(k, v) for k, v in out.items() if k != "layers"} | {
+            "layers": [{k: packed(k, v) for k, v in lp.items()} for lp in layers]
+        }
     return out
 
 
-def decode_layout_axes(cfg: ModelConfig, fuse: bool) -> dict:
+def decode_layout_axes(cfg: ModelConfig, fuse: bool, pack: bool = False) -> dict:
     """Logical axes of every leaf of `to_decode_layout`'s output (for shardings)."""
     specs = param_specs(cfg)
     out = {k: v.logical_axes for k, v in specs.items() if k not in ("layers", "lm_head")}
@@ -87,48 +99,56 @@ def decode_layout_axes(cfg: ModelConfig, fuse: bool) -> dict:
         if cfg.qkv_bias:
             lp["q_bias"], lp["k_bias"], lp["v_bias"] = ("q_heads",), ("kv_heads",), ("kv_heads",)
     out["layers"] = [dict(lp) for _ in range(cfg.n_layers)]
+    if pack:  # a packed matrix [N/16, D, 16] keeps the row axis's name; the panel lanes stay whole
+        shapes = jax.eval_shape(lambda p: to_decode_layout(cfg, p, fuse), abstract_params(cfg))
+        axes = lambda name, ax, x: (*ax, None) if _packable(name, x.shape) else ax
+        out = {k: axes(k, v, shapes[k]) for k, v in out.items() if k != "layers"} | {
+            "layers": [
+                {k: axes(k, v, shp[k]) for k, v in lp.items()}
+                for lp, shp in zip(out["layers"], shapes["layers"], strict=True)
+            ]
+        }
     return out
 
 
-def _linear(x_MxD, w_NxD, bias_N=None, kernel: bool = False):
-    """x @ w.T for an output-major weight, in x's dtype; `kernel`: the CPU kernel when M is small."""
-    if kernel and x_MxD.shape[0] <= cpu_kernels.LINEAR_MAX_ROWS:
+def _linear(x_MxD, w_NxD, bias_N=None):
+    """x @ w.T for an output-major weight, in x's dtype (a packed [N/16, D, 16] weight: the CPU kernel)."""
+    if w_NxD.ndim == 3:
         y_MxN = cpu_kernels.linear(x_MxD, w_NxD).astype(x_MxD.dtype)
     else:
         y_MxN = jax.lax.dot_general(x_MxD, w_NxD.astype(x_MxD.dtype), (((1,), (1,)), ((), ())))
     return y_MxN if bias_N is None else y_MxN + bias_N.astype(x_MxD.dtype)
 
 
-def _qkv(cfg: ModelConfig, lp: dict, h_BxTxD, kernel: bool = False):
+def _qkv(cfg: ModelConfig, lp: dict, h_BxTxD):
     """Query [B, T, H, K], key and value [B, T, G, K] projections (with biases and QK-norm)."""
     b, t, d = h_BxTxD.shape
     G, K = cfg.n_kv_heads, cfg.head_dim
     R = cfg.n_heads // G
     h_MxD = h_BxTxD.reshape(b * t, d)
     if "qkv" in lp:
-        qkv = _linear(h_MxD, lp["qkv"], lp.get("qkv_bias"), kernel).reshape(b, t, G, R + 2, K)
+        qkv = _linear(h_MxD, lp["qkv"], lp.get("qkv_bias")).reshape(b, t, G, R + 2, K)
         q, k, v = qkv[:, :, :, :R].reshape(b, t, G * R, K), qkv[:, :, :, R], qkv[:, :, :, R + 1]
     else:
-        q = _linear(h_MxD, lp["q"], lp.get("q_bias"), kernel).reshape(b, t, G * R, K)
-        k = _linear(h_MxD, lp["k"], lp.get("k_bias"), kernel).reshape(b, t, G, K)
-        v = _linear(h_MxD, lp["v"], lp.get("v_bias"), kernel).reshape(b, t, G, K)
+        q = _linear(h_MxD, lp["q"], lp.get("q_bias")).reshape(b, t, G * R, K)
+        k = _linear(h_MxD, lp["k"], lp.get("k_bias")).reshape(b, t, G, K)
+        v = _linear(h_MxD, lp["v"], lp.get("v_bias")).reshape(b, t, G, K)
     if cfg.qk_norm:
         q, k = rms_norm(q, lp["q_norm"], cfg.rms_eps), rms_norm(k, lp["k_norm"], cfg.rms_eps)
     return q, k, v
 
 
-def _mlp_residual(cfg: ModelConfig, lp: dict, x_BxTxD, attn_BxTxHxK, kernel: bool = False):
+def _mlp_residual(cfg: ModelConfig, lp: dict, x_BxTxD, attn_BxTxHxK):
     """Output projection, residual, MLP block and residual (as in the model's `_layer`)."""
     b, t, d = x_BxTxD.shape
-    attn_MxHK = attn_BxTxHxK.reshape(b * t, -1)
-    x_BxTxD = x_BxTxD + _linear(attn_MxHK, lp["o"], lp.get("o_bias"), kernel).reshape(b, t, d)
+    x_BxTxD = x_BxTxD + _linear(attn_BxTxHxK.reshape(b * t, -1), lp["o"], lp.get("o_bias")).reshape(b, t, d)
     h_MxD = rms_norm(x_BxTxD, lp["mlp_norm"], cfg.rms_eps).reshape(b * t, d)
     if "gate_up" in lp:
-        gu_MxFx2 = _linear(h_MxD, lp["gate_up"], kernel=kernel).reshape(b * t, -1, 2)
+        gu_MxFx2 = _linear(h_MxD, lp["gate_up"]).reshape(b * t, -1, 2)
         gate, up = gu_MxFx2[..., 0], gu_MxFx2[..., 1]
     else:
-        gate, up = _linear(h_MxD, lp["gate"], kernel=kernel), _linear(h_MxD, lp["up"], kernel=kernel)
-    return x_BxTxD + _linear(jax.nn.silu(gate) * up, lp["down"], kernel=kernel).reshape(b, t, d)
+        gate, up = _linear(h_MxD, lp["gate"]), _linear(h_MxD, lp["up"])
+    return x_BxTxD + _linear(jax.nn.silu(gate) * up, lp["down"]).reshape(b, t, d)
 
 
 def _attend(q_BxTxHxK, k_BxGxSxK, v_BxGxSxK, mask_BxTxS):
@@ -169,14 +189,7 @@ def prefill_kv(cfg: ModelConfig, dparams: dict, tokens_BxT):
 
 
 def decode_step(
-    cfg: ModelConfig,
-    dparams: dict,
-    keys: list,
-    values: list,
-    tokens_B,
-    positions_B,
-    attention: str = "xla",
-    linear: str = "xla",
+    cfg: ModelConfig, dparams: dict, keys: list, values: list, tokens_B, positions_B, attention: str = "xla"
 ):
     """One decode step: writes each row's new key/value at its own position, attends to positions <= it.
 
@@ -184,7 +197,6 @@ def decode_step(
       keys, values: per layer [B, G, S, K] caches (updated in place when donated).
       tokens_B: int32 input token per row; positions_B: its absolute position (= cache index).
       attention: "xla" (einsums over the whole row) or "cpu_kernel" (`cpu_kernels`: valid positions only).
-      linear: "xla" (dots) or "cpu_kernel" (`cpu_kernels.linear` for up to LINEAR_MAX_ROWS rows).
 
     Returns:
       (logits_BxV float32, keys, values).
@@ -196,12 +208,11 @@ def decode_step(
     positions_Bx1 = positions_B[:, None]
     mask_Bx1xS = (jnp.arange(s)[None, :] <= positions_Bx1)[:, None, :]
     rows = jnp.arange(b)
-    kernel = linear == "cpu_kernel"
     x_Bx1xD = dparams["embed"].astype(dt)[tokens_B][:, None]
     keys, values = list(keys), list(values)
     for i, lp in enumerate(dparams["layers"]):
         h_Bx1xD = rms_norm(x_Bx1xD, lp["attn_norm"], cfg.rms_eps)
-        q, k, v = _qkv(cfg, lp, h_Bx1xD, kernel)
+        q, k, v = _qkv(cfg, lp, h_Bx1xD)
         q, k = apply_rope(q, positions_Bx1, inv_freq), apply_rope(k, positions_Bx1, inv_freq)
         keys[i] = keys[i].at[rows, :, positions_B].set(k[:, 0].astype(keys[i].dtype))
         values[i] = values[i].at[rows, :, positions_B].set(v[:, 0].astype(values[i].dtype))
@@ -212,10 +223,10 @@ def decode_step(
             attn = out.reshape(b, 1, -1, q.shape[-1]).astype(dt)
         else:
             attn = _attend(q, keys[i].astype(dt), values[i].astype(dt), mask_Bx1xS)
-        x_Bx1xD = _mlp_residual(cfg, lp, x_Bx1xD, attn, kernel)
+        x_Bx1xD = _mlp_residual(cfg, lp, x_Bx1xD, attn)
     x_BxD = rms_norm(x_Bx1xD, dparams["final_norm"], cfg.rms_eps)[:, 0]
     unembed_VxD = dparams["lm_head"] if "lm_head" in dparams else dparams["embed"]
-    if kernel and b <= cpu_kernels.LINEAR_MAX_ROWS:
+    if unembed_VxD.ndim == 3:  # packed lm head
         logits_BxV = cpu_kernels.linear(x_BxD, unembed_VxD)
     else:
         logits_BxV = jax.lax.dot_general(
