@@ -37,8 +37,9 @@ class SamplerConfig:
         full-vocabulary threshold search only when their mass is below top_p (a speed knob only).
       stop_tokens: token ids that end a sequence (included in the completion).
       update_mode: default weight-update mode: "keep_kv", "recompute_kv" or "finish".
-      overlap_host: dispatch round k + 1 before reading round k back (finished slots refill one round
-        later); False reads each round back before the next is dispatched.
+      overlap_host: parse round k's tokens while round k + 1 runs (only round k's done flags are read
+        before admitting, so finished slots still refill for round k + 1); False reads each round back in
+        full before the next is dispatched.
       fuse_projections: decode with fused q|k|v and gate|up weights (fewer, larger matmuls; not with
         linear="cpu_kernel", where separate matrices measured faster).
       attention: decode attention: "xla" (einsums, any backend) or "cpu_kernel" (a C++ custom call for

@@ -1,8 +1,10 @@
 """The host-side sampler loop: continuous batching, group sampling, completions and weight updates.
 
 One `step()` = admit requests into free slots (pull-based), dispatch one `generate` call (k decode steps),
-then read back the previous call's tokens while this one runs (`overlap_host`), so a finished slot is
-refilled one call later. The loop is a plain sequential event loop: easy to trace, no threads.
+then read back the previous call's tokens while this one runs (`overlap_host`). Only the previous call's
+`done` flags are read before admitting, so a slot that finished in call k is refilled for call k + 1;
+parsing tokens into completions overlaps call k + 1. The loop is a plain sequential event loop: easy to
+trace, no threads.
 """
 
 from __future__ import annotations
@@ -164,6 +166,8 @@ class SamplerLoop:
         generate call, and returns the completions that finished."""
         self._maybe_swap_staged()
         self._source_empty = False
+        if self._pending is not None:
+            self._release_finished(*self._pending)
         if self._admitting():
             self._admit(admit)
         new = None
@@ -291,6 +295,18 @@ class SamplerLoop:
         if self._pending is not None:
             out += self._process(*self._pending)
             self._pending = None
+
+    def _release_finished(self, rnd: Round, owners: list) -> None:
+        """Frees the slots whose sequence ended in `rnd` (waits for it; reads only its `done` flags).
+
+        Refilling them before `rnd`'s tokens are parsed keeps them busy in the next call: releasing them
+        only after parsing left each finished slot idle for one whole call (with 4 steps per call and
+        short answers that lost more than the overlap of host work won; docs/sampler.md).
+        """
+        done = np.asarray(rnd.done)
+        for b, live in enumerate(owners):
+            if live is not None and done[b] and self._slots[b] is live:
+                self._slots[b] = None
 
     def _process(self, rnd: Round, owners: list) -> list[Completion]:
         tokens, logp, slogp = (
