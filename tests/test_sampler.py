@@ -229,6 +229,30 @@ def test_steady_stream_in_one_bucket_compiles_nothing(params):
     assert all(7 not in c.tokens[:-1].tolist() for c in out)
 
 
+def test_batched_prefill_matches_one_prompt_at_a_time(params):
+    loop = _loop(params, prefill_batch=2, prompt_buckets=(8, 16))
+    eng = loop.engine
+    prompts = _prompts(5, seed=11, lo=3, hi=16)
+    many = eng.prefill_many(prompts)
+    for prompt, got in zip(prompts, many, strict=True):
+        one = eng.prefill(prompt)
+        assert (got.prompt_len, got.last_token) == (one.prompt_len, one.last_token)
+        assert got.keys[0].shape[2] == eng.cfg.prompt_bucket(len(prompt)) and got.keys[0].shape[0] <= 2
+        for a, b in zip(got.keys + got.values, one.keys + one.values, strict=True):
+            n = len(prompt)  # positions past the prompt are padding
+            np.testing.assert_allclose(np.asarray(a)[got.row, :, :n], np.asarray(b)[0, :, :n], atol=1e-5)
+    # two prompt buckets x batch sizes {1, 2}, each with its prefill and insert, compiled once
+    assert eng.cache_sizes()["prefill"] == eng.cache_sizes()["insert"] == 4
+    # several requests admitted in one step share prefill calls and decode exactly as they would alone
+    for i, prompt in enumerate(prompts):
+        loop.add_request(Request(i, prompt, max_new_tokens=5))
+    for c in loop.run():
+        assert c.tokens.tolist() == _greedy_reference(params, prompts[c.uid], 5)
+    assert loop.stats.prefills == 5 and eng.cache_sizes()["prefill"] == 4
+    with pytest.raises(ValueError, match="prefill_batch"):
+        SamplerConfig(prefill_batch=0)
+
+
 def test_continuous_batching_beats_static_on_long_tail(params):
     lengths = [12, 2, 2, 2, 12, 2, 2, 2, 12, 2, 2, 2]
     runs = {}

@@ -28,6 +28,8 @@ class SamplerConfig:
       token_budget: KV-cache capacity in tokens over all slots; each slot holds token_budget // num_slots
         positions. None = num_slots * (max_prompt_len + max_new_tokens), so every request fits.
       prompt_buckets: prompt lengths are padded up to one of these (one prefill compilation each).
+      prefill_batch: at most this many prompts (of one bucket) are prefilled in one call when several
+        are admitted at once; batches are padded to a power of two (all compiled on a bucket's first use).
       steps_per_call: decode steps per compiled `generate` call (`lax.scan`); the host parses round k
         while round k + 1 runs.
       temperature: sampling temperature; 0 = greedy. Logprobs use the same temperature (1.0 when greedy).
@@ -53,6 +55,7 @@ class SamplerConfig:
     max_new_tokens: int = 128
     token_budget: int | None = None
     prompt_buckets: tuple[int, ...] | None = None
+    prefill_batch: int = 4
     steps_per_call: int = 8
     temperature: float = 1.0
     top_k: int = 0
@@ -66,7 +69,8 @@ class SamplerConfig:
     linear: str = "xla"
 
     def __post_init__(self):
-        for name in ("num_slots", "max_prompt_len", "max_new_tokens", "steps_per_call", "top_p_candidates"):
+        positive = ("num_slots", "max_prompt_len", "max_new_tokens", "steps_per_call", "top_p_candidates")
+        for name in (*positive, "prefill_batch"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"SamplerConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.prompt_buckets is None:

@@ -34,13 +34,15 @@ from jaxrl_async.sharding import SAMPLER_RULES
 
 @dataclasses.dataclass(frozen=True)
 class Prefix:
-    """A prefilled prompt: per-layer keys/values [1, G, bucket, K] on the sampler mesh."""
+    """A prefilled prompt: row `row` of per-layer keys/values [n, G, bucket, K] on the sampler mesh (n
+    prompts of one prompt bucket prefilled together)."""
 
     keys: list
     values: list
     prompt_len: int
     last_token: int
     version: int
+    row: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +83,19 @@ def check_params(params, expected) -> None:
         if not isinstance(x, jax.Array) or not x.sharding.is_equivalent_to(e.sharding, len(e.shape)):
             have = getattr(x, "sharding", type(x).__name__)
             raise ValueError(f"update_params: leaf {name} has sharding {have}, expected {e.sharding}")
+
+
+def _batch_buckets(limit: int) -> list[int]:
+    """Prefill batch sizes: powers of two below `limit`, then `limit`."""
+    out, n = [], 1
+    while n < limit:
+        out.append(n)
+        n *= 2
+    return out + [limit]
+
+
+def _batch_bucket(n: int, limit: int) -> int:
+    return next(b for b in _batch_buckets(limit) if b >= n)
 
 
 class Engine:
@@ -151,7 +166,10 @@ class Engine:
             "valid": steps_sh,
             "done": row_sh,
         }
-        kv_in = shard(("batch", "kv_heads", "seq", "head_dim"), (1, g, cfg.max_prompt_len, k))
+        # Prefilled keys/values: replicated over "data" (any slot may take any row), whatever the batch.
+        kv_in = shard((None, "kv_heads", "seq", "head_dim"), (1, g, cfg.max_prompt_len, k))
+        self._kv_in_sh = kv_in
+        self._executables: dict[int, dict] = {}  # prompt bucket -> batch -> compiled prefill / insert
         self._to_layout = jax.jit(to_layout, out_shardings=self._dparams_sh)
         self._prefill = jax.jit(
             self._prefill_fn, in_shardings=(self._dparams_sh, replicated), out_shardings=(kv_in, kv_in)
@@ -227,12 +245,48 @@ class Engine:
 
     def prefill(self, prompt_tokens) -> Prefix:
         """Keys/values of a prompt (padded to its bucket), computed with the current weights."""
-        prompt = np.asarray(prompt_tokens, np.int32)
-        self.check_fits(len(prompt), 0)
-        padded = np.zeros((1, self.cfg.prompt_bucket(len(prompt))), np.int32)
-        padded[0, : len(prompt)] = prompt
-        keys, values = self._prefill(self._dparams, padded)
-        return Prefix(keys, values, len(prompt), int(prompt[-1]), self.version)
+        return self.prefill_many([prompt_tokens])[0]
+
+    def prefill_many(self, prompts: list) -> list[Prefix]:
+        """Prefixes of several prompts: one call per prompt bucket and `prefill_batch` prompts.
+
+        The batch is padded to a power of two; all batch sizes of a prompt bucket are compiled together
+        the first time the bucket is used, so admissions of varying size never recompile.
+        """
+        arrays = [np.asarray(p, np.int32) for p in prompts]
+        by_bucket: dict[int, list[int]] = {}
+        for i, prompt in enumerate(arrays):
+            self.check_fits(len(prompt), 0)
+            by_bucket.setdefault(self.cfg.prompt_bucket(len(prompt)), []).append(i)
+        out: list = [None] * len(arrays)
+        for bucket, idx in by_bucket.items():
+            for start in range(0, len(idx), self.cfg.prefill_batch):
+                chunk = idx[start : start + self.cfg.prefill_batch]
+                n = _batch_bucket(len(chunk), self.cfg.prefill_batch)
+                tokens = np.zeros((n, bucket), np.int32)
+                for r, i in enumerate(chunk):
+                    tokens[r, : len(arrays[i])] = arrays[i]
+                keys, values = self._compiled(bucket)[n]["prefill"](self._dparams, tokens)
+                for r, i in enumerate(chunk):
+                    out[i] = Prefix(keys, values, len(arrays[i]), int(arrays[i][-1]), self.version, r)
+        return out
+
+    def _compiled(self, bucket: int) -> dict:
+        """{batch: {"prefill", "insert"}} executables for a prompt bucket (compiled on first use)."""
+        if bucket not in self._executables:
+            abstract = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+            state = jax.tree.map(abstract, jax.eval_shape(self._init_state_fn), self._state_sh)
+            row = jax.ShapeDtypeStruct((7,), jnp.int32)
+            per_batch = {}
+            for n in _batch_buckets(self.cfg.prefill_batch):
+                tokens = jax.ShapeDtypeStruct((n, bucket), jnp.int32)
+                prefill = self._prefill.lower(self._dparams, tokens).compile()
+                kv = jax.eval_shape(self._prefill_fn, self._dparams, tokens)[0]
+                kv = [abstract(x, self._kv_in_sh) for x in kv]
+                insert = self._insert.lower(state, kv, kv, row).compile()
+                per_batch[n] = {"prefill": prefill, "insert": insert}
+            self._executables[bucket] = per_batch
+        return self._executables[bucket]
 
     def insert(
         self, state: dict, prefix: Prefix, slot: int, seed: int, sample_index: int, max_new_tokens: int
@@ -247,9 +301,11 @@ class Engine:
         p = prefix.prompt_len
         seed_u32 = np.asarray(seed & 0xFFFFFFFF, np.uint32).view(np.int32)
         row = np.asarray(
-            [slot, prefix.last_token, p - 1, p + max_new_tokens - 1, seed_u32, sample_index], np.int32
+            [slot, prefix.last_token, p - 1, p + max_new_tokens - 1, seed_u32, sample_index, prefix.row],
+            np.int32,
         )
-        return self._insert(state, prefix.keys, prefix.values, row)
+        insert = self._compiled(prefix.keys[0].shape[2])[prefix.keys[0].shape[0]]["insert"]
+        return insert(state, prefix.keys, prefix.values, row)
 
     def generate(self, state: dict) -> tuple[dict, Round]:
         """`steps_per_call` decode steps for all slots (donating `state`); returns immediately (async)."""
@@ -272,13 +328,10 @@ class Engine:
 
     def cache_sizes(self) -> dict[str, int]:
         """Number of compiled executables per jitted entry point (for recompilation checks)."""
-        fns = {
-            "prefill": self._prefill,
-            "insert": self._insert,
-            "generate": self._generate,
-            "recompute": self._recompute,
-        }
-        return {k: f._cache_size() for k, f in fns.items()}
+        fns = {"generate": self._generate, "recompute": self._recompute}
+        compiled = {k: f._cache_size() for k, f in fns.items()}
+        n = sum(len(per_batch) for per_batch in self._executables.values())
+        return {"prefill": n, "insert": n, **compiled}
 
     # ----- jitted bodies -----
 
@@ -301,10 +354,14 @@ class Engine:
         return keys, values
 
     def _insert_fn(self, state, keys, values, row):
-        slot, last_token, pos, last_pos = row[0], row[1], row[2], row[3]
+        slot, last_token, pos, last_pos, src = row[0], row[1], row[2], row[3], row[6]
         seed, index = jax.lax.bitcast_convert_type(row[4:6], jnp.uint32)
         key = sampling.row_keys(seed[None], index[None])[0]
-        put = lambda c, p: jax.lax.dynamic_update_slice(c, p.astype(c.dtype), (slot, 0, 0, 0))
+
+        def put(cache, prefix):
+            prefix_1xGxTxK = jax.lax.dynamic_slice_in_dim(prefix, src, 1, axis=0)
+            return jax.lax.dynamic_update_slice(cache, prefix_1xGxTxK.astype(cache.dtype), (slot, 0, 0, 0))
+
         return {
             "k": [put(c, p) for c, p in zip(state["k"], keys, strict=True)],
             "v": [put(c, p) for c, p in zip(state["v"], values, strict=True)],

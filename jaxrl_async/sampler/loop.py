@@ -257,9 +257,8 @@ class SamplerLoop:
             raise ValueError(f"Request {request.uid!r} cannot fit: {e}") from None
         return max_new
 
-    def _next_group(self, admit) -> _Group | None:
-        if self._groups:
-            return self._groups[0]
+    def _pull_group(self, admit) -> _Group | None:
+        """The next request (queued first, then `admit()`) as a group, or None when there is none."""
         req = self._queue.popleft() if self._queue else (admit() if admit is not None else None)
         if req is None:
             return None
@@ -272,15 +271,23 @@ class SamplerLoop:
         if self.static_batching and (self.num_live or self._pending is not None):
             return
         free = [b for b, s in enumerate(self._slots) if s is None]
-        while free:
-            group = self._next_group(admit)
-            if group is None:
+        # Groups (oldest first) whose samples fill the free slots; their prompts are prefilled together.
+        planned, n_groups = 0, 0
+        while planned < len(free):
+            if n_groups == len(self._groups) and self._pull_group(admit) is None:
                 self._source_empty = True
-                return
-            req = group.request
-            if group.prefix is None:
-                group.prefix = self.engine.prefill(req.prompt_tokens)
-                self.stats.prefills += 1
+                break
+            group = self._groups[n_groups]
+            planned += group.request.n_samples - group.next_sample
+            n_groups += 1
+        todo = [g for g in list(self._groups)[:n_groups] if g.prefix is None]
+        if todo:
+            prefixes = self.engine.prefill_many([g.request.prompt_tokens for g in todo])
+            for group, prefix in zip(todo, prefixes, strict=True):
+                group.prefix = prefix
+            self.stats.prefills += len(todo)
+        while free and self._groups and self._groups[0].prefix is not None:
+            group, req = self._groups[0], self._groups[0].request
             while free and group.next_sample < req.n_samples:
                 b, i = free.pop(0), group.next_sample
                 self._state = self.engine.insert(
