@@ -48,7 +48,6 @@ def get_config():
     c.sampler.steps_per_call = 4
     c.sampler.temperature = 1.0
     c.sampler.update_mode = "keep_kv"
-    c.sampler.overlap_host = False  # on this CPU reading each round back at once is faster (docs/sampler.md)
 
     c.trainer.loss = "decoupled_ppo"
     c.trainer.advantage = "grpo"

@@ -1,7 +1,8 @@
 """The sampler engine on the sampler submesh: prefill / insert / generate over a ragged, slotted KV cache.
 
 Contract (after JetStream's engine, with one deliberate difference):
-  - `prefill(prompt)` -> `Prefix`: the keys/values of the prompt, padded to a prompt bucket.
+  - `prefill(prompt)` -> `Prefix`: the keys/values of the prompt, padded to a prompt bucket
+    (`prefill_many(prompts)`: several in one call per bucket, the batch padded to a power of two).
   - `insert(state, prefix, slot, ...)` -> state: the prefix copied into a free slot; the prompt's last
     token becomes the slot's next input (its key/value is recomputed by the first decode step).
   - `generate(state)` -> (state, Round): `steps_per_call` decode steps for every slot in one compiled
@@ -14,6 +15,10 @@ Decode state (a dict pytree, sharded by slot over "data" and by KV head over "te
   next_token [B]: the token at position pos[b], fed by the next step; last_pos [B]: position of the last
   token the slot may generate; done [B]: the slot is free or finished (it is frozen); key [B, 2]: the row
   key (seed, sample index). Attention masks each slot to its own valid positions.
+
+Static (a new shape compiles): prompt bucket x prefill batch size (all batch sizes of a bucket compile on
+its first use), the recompute length bucket, num_slots, steps_per_call, the sampling settings. Dynamic
+(arrays): tokens, positions, slot contents, seeds, weights (same tree, shapes and shardings).
 """
 
 from __future__ import annotations
