@@ -8,8 +8,6 @@
 //
 // Both split their work over one persistent pool whose workers spin between calls: a decode step makes
 // ~50 small calls, and waking sleeping threads for each cost more than the split gained (measured).
-#include <immintrin.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cfloat>
@@ -26,6 +24,14 @@
 namespace ffi = xla::ffi;
 
 namespace {
+
+inline void CpuRelax() {  // a spin-wait hint: lets the sibling hyper-thread run, saves power
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
 
 // Work split into `parts` contiguous pieces; fn(ctx, part) runs one piece.
 using PartFn = void (*)(const void* ctx, int part, int parts);
@@ -54,7 +60,7 @@ class Pool {
     }
     if (sleepers_.load(std::memory_order_acquire) > 0) wake_.notify_all();
     fn(ctx, 0, n_);
-    while (pending_.load(std::memory_order_acquire) != 0) _mm_pause();
+    while (pending_.load(std::memory_order_acquire) != 0) CpuRelax();
   }
 
  private:
@@ -65,7 +71,7 @@ class Pool {
       auto idle_since = std::chrono::steady_clock::now();
       int spins = 0;
       while ((g = gen_.load(std::memory_order_acquire)) == seen) {
-        _mm_pause();
+        CpuRelax();
         // Spin for a short while after the last job, then sleep: between the kernels of a batch-1 step
         // only small XLA ops run, but XLA's own multi-threaded dots need the core back (spinning 2 ms made
         // a batch-1 step with XLA matmuls 1.6x slower; 50-200 us cost nothing measurable).
