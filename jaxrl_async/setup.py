@@ -14,7 +14,7 @@ from typing import Any
 import jax
 from tqdm import tqdm
 
-from jaxrl_async.checkpoint import RunCheckpoints
+from jaxrl_async.checkpoint import RunCheckpoints, write_model_info
 from jaxrl_async.data import held_out_prompts, make_prompt_iterator, reference_completion
 from jaxrl_async.data.prompt import SYNTHETIC_TASKS
 from jaxrl_async.evaluation import evaluate_accuracy
@@ -68,8 +68,13 @@ class Setup:
             self.checkpoints.close()
 
 
-def _tokenizer(run: RunConfig) -> Tokenizer:
+def _tokenizer_path(run: RunConfig) -> str:
     path = run.tokenizer or run.model.get("checkpoint") or "char"
+    return path if path == "char" else os.path.abspath(path)
+
+
+def _tokenizer(run: RunConfig) -> Tokenizer:
+    path = _tokenizer_path(run)
     if path != "char" and not os.path.isdir(path):
         raise ConfigError(
             f"config.tokenizer / config.model.checkpoint: tokenizer directory {path!r} not found"
@@ -199,6 +204,7 @@ def build_setup(config) -> Setup:
     setup.set_engine_params(sync(setup.state.params))
     engine.update_params(setup.engine_params(), 0)
     setup.checkpoints = RunCheckpoints(os.path.join(run.workdir, "checkpoints"))
+    write_model_info(setup.checkpoints.directory, model_cfg, _tokenizer_path(run))
     return setup
 
 

@@ -2,16 +2,22 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 
 from configs import tiny_arith
+from jaxrl_async.checkpoint import load_policy
 from jaxrl_async.metrics import read_scalars
 from jaxrl_async.orchestrator import Orchestrator
 from jaxrl_async.run_config import ConfigError, validate
 from jaxrl_async.setup import build_setup
+from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 REQUIRED_TAGS = (
     "eval/accuracy",
@@ -110,6 +116,24 @@ def test_async_run_trains_syncs_respects_eta_and_writes_tags(tmp_path):
     assert [s for s, _ in scalars["loss/policy"]] == [1, 2, 3, 4]
     with open(os.path.join(tmp_path, "summary.json")) as f:
         assert json.load(f)["steps"] == 4
+
+    # The trained policy loads from the run directory alone (model.json + the newest step's params) ...
+    mesh = make_mesh((1, 1), ("data", "tensor"), jax.devices()[:1])
+    model_cfg, params, tokenizer, version = load_policy(str(tmp_path), mesh, SAMPLER_RULES)
+    assert (model_cfg, tokenizer, version) == (setup.model_cfg, "char", 4)
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    # ... also from a step directory; a missing version is named; the generate CLI samples from the run.
+    assert load_policy(os.path.join(tmp_path, "checkpoints", "4"), mesh, SAMPLER_RULES)[3] == 4
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint step 2 \(saved: \[4\]\)"):
+        load_policy(str(tmp_path), mesh, SAMPLER_RULES, step=2)
+    cmd = [sys.executable, os.path.join(REPO, "tools", "generate.py"), "--checkpoint", str(tmp_path)]
+    cmd += ["--prompt", "12+34=", "--max-new-tokens", "4", "--cpu-kernels"]
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "policy version 4" in res.stdout
+    assert len([line for line in res.stdout.splitlines() if line.startswith("ids:")]) == 1
 
     # Resume: a longer run in the same workdir continues from version 4 with the saved data position.
     setup = build_setup(_small(tmp_path, total_steps=5))

@@ -1,8 +1,11 @@
 """Generate completions from a checkpoint with the sampler engine.
 
   python tools/generate.py --checkpoint DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-new-tokens N \
-      [--temperature T --top-k K --top-p P --seed S --num-samples K --tokenizer DIR|char]
+      [--temperature T --top-k K --top-p P --seed S --num-samples K --tokenizer DIR|char] \
+      [--step V] [--cpu-kernels]
 
+DIR: a Hugging Face directory (config.json + safetensors), or one of our runs (its workdir, its
+checkpoints/ directory or a step in it: the policy weights of that version, newest by default).
 Prints each completion as text and as a line `ids: ...` (generated ids only). Temperature 0 = greedy.
 """
 
@@ -16,23 +19,30 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
+from jaxrl_async.checkpoint import find_checkpoints, load_policy  # noqa: E402
 from jaxrl_async.model import load_hf  # noqa: E402
 from jaxrl_async.sampler import Engine, Request, SamplerConfig, SamplerLoop  # noqa: E402
 from jaxrl_async.sharding import SAMPLER_RULES, make_mesh  # noqa: E402
 from jaxrl_async.tokenizer import load_tokenizer  # noqa: E402
 
 
-def load_checkpoint(path: str, mesh, dtype: str = "float32"):
-    """(ModelConfig, params on `mesh` in the sampler layout) from a checkpoint directory.
+def load_checkpoint(path: str, mesh, dtype: str = "float32", step: int | None = None):
+    """(ModelConfig, params on `mesh` in the sampler layout, default tokenizer) from a checkpoint.
 
-    Only Hugging Face directories (config.json + safetensors) are read today. Hook: the orchestrator's
-    orbax checkpoints will be restored here (abstract_params(cfg, mesh, SAMPLER_RULES) as the target).
+    Raises:
+      FileNotFoundError: `path` is neither a Hugging Face directory nor one of our runs.
     """
     if os.path.exists(os.path.join(path, "config.json")):
-        return load_hf(path, dtype=dtype, mesh=mesh, rules=SAMPLER_RULES)
-    raise NotImplementedError(
-        f"{path}: no config.json; only Hugging Face checkpoint directories are supported"
-    )
+        model_cfg, params = load_hf(path, dtype=dtype, mesh=mesh, rules=SAMPLER_RULES)
+        return model_cfg, params, path
+    if find_checkpoints(path) is None:
+        raise FileNotFoundError(
+            f"--checkpoint {path}: neither a Hugging Face directory (config.json) nor a run of ours "
+            "(model.json in it, in its checkpoints/ or beside it)"
+        )
+    model_cfg, params, tokenizer, version = load_policy(path, mesh, SAMPLER_RULES, step)
+    print(f"policy version {version} from {find_checkpoints(path)}")
+    return model_cfg, params, tokenizer
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
@@ -50,18 +60,23 @@ def _parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--tokenizer", default=None, help="tokenizer directory or 'char' (default: the checkpoint)"
     )
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="HF checkpoints")
+    ap.add_argument("--step", type=int, default=None, help="policy version of a run (default: newest)")
+    ap.add_argument(
+        "--cpu-kernels", action="store_true", help="the sampler's C++ attention and matmul kernels (CPU, f32)"
+    )
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = _parse_args(argv)
-    tok = load_tokenizer(args.tokenizer or args.checkpoint)
     mesh = make_mesh((1, 1), ("data", "tensor"), jax.devices()[:1])
-    model_cfg, params = load_checkpoint(args.checkpoint, mesh, args.dtype)
+    model_cfg, params, tokenizer = load_checkpoint(args.checkpoint, mesh, args.dtype, args.step)
+    tok = load_tokenizer(args.tokenizer or tokenizer)
     if args.prompt is not None:
         prompt = tok.encode(args.prompt)
-        if tok.bos_id is not None and args.tokenizer != "char" and (not prompt or prompt[0] != tok.bos_id):
+        char = (args.tokenizer or tokenizer) == "char"
+        if tok.bos_id is not None and not char and (not prompt or prompt[0] != tok.bos_id):
             prompt = [tok.bos_id, *prompt]
     else:
         prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
@@ -76,6 +91,7 @@ def main(argv=None) -> None:
         top_k=args.top_k,
         top_p=args.top_p,
         stop_tokens=tuple(sorted(stops)),
+        **({"attention": "cpu_kernel", "linear": "cpu_kernel"} if args.cpu_kernels else {}),
     )
     loop = SamplerLoop(Engine(model_cfg, params, mesh, cfg))
     loop.add_request(Request("cli", prompt, n_samples=args.num_samples, seed=args.seed))
