@@ -36,6 +36,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.log_every = 1  # Train steps between TensorBoard writes and summary lines.
     c.text_samples = 4  # Completions (with rewards) written to TensorBoard as text at each log step.
     c.checkpoint_every = 0  # Train steps between orbax checkpoints; 0 = only at the end.
+    # Checksum the sampler's weights after every sync against the trainer's (a host read: for tests).
+    c.verify_weights = False
+    # Benchmarks: per-prompt generation caps "lognormal:median=24,p99=96,max=128,seed=1"; "" = off.
+    c.length_caps = ""
 
     c.model = ml_collections.ConfigDict()
     c.model.preset = "tiny"  # Shape preset (jaxrl_async.model.presets) when no checkpoint is given.
@@ -50,6 +54,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh.fake_cpu_devices = 8  # On a CPU-only machine, create this many fake devices.
     # Sampler and trainer share the first devices (one GPU): the two roles then take turns on them.
     c.mesh.colocate = False
+    # Several processes (launch/local_cluster.py, a TPU pod, SLURM): which process ids sample (one sampler
+    # replica of `mesh.sampler` each) and which train (one trainer mesh over their devices; the first is
+    # the learner lead). () and () = this one process does both.
+    c.mesh.sampler_processes = ()
+    c.mesh.trainer_processes = ()
 
     c.data = dataclass_section(DataConfig)
     c.reward = dataclass_section(RewardConfig)

@@ -4,8 +4,9 @@ Inputs of the shared-host performance model (`jaxrl_async.perf.shared_host`): ho
 to produce one train batch (from empty slots to the last graded sample, as sync RL does, and at the
 steady rate of a never-drained stream, as async RL does), how long one train step plus its weight sync
 takes, and how much of the host's cores each keeps busy meanwhile (process CPU seconds, which include
-XLA's worker threads). Part of the orchestrator layer: it drives the same sampler loop, reward service
-and train step as a run (`tools/bench_roles.py` is the CLI).
+XLA's worker threads). Part of the orchestrator layer: it builds the run's own actor, coordinator and
+trainer (`jaxrl_async.orchestrator.build_process`) and drives them one at a time through their messages
+(`tools/bench_roles.py` is the CLI).
 """
 
 from __future__ import annotations
@@ -13,74 +14,16 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections import defaultdict
 from typing import Any
 
-from jaxrl_async.data import make_prompt_iterator
-from jaxrl_async.orchestrator import to_rollout, train_on
-from jaxrl_async.rollouts import Rollout
-from jaxrl_async.sampler import Request, SamplerLoop
-from jaxrl_async.setup import Setup
+from jaxrl_async.transport import Rollouts, Trained
+
+_UNLIMITED = 10**6  # versions to open the admission window by: the stream never waits for training
 
 
 def host_cores() -> int:
     """CPU cores this process may run on (its affinity mask, not the machine's count)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-class _Sampling:
-    """Admits prompts from the run's data stream, samples them and grades them, like the orchestrator."""
-
-    def __init__(self, setup: Setup):
-        self.s = setup
-        self.run = setup.run
-        self.loop = SamplerLoop(setup.engine)
-        self.prompts = make_prompt_iterator(self.run.data, setup.tokenizer)
-        self.next_gid = 0
-        self.budget = 0  # prompts still allowed to start
-        self.pending: dict[tuple[int, int], Any] = {}
-        self.groups: dict[int, list[Rollout]] = defaultdict(list)
-        self.graded = 0
-
-    def _admit(self) -> Request | None:
-        if self.budget <= 0:
-            return None
-        prompt = next(self.prompts, None)
-        if prompt is None:
-            raise RuntimeError("the data stream ended during calibration; use more epochs")
-        self.budget -= 1
-        self.next_gid += 1
-        return Request(
-            uid=self.next_gid,
-            prompt_tokens=tuple(int(t) for t in prompt.tokens),
-            n_samples=self.run.samples_per_prompt,
-            seed=self.run.seed * 1_000_003 + self.next_gid,
-            metadata=prompt,
-        )
-
-    def step(self) -> None:
-        tok = self.s.tokenizer
-        for c in self.loop.step(self._admit):
-            key = (int(c.uid), int(c.sample_index))
-            self.pending[key] = c
-            self.s.rewards.submit(key, c.metadata.text, tok.decode(c.tokens), dict(c.metadata.metadata))
-        if self.loop.idle and self.pending:
-            self.s.rewards.wait(0.01)
-        for res in self.s.rewards.poll():
-            c = self.pending.pop(res.request_id)
-            self.groups[int(c.uid)].append(to_rollout(c, res.reward, res.reason, tok))
-            self.graded += 1
-
-    def until_graded(self, count: int) -> None:
-        while self.graded < count:
-            self.step()
-
-    def take_batches(self) -> list[list[list[Rollout]]]:
-        """Complete groups so far, in admission order, cut into train batches (leftovers dropped)."""
-        g = self.run.samples_per_prompt
-        done = [self.groups.pop(k) for k in sorted(self.groups) if len(self.groups[k]) == g]
-        b = self.run.prompts_per_step
-        return [done[i : i + b] for i in range(0, len(done) - b + 1, b)]
 
 
 def _timed(fn) -> tuple[float, float]:
@@ -89,11 +32,37 @@ def _timed(fn) -> tuple[float, float]:
     return time.perf_counter() - w0, time.process_time() - c0
 
 
-def calibrate_roles(setup: Setup, batches: int = 6) -> dict[str, Any]:
-    """Measures the sampler and the trainer of `setup`, one at a time (nothing else runs).
+class _Driver:
+    """Runs the actor and the coordinator of a one-process run and collects the actor's groups.
+
+    The coordinator runs with η = 0, so each new version it hears of opens exactly one batch of prompts.
+    """
+
+    def __init__(self, proc):
+        self.actor, self.coordinator = proc.actor, proc.coordinator
+        self.transport = proc.actor.transport
+        self.version = proc.coordinator.version
+        self.groups: list = []
+
+    def open(self, versions: int) -> None:
+        self.version += versions
+        self.transport.send("coordinator", Trained(self.version, []))
+
+    def until(self, n_groups: int) -> None:
+        while len(self.groups) < n_groups:
+            self.actor.poll()
+            self.coordinator.poll()
+            for m in self.transport.recv("learner"):
+                if isinstance(m, Rollouts):
+                    self.groups += m.groups
+
+
+def calibrate_roles(proc, batches: int = 6) -> dict[str, Any]:
+    """Measures the sampler and the trainer of a built one-process run, one at a time.
 
     Args:
-      setup: a built run (`jaxrl_async.setup.build_setup`); its train state is updated by the timed steps.
+      proc: `jaxrl_async.orchestrator.build_process` of a one-process run; its train state is updated by
+        the timed steps.
       batches: timed train batches per measurement (one more, untimed, compiles first).
 
     Returns:
@@ -105,38 +74,43 @@ def calibrate_roles(setup: Setup, batches: int = 6) -> dict[str, Any]:
     """
     if batches < 2:
         raise ValueError(f"batches must be >= 2, got {batches}")
-    run = setup.run
-    n = run.prompts_per_step * run.samples_per_prompt
-    smp = _Sampling(setup)
-    setup.rewards.wait_ready()
+    run = proc.run
+    b = run.prompts_per_step
+    n = b * run.samples_per_prompt
+    proc.coordinator.controller.max_staleness = 0
+    proc.actor.eval_prompts = []  # nothing to evaluate: this measures sampling
+    drive = _Driver(proc)
 
     # Sync-style: one batch at a time, from empty slots to the last graded sample.
     batch_times = []
     for i in range(batches + 1):
-        smp.budget = run.prompts_per_step
-        t = _timed(lambda i=i: smp.until_graded((i + 1) * n))
+        drive.open(1)
+        t = _timed(lambda i=i: drive.until((i + 1) * b))
         if i:  # the first batch compiles
             batch_times.append(t)
     # Async-style: admission never stops; time `batches` batches' worth after one batch of fill-up.
-    smp.budget = 10**9
-    start = smp.graded
-    smp.until_graded(start + n)
-    stream = _timed(lambda: smp.until_graded(start + (batches + 1) * n))
-    smp.budget = 0
-    while not smp.loop.idle or smp.pending:
-        smp.step()
+    drive.open(_UNLIMITED)
+    start = len(drive.groups)
+    drive.until(start + b)
+    stream = _timed(lambda: drive.until(start + (batches + 1) * b))
 
-    train_batches = smp.take_batches()
-    lengths = [len(r.completion_tokens) for b in train_batches for g in b for r in g]
+    train_batches = [drive.groups[i : i + b] for i in range(0, len(drive.groups) - b + 1, b)]
+    lengths = [len(r.completion_tokens) for bt in train_batches for g in bt for r in g]
     tokens = [
-        sum(len(r.prompt_tokens) + len(r.completion_tokens) for g in b for r in g) for b in train_batches
+        sum(len(r.prompt_tokens) + len(r.completion_tokens) for g in bt for r in g) for bt in train_batches
     ]
+    core, loop = proc.learner.core, proc.actor.loop
     train_times, update_times = [], []
     for i, groups in enumerate(train_batches[: batches + 1]):
         out = []
-        t = _timed(lambda groups=groups, out=out: out.append(train_on(setup, groups)))
-        r = out[0]
-        u = _timed(lambda r=r: smp.loop.update_params(r.sampler_params, r.version, run.sampler.update_mode))
+
+        def step(groups=groups, out=out):
+            metrics, _ = core.dispatch(groups)
+            out.append(core.publish())
+
+        t = _timed(step)
+        message = out[0]
+        u = _timed(lambda m=message: loop.update_params(m.params, m.version, run.sampler.update_mode))
         if i:
             train_times.append(t)
             update_times.append(u[0])

@@ -1,4 +1,10 @@
-"""Run checkpoints with orbax: trainer state (sharded) and the prompt iterator's position, saved together.
+"""Run checkpoints with orbax: the trainer state (sharded) and the coordinator's state (data cursor and
+admission count, JSON), saved together.
+
+In a multi-process run only the trainer processes take part (orbax's `active_processes`). The learner
+lead must be process 0: orbax 0.12.8 writes array metadata, host (numpy) arrays and the JSON part from
+process 0 only (a run whose trainer state lives on one process saves it through host memory, see
+`_host_local`).
 
 Beside the steps, `model.json` records the model config and tokenizer, so a policy can be loaded from a run
 directory alone (`load_policy`, used by tools/generate.py).
@@ -10,8 +16,8 @@ import dataclasses
 import json
 import os
 
-import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxrl_async.model import ModelConfig, abstract_params
@@ -28,6 +34,22 @@ def _items(state) -> dict:
     }
 
 
+def _host_local(x) -> bool:
+    """Orbax refuses arrays that one process holds whole in a multi-process run (one trainer process
+    beside sampler processes): those are saved and restored through host memory."""
+    return isinstance(x, jax.Array) and jax.process_count() > 1 and x.is_fully_addressable
+
+
+def _savable(tree):
+    return jax.tree.map(lambda x: np.asarray(x) if _host_local(x) else x, tree)
+
+
+def _target(x):
+    if _host_local(x):
+        return np.zeros(x.shape, x.dtype)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
 class RunCheckpoints:
     """An orbax CheckpointManager keyed by policy version.
 
@@ -35,35 +57,53 @@ class RunCheckpoints:
     Restoring targets the live state's shardings, so a checkpoint restores onto whatever mesh the run has.
     """
 
-    def __init__(self, directory: str, max_to_keep: int = 2):
+    def __init__(self, directory: str, max_to_keep: int = 2, processes=None):
+        """`processes`: the trainer processes of a multi-process run (None: every process)."""
         self.directory = os.path.abspath(directory)
-        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        mp = ocp.options.MultiprocessingOptions(
+            primary_host=0,
+            active_processes=None if processes is None else set(processes),
+            barrier_sync_key_prefix=None if processes is None else "trainers",
+        )
+        if processes is not None:  # orbax creates the root itself only when every process takes part
+            os.makedirs(self.directory, exist_ok=True)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, create=processes is None, multiprocessing_options=mp
+        )
+        handlers = None
+        if processes is not None:
+            # Handlers made by orbax's registry take part on every process; ours only on the trainers.
+            handlers = {
+                "state": ocp.StandardCheckpointHandler(multiprocessing_options=mp),
+                "coordinator": ocp.JsonCheckpointHandler(multiprocessing_options=mp),
+            }
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
-    def save(self, version: int, state, data_iter) -> None:
+    def save(self, version: int, state, coordinator: dict) -> None:
+        """Saves `state` and the coordinator's JSON-able state as step `version` (waits until written)."""
         if version in (self.manager.all_steps() or []):
             return
         args = ocp.args.Composite(
-            state=ocp.args.StandardSave(_items(state)), data=grain.checkpoint.CheckpointSave(data_iter)
+            state=ocp.args.StandardSave(_savable(_items(state))), coordinator=ocp.args.JsonSave(coordinator)
         )
         self.manager.save(version, args=args)
         self.manager.wait_until_finished()
 
-    def restore_latest(self, state, data_iter):
-        """(state, version) from the newest checkpoint, restoring `data_iter`'s position; or None."""
+    def restore_latest(self, state):
+        """(state, version, coordinator state) from the newest checkpoint, or None."""
         step = self.manager.latest_step()
         if step is None:
             return None
-        target = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), _items(state)
-        )
+        live = _items(state)
         out = self.manager.restore(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target), data=grain.checkpoint.CheckpointRestore(data_iter)
+                state=ocp.args.StandardRestore(jax.tree.map(_target, live)),
+                coordinator=ocp.args.JsonRestore(),
             ),
         )
-        r = out["state"]
+        place = lambda x, ref: jax.device_put(x, ref.sharding) if _host_local(ref) else x
+        r = jax.tree.map(place, out["state"], live)
         c = r["counters"]
         state = state.replace(
             params=r["params"],
@@ -72,7 +112,7 @@ class RunCheckpoints:
             updates=c["updates"],
             skipped=c["skipped"],
         )
-        return state, int(step)
+        return state, int(step), dict(out["coordinator"] or {})
 
     def close(self) -> None:
         self.manager.wait_until_finished()

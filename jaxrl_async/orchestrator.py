@@ -1,394 +1,295 @@
-"""The orchestrator: the only module that knows every part.
+"""The orchestrator: the only module that knows every part. It builds the roles of this process and runs
+their event loop.
 
-Data flows one way: prompts -> sampler -> reward service -> rollout queue -> trainer -> weight sync ->
-sampler. The main thread runs the sampler's event loop (admission under the staleness bound, decode,
-grading); a trainer thread runs train steps and reshards each new policy onto the sampler mesh, which the
-main thread swaps in between decode calls (in flight). `mode="sync"` is the same code with eta = 0.
+Data flows one way: prompts (coordinator) -> actors (decode, grade) -> learner (train) -> weights ->
+actors. A run is one program on every process; `jaxrl_async.cluster.Roles` says which roles this process
+plays:
+
+  one process          coordinator + learner + actor 0, in-memory transport, weights by device_put
+  learner lead         coordinator + learner (+ the message hub, TensorBoard, checkpoint primary)
+  other trainer        a follower running the lead's SPMD steps on its share of the trainer mesh
+  sampler process      one actor over its own devices
+
+Every role is a `poll()` that never blocks on another role; the loop polls the roles of this process until
+the learner lead says the run is over. `mode="sync"` is the same code with η = 0.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
-import queue
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
-import jax
-import numpy as np
-
+from jaxrl_async import setup as build
+from jaxrl_async.actor import Actor, ActorConfig, length_cap_fn
+from jaxrl_async.cluster import Cluster, PeerFailure, Roles
+from jaxrl_async.coordinator import Coordinator
 from jaxrl_async.data import held_out_prompts, make_prompt_iterator
-from jaxrl_async.evaluation import evaluate_accuracy
-from jaxrl_async.metrics import MetricsWriter, summary_line
-from jaxrl_async.rollouts import Rollout, RolloutQueue, StalenessController, staleness_stats
-from jaxrl_async.sampler import Request, SamplerLoop
-from jaxrl_async.setup import Setup, build_setup, resume
-from jaxrl_async.trainer import prepare_batch, train_step
+from jaxrl_async.learner import Follower, Learner, LearnerConfig, TrainerCore
+from jaxrl_async.metrics import MetricsWriter
+from jaxrl_async.rewards import RewardService
+from jaxrl_async.transport import Hello, LocalTransport, ZmqTransport
+from jaxrl_async.weight_sync import (
+    LocalWeights,
+    TransferPublisher,
+    TransferReceiver,
+    WeightSync,
+    sampler_dtype,
+)
 
 log = logging.getLogger(__name__)
 
-SUMMARY_KEYS = (
-    "reward/mean",
-    "eval/accuracy",
-    "loss/policy",
-    "staleness/mean",
-    "staleness/max",
-    "staleness/token_mean",
-    "perf/train_tokens_per_s",
-    "perf/weight_sync_s",
-)
+STALL_WARNING_S = 60.0  # log every role's state after this long without progress
 
 
-@dataclasses.dataclass
-class TrainResult:
-    """What the trainer thread hands back after one step."""
-
-    version: int
-    sampler_params: Any
-    metrics: dict[str, float]
-    groups: list[list[Rollout]]
-    trained_tokens: int
-    step_seconds: float
-    sync_seconds: float
+def single_process() -> Cluster:
+    """The cluster of a run without `jax.distributed`: one process, every role."""
+    return Cluster(Roles(1, (0,), (0,)))
 
 
-class TrainerWorker:
-    """Runs train steps on the trainer submesh in its own thread and reshards each new policy."""
+class _Process:
+    """The roles of this process, built from the config, and what they hold that must be closed."""
 
-    def __init__(self, setup: Setup):
-        self.setup = setup
-        self.inbox: queue.Queue = queue.Queue(maxsize=1)
-        self.outbox: queue.Queue = queue.Queue()
-        self.busy = False
-        self.idle_seconds = 0.0
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="trainer", daemon=True)
-        self._thread.start()
-
-    def submit(self, groups: list[list[Rollout]], trainer_version: int) -> None:
-        self.busy = True
-        self.inbox.put((groups, trainer_version))
+    def __init__(self, run, cluster: Cluster):
+        self.run, self.cluster = run, cluster
+        self.roles: list = []
+        self.closers: list = []
+        self.learner: Learner | None = None
+        self.coordinator: Coordinator | None = None
+        self.actor: Actor | None = None
+        self.follower: Follower | None = None
+        self.warm_start_info = None
+        self.reward_stats = None
 
     def close(self) -> None:
-        self.inbox.put(None)
-        self._thread.join(timeout=600)
-
-    def _run(self) -> None:
-        try:
-            while True:
-                t0 = time.perf_counter()
-                item = self.inbox.get()
-                self.idle_seconds += time.perf_counter() - t0
-                if item is None:
-                    return
-                self.outbox.put(self._step(*item))
-        except BaseException as e:  # surfaced to the main thread, which stops the run
-            self.error = e
-            self.outbox.put(None)
-
-    def _step(self, groups: list[list[Rollout]], trainer_version: int) -> TrainResult:
-        return train_on(self.setup, groups)
+        for c in reversed(self.closers):
+            try:
+                c()
+            except Exception:  # noqa: BLE001 - close everything else, then let the run's error surface
+                log.exception("while closing")
 
 
-def train_on(s: Setup, groups: list[list[Rollout]]) -> TrainResult:
-    """One train step on `groups` (updates `s.state`) and the new policy resharded onto the sampler mesh."""
-    t0 = time.perf_counter()
-    rollouts = [r for g in groups for r in g]
-    batch = prepare_batch(s.run.trainer, rollouts)
-    s.state, metrics = train_step(s.state, batch)
-    metrics = {k: float(np.asarray(v)) for k, v in metrics.items() if np.ndim(v) == 0}
-    metrics["zero_adv_skipped_frac"] = batch.num_skipped / max(len(rollouts), 1)
-    version = int(s.state.version)
-    step_s = time.perf_counter() - t0
-    sampler_params = s.weight_sync(s.state.params)
-    # Tokens consumed by the step, including sequences skipped for a zero advantage.
-    tokens = sum(len(r.prompt_tokens) + len(r.completion_tokens) for r in rollouts)
-    return TrainResult(version, sampler_params, metrics, groups, tokens, step_s, s.weight_sync.last_seconds)
+def _transport(cluster: Cluster):
+    roles, pid = cluster.roles, cluster.process_id
+    if not roles.multi:
+        return LocalTransport()
+    if cluster.is_lead:
+        t = ZmqTransport(["coordinator", "learner", "hello"], lead=True, address=cluster.host, process_id=pid)
+        for i, p in enumerate(roles.samplers):
+            t.route(f"actor:{i}", p)
+        for p in roles.trainers[1:]:
+            t.route(f"trainer:{p}", p)
+        cluster.publish("hub", t.address)
+        return t
+    local = [f"actor:{roles.samplers.index(pid)}"] if pid in roles.samplers else [f"trainer:{pid}"]
+    t = ZmqTransport(local, lead=False, address=cluster.lookup("hub"), process_id=pid)
+    t.send("hello", Hello(pid))
+    return t
 
 
-def to_rollout(c, reward: float, reason: str, tokenizer) -> Rollout:
-    """A graded sampler Completion (its metadata is the Prompt) as a trainer Rollout."""
-    return Rollout(
-        uid=c.metadata.uid,
-        group_id=int(c.uid),
-        sample_index=int(c.sample_index),
-        prompt_tokens=np.asarray(c.prompt_tokens, np.int32),
-        completion_tokens=np.asarray(c.tokens, np.int32),
-        behav_logprobs=np.asarray(c.logprobs, np.float32),
-        versions=np.asarray(c.versions, np.int32),
-        reward=float(reward),
-        finish_reason=c.finish_reason,
-        metadata={"text": tokenizer.decode(c.tokens), "prompt": c.metadata.text, "reason": reason},
-    )
+def _await_hellos(transport, cluster: Cluster, timeout_s: float = 600.0) -> None:
+    """The hub waits until every other process has connected (only then can it address them)."""
+    want = set(range(cluster.roles.num_processes)) - {cluster.process_id}
+    deadline = time.monotonic() + timeout_s
+    while want:
+        want -= {m.process_id for m in transport.recv("hello")}
+        cluster.check_peers()
+        if time.monotonic() > deadline:
+            raise PeerFailure(f"process(es) {sorted(want)} never connected to the learner lead")
+        transport.wait(0.05)
 
 
-class Orchestrator:
-    """Drives one run; `run()` returns a summary dict (also written to workdir/summary.json).
+def build_process(config, cluster: Cluster, transport) -> _Process:
+    """Validates `config` and builds the roles of this process (compiles nothing but the init)."""
+    run = build.validate_for(config, cluster)
+    proc = _Process(run, cluster)
+    roles, pid = cluster.roles, cluster.process_id
+    tokenizer = build.build_tokenizer(run)
+    model_cfg = build.model_config(run, tokenizer)
+    scfg = build.sampler_config(run, tokenizer)
+    os.makedirs(run.workdir, exist_ok=True)
+    t_mesh = build.trainer_mesh(run, cluster)
+    local_weights = None
+    if pid in roles.trainers:
+        local_weights = _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh)
+    if pid in roles.samplers:
+        _build_actor(proc, run, cluster, transport, tokenizer, model_cfg, scfg, t_mesh, local_weights)
+    return proc
 
-    Args:
-      setup: the built parts (see jaxrl_async.setup.build_setup).
-      max_new_tokens_fn: optional prompt index -> generation cap (benchmarks impose a length distribution).
-    """
 
-    def __init__(self, setup: Setup, max_new_tokens_fn: Callable[[int], int] | None = None):
-        self.s = setup
-        self.max_new_tokens_fn = max_new_tokens_fn
-        run = setup.run
-        self.run_cfg = run
-        self.controller = StalenessController(run.prompts_per_step, run.eta)
-        self.queue = RolloutQueue(run.samples_per_prompt, run.max_head_staleness)
-        self.train_iter = make_prompt_iterator(
-            run.data, setup.tokenizer, process_index=jax.process_index(), process_count=jax.process_count()
-        )
-        self.eval_prompts = held_out_prompts(run.data, setup.tokenizer, run.eval_prompts)
-        self.sampler = SamplerLoop(setup.engine)
-        self.writer = MetricsWriter(run.workdir, enabled=jax.process_index() == 0)
-        self.version = resume(setup, self.train_iter)  # the sampler's policy version (= train steps done)
-        # Prompts admitted before a restart were lost with their samples: count them as started.
-        self.controller.started = self.version * run.prompts_per_step
-        self.data_exhausted = False
-        self.max_ahead = 0  # most versions admission ever ran ahead of the trainer (<= eta by construction)
-        self._pending: dict[tuple[int, int], Any] = {}  # reward request id -> Completion
-        self._metrics_hist: list[dict[str, float]] = []
-        self._sampler_idle_s = 0.0
-        self._sample_tokens = 0
-        self._trained_tokens = 0
-
-    # ----- admission and sampling -----
-
-    def _admit(self) -> Request | None:
-        if self.data_exhausted or not self.controller.can_admit(self.version):
-            return None
-        prompt = next(self.train_iter, None)
-        if prompt is None:
-            self.data_exhausted = True
-            return None
-        gid = self.controller.admit(self.version)
-        self.max_ahead = max(self.max_ahead, self.controller.ahead(self.version))
-        return Request(
-            uid=gid,
-            prompt_tokens=tuple(int(t) for t in prompt.tokens),
-            n_samples=self.run_cfg.samples_per_prompt,
-            seed=self.run_cfg.seed * 1_000_003 + gid,
-            max_new_tokens=self.max_new_tokens_fn(gid) if self.max_new_tokens_fn else None,
-            metadata=prompt,
-        )
-
-    def _grade(self, completions) -> None:
-        tok = self.s.tokenizer
-        for c in completions:
-            self._sample_tokens += len(c.tokens)
-            key = (int(c.uid), int(c.sample_index))
-            self._pending[key] = c
-            prompt = c.metadata
-            self.s.rewards.submit(key, prompt.text, tok.decode(c.tokens), dict(prompt.metadata))
-
-    def _collect_rewards(self) -> None:
-        for res in self.s.rewards.poll():
-            c = self._pending.pop(res.request_id)
-            self.queue.add(to_rollout(c, res.reward, res.reason, self.s.tokenizer))
-
-    # ----- evaluation -----
-
-    def evaluate(self, sampler_params=None) -> float:
-        """Greedy pass@1 on the held-out prompts with the sampler's current (or given) weights."""
-        s = self.s
-        return evaluate_accuracy(
-            s.eval_engine,
-            s.rewards,
-            s.tokenizer,
-            self.eval_prompts,
-            sampler_params or s.engine_params(),
-            self.version,
-        )
-
-    # ----- the loop -----
-
-    def run(self) -> dict[str, Any]:
-        run, s = self.run_cfg, self.s
-        trainer = TrainerWorker(s)
-        t_start = time.perf_counter()
-        evals = [(self.version, self.evaluate(), 0.0)]
-        self.writer.scalars(self.version, {"eval/accuracy": evals[0][1]})
-        log.info("start: held-out accuracy %.3f (mode=%s, eta=%d)", evals[0][1], run.mode, run.eta)
-        eval_seconds = 0.0
-        progress = s.progress(run.total_steps, "train steps")
-        try:
-            while self.version < run.total_steps:
-                if trainer.error is not None:
-                    raise RuntimeError("trainer thread failed") from trainer.error
-                did_work = self._sampler_round()
-                if not did_work and self._pending:  # only rewards in flight: sleep until one lands
-                    t0 = time.perf_counter()
-                    self.s.rewards.wait(0.01)
-                    self._sampler_idle_s += time.perf_counter() - t0
-                    did_work = True
-                if not trainer.busy:
-                    groups = self.queue.pop_batch(run.prompts_per_step, self.version)
-                    if groups is not None:
-                        trainer.submit(groups, self.version)
-                        did_work = True
-                result = self._poll_trainer(trainer, block=not did_work)
-                if result is None:
-                    if self.data_exhausted and self.sampler.idle and not self._pending and not trainer.busy:
-                        log.warning("data exhausted after %d steps", self.version)
-                        break
-                    continue
-                trainer.busy = False
-                self._apply_update(result)
-                elapsed = time.perf_counter() - t_start - eval_seconds
-                values = self._log_step(result, trainer, elapsed)
-                if run.eval_every and self.version % run.eval_every == 0 or self.version == run.total_steps:
-                    t0 = time.perf_counter()
-                    acc = self.evaluate()
-                    eval_seconds += time.perf_counter() - t0
-                    evals.append((self.version, acc, elapsed))
-                    values["eval/accuracy"] = acc
-                    self.writer.scalars(self.version, {"eval/accuracy": acc})
-                progress.update(1)
-                if self.version % run.log_every == 0:
-                    log.info(summary_line(self.version, values, SUMMARY_KEYS))
-                if run.checkpoint_every and self.version % run.checkpoint_every == 0:
-                    s.save_checkpoint(self.version, self.train_iter)
-        finally:
-            progress.close()
-            trainer.close()
-            self.writer.close()
-        wall = time.perf_counter() - t_start
-        s.save_checkpoint(self.version, self.train_iter)
-        return self._summary(wall, eval_seconds, evals, trainer)
-
-    def _sampler_round(self) -> bool:
-        """One sampler step plus grading; False if the sampler had nothing to do (idle time is counted)."""
-        t0 = time.perf_counter()
-        completions = self.sampler.step(self._admit)
-        active = bool(completions) or not self.sampler.idle
-        self._grade(completions)
-        self._collect_rewards()
-        if not active:
-            self._sampler_idle_s += time.perf_counter() - t0
-        return active
-
-    def _poll_trainer(self, trainer: TrainerWorker, block: bool) -> TrainResult | None:
-        t0 = time.perf_counter()
-        try:
-            result = trainer.outbox.get(timeout=0.01) if block else trainer.outbox.get_nowait()
-        except queue.Empty:
-            result = None
-        if block:
-            self._sampler_idle_s += time.perf_counter() - t0
-        if result is None and trainer.error is not None:
-            raise RuntimeError("trainer thread failed") from trainer.error
-        return result
-
-    def _apply_update(self, result: TrainResult) -> None:
-        self.sampler.update_params(result.sampler_params, result.version, self.run_cfg.sampler.update_mode)
-        self.s.set_engine_params(result.sampler_params)
-        self.version = result.version
-        self._trained_tokens += result.trained_tokens
-
-    def _log_step(self, result: TrainResult, trainer: TrainerWorker, elapsed: float) -> dict[str, float]:
-        trained_version = result.version - 1  # the policy the batch was trained against
-        st = staleness_stats(result.groups, trained_version)
-        rewards = [r.reward for g in result.groups for r in g]
-        lengths = [len(r.completion_tokens) for g in result.groups for r in g]
-        m = result.metrics
-        values = {
-            "reward/mean": float(np.mean(rewards)),
-            "loss/policy": m.get("loss"),
-            "is_weight/mean": m.get("is_weight_mean"),
-            "is_weight/max": m.get("is_weight_max"),
-            "train/clip_frac": m.get("clip_frac"),
-            "train/grad_norm": m.get("grad_norm"),
-            "train/entropy": m.get("entropy_mean"),
-            "train/skipped_updates": float(np.asarray(self.s.state.skipped)),
-            "train/zero_adv_skipped_frac": m.get("zero_adv_skipped_frac"),
-            "staleness/mean": st["head_mean"],
-            "staleness/max": float(st["head_max"]),
-            "staleness/token_mean": st["token_mean"],
-            "staleness/token_max": float(st["token_max"]),
-            "staleness/dropped_groups": float(self.queue.dropped_groups),
-            "completion/length_mean": float(np.mean(lengths)),
-            "completion/length_max": float(np.max(lengths)),
-            "perf/train_tokens_per_s": self._trained_tokens / max(elapsed, 1e-9),
-            "perf/sample_tokens_per_s": self._sample_tokens / max(elapsed, 1e-9),
-            "perf/sampler_idle_frac": self._sampler_idle_s / max(elapsed, 1e-9),
-            "perf/trainer_idle_frac": trainer.idle_seconds / max(elapsed, 1e-9),
-            "perf/slot_occupancy": self.sampler.stats.occupancy,
-            "perf/weight_sync_s": result.sync_seconds,
-            "perf/train_step_s": result.step_seconds,
-            "rewards/errors": float(sum(self.s.rewards.stats()["errors"].values())),
-        }
-        self.writer.scalars(self.version, values)
-        self.writer.histogram(self.version, "staleness/head", st["head_values"])
-        self.writer.histogram(self.version, "staleness/token", st["token_values"])
-        self.writer.histogram(self.version, "completion/length", lengths)
-        for r in [r for g in result.groups for r in g][: self.run_cfg.text_samples]:
-            self.writer.text(
-                self.version,
-                "samples",
-                f"reward {r.reward:.2f} | {r.metadata['prompt']!r} -> {r.metadata['text']!r}",
+def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
+    roles, lead = cluster.roles, cluster.is_lead
+    if run.warm_start.enabled:
+        if lead:
+            params, proc.warm_start_info = build.warm_started_params(
+                run, model_cfg, tokenizer, t_mesh.devices.flat[0], show=True
             )
-        values["time/elapsed_s"] = elapsed
-        values["time/trained_tokens"] = float(self._trained_tokens)
-        self._metrics_hist.append({k: v for k, v in values.items() if v is not None})
-        return values
-
-    def _summary(self, wall: float, eval_seconds: float, evals, trainer: TrainerWorker) -> dict[str, Any]:
-        hist = self._metrics_hist
-        mean = lambda k: float(np.mean([h[k] for h in hist if k in h])) if hist else 0.0
-        train_wall = max(wall - eval_seconds, 1e-9)
-        summary = {
-            "mode": self.run_cfg.mode,
-            "max_staleness": self.run_cfg.eta,
-            "loss": self.run_cfg.trainer.loss,
-            "steps": self.version,
-            "wall_s": wall,
-            "eval_s": eval_seconds,
-            "train_tokens_per_s": self._trained_tokens / train_wall,
-            "steady_train_tokens_per_s": _steady_rate(hist),
-            "sample_tokens_per_s": self._sample_tokens / train_wall,
-            "sampler_idle_frac": self._sampler_idle_s / train_wall,
-            "trainer_idle_frac": trainer.idle_seconds / train_wall,
-            "staleness_mean": mean("staleness/mean"),
-            "staleness_max": max((h.get("staleness/max", 0) for h in hist), default=0),
-            "token_staleness_mean": mean("staleness/token_mean"),
-            "weight_sync_s_mean": mean("perf/weight_sync_s"),
-            "max_admission_ahead": self.max_ahead,
-            "dropped_groups": self.queue.dropped_groups,
-            "dropped_lengths": self.queue.dropped_lengths,
-            "evals": [{"step": s, "accuracy": a, "elapsed_s": e} for s, a, e in evals],
-            "final_accuracy": evals[-1][1],
-            "initial_accuracy": evals[0][1],
-            "warm_start": self.s.warm_start_info,
-            "reward_stats": self.s.rewards.stats(),
-        }
-        if jax.process_index() == 0:
-            os.makedirs(self.run_cfg.workdir, exist_ok=True)
-            with open(os.path.join(self.run_cfg.workdir, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2, default=str)
-        return summary
-
-
-def _steady_rate(hist: list[dict[str, float]]) -> float:
-    """Trained tokens/s after the first fifth of the steps (at least 2): excludes compilation and fill-up."""
-    k = max(2, len(hist) // 5)
-    if len(hist) <= k:
-        return 0.0
-    a, b = hist[k - 1], hist[-1]
-    return (b["time/trained_tokens"] - a["time/trained_tokens"]) / max(
-        b["time/elapsed_s"] - a["time/elapsed_s"], 1e-9
+            for p in roles.trainers[1:]:
+                transport.send(f"trainer:{p}", params)
+        else:
+            params = _wait_for(transport, f"trainer:{cluster.process_id}", cluster)
+    else:
+        params = build.initial_params(run, model_cfg, t_mesh)
+    state = build.train_state(run, model_cfg, t_mesh, params)
+    ckpts = build.checkpoints(run, cluster, model_cfg)
+    proc.closers.append(ckpts.close)
+    coordinator_state = None
+    restored = ckpts.restore_latest(state)
+    if restored is not None:
+        state, version, coordinator_state = restored
+        log.info("resumed from %s at version %d", ckpts.directory, version)
+    if roles.multi:
+        publisher = TransferPublisher(
+            cluster, model_cfg, t_mesh, sampler_dtype(model_cfg), len(roles.samplers), run.verify_weights
+        )
+        local_weights = None
+    else:
+        s_mesh = build.sampler_mesh(run, cluster)
+        publisher = local_weights = LocalWeights(WeightSync(model_cfg, s_mesh), run.verify_weights)
+    core = TrainerCore(state, run.trainer, publisher, ckpts)
+    if not lead:
+        proc.follower = Follower(core, transport, cluster.process_id)
+        proc.roles.append(proc.follower)
+        return None
+    prompts = make_prompt_iterator(run.data, tokenizer)
+    proc.coordinator = Coordinator(
+        prompts, run.prompts_per_step, run.eta, transport, core.version, coordinator_state or None
     )
+    writer = MetricsWriter(run.workdir, enabled=True)
+    proc.closers.append(writer.close)
+    lcfg = LearnerConfig(
+        prompts_per_step=run.prompts_per_step,
+        samples_per_prompt=run.samples_per_prompt,
+        total_steps=run.total_steps,
+        max_head_staleness=run.max_head_staleness,
+        log_every=run.log_every,
+        text_samples=run.text_samples,
+        checkpoint_every=run.checkpoint_every,
+        eval_every=run.eval_every,
+        followers=tuple(f"trainer:{p}" for p in roles.trainers[1:]),
+        actors=len(roles.samplers),
+    )
+    if roles.multi:
+        _await_hellos(transport, cluster)
+    proc.learner = Learner(lcfg, core, transport, writer, proc.coordinator.state)
+    proc.roles += [proc.coordinator, proc.learner]
+    return local_weights
 
 
-def run_from_config(config) -> dict[str, Any]:
-    """Validates `config`, builds every part and runs; the entry point of launch/run.py."""
-    setup = build_setup(config)
+def _wait_for(transport, endpoint: str, cluster: Cluster, timeout_s: float = 3600.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = transport.recv(endpoint)
+        if got:
+            return got[0]
+        cluster.check_peers()
+        transport.wait(0.05)
+    raise PeerFailure(f"{endpoint}: nothing arrived from the learner lead within {timeout_s:.0f} s")
+
+
+def _build_actor(proc, run, cluster, transport, tokenizer, model_cfg, scfg, t_mesh, local_weights):
+    roles, pid = cluster.roles, cluster.process_id
+    index = roles.samplers.index(pid)
+    s_mesh = build.sampler_mesh(run, cluster)
+    engine, eval_engine = build.build_engines(run, model_cfg, s_mesh, scfg)
+    rewards = RewardService(run.reward)
+    proc.closers.append(rewards.close)
+    if local_weights is not None:
+        weights = local_weights
+    else:
+        weights = TransferReceiver(cluster, index, model_cfg, t_mesh, s_mesh, sampler_dtype(model_cfg))
+    acfg = ActorConfig(
+        index=index,
+        samples_per_prompt=run.samples_per_prompt,
+        seed=run.seed,
+        update_mode=run.sampler.update_mode,
+        eval_every=run.eval_every,
+        total_steps=run.total_steps,
+        verify_weights=run.verify_weights,
+    )
+    eval_prompts = held_out_prompts(run.data, tokenizer, run.eval_prompts) if index == 0 else []
+    caps = length_cap_fn(run.length_caps) if run.length_caps else None
+    rewards.wait_ready()
+    proc.actor = Actor(acfg, engine, eval_engine, rewards, tokenizer, eval_prompts, transport, weights, caps)
+    proc.roles.insert(0, proc.actor)
+
+
+def build_local(config) -> _Process:
+    """Every role of a one-process run, built but not started (for tools that drive the roles)."""
+    cluster = single_process()
+    build.validate(config, num_devices=None)
+    transport = _transport(cluster)
+    proc = build_process(config, cluster, transport)
+    proc.closers.append(transport.close)
+    return proc
+
+
+def _event_loop(proc: _Process, transport) -> None:
+    """Polls this process's roles until its part of the run is over."""
+    cluster = proc.cluster
+    done = (
+        (lambda: proc.learner.done)
+        if proc.learner is not None
+        else (lambda: proc.actor.stopped)
+        if proc.actor is not None
+        else (lambda: proc.follower.done)
+    )
+    last = time.monotonic()
+    while not done():
+        progress = False
+        for role in proc.roles:
+            progress = role.poll() or progress
+        cluster.check_peers()
+        now = time.monotonic()
+        if progress:
+            last = now
+        else:
+            transport.wait(0.002) if cluster.roles.multi else time.sleep(0.0005)
+            if now - last > STALL_WARNING_S:  # say what every role waits for (a slow step, or a bug)
+                log.warning(
+                    "no progress for %.0f s: %s", now - last, " | ".join(r.describe() for r in proc.roles)
+                )
+                last = now
+
+
+def run_from_config(config, cluster: Cluster | None = None) -> dict[str, Any] | None:
+    """Validates `config`, builds this process's roles and runs them; the entry point of launch/run.py.
+
+    Returns the run summary on the learner lead (also written to workdir/summary.json), None elsewhere.
+    """
+    cluster = cluster or single_process()
+    build.validate(config, num_devices=None)  # fail on the config before connecting anything
+    transport = _transport(cluster)
+    proc = None
     try:
-        return Orchestrator(setup).run()
+        proc = build_process(config, cluster, transport)
+        t0 = time.perf_counter()
+        _event_loop(proc, transport)
+        if proc.learner is None:
+            return None
+        return _summary(proc, time.perf_counter() - t0)
     finally:
-        setup.close()
+        if proc is not None:
+            proc.close()
+        transport.close()
+
+
+def _summary(proc: _Process, wall: float) -> dict[str, Any]:
+    run, learner = proc.run, proc.learner
+    actor0 = learner.stopped.get("actor:0", {})
+    summary = {
+        "mode": run.mode,
+        "max_staleness": run.eta,
+        "loss": run.trainer.loss,
+        "processes": proc.cluster.roles.num_processes,
+        "wall_s": wall,
+        **learner.summary(),
+        **proc.coordinator.summary(),
+        "warm_start": proc.warm_start_info,
+        "reward_stats": actor0.get("reward_stats"),
+    }
+    with open(os.path.join(run.workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2, default=str)
+    return summary

@@ -92,9 +92,17 @@ class RolloutQueue:
         group.append(rollout)
         if len(group) == self.group_size:
             del self._pending[rollout.group_id]
-            group.sort(key=lambda r: r.sample_index)
-            start = min(r.start_version for r in group)
-            heapq.heappush(self._ready, (start, rollout.group_id, group))
+            self.add_group(group)
+
+    def add_group(self, group: list[Rollout]) -> None:
+        """A whole graded group (all `group_size` samples of one prompt)."""
+        if len(group) != self.group_size:
+            raise ValueError(
+                f"group {group[0].group_id} has {len(group)} samples, expected {self.group_size}"
+            )
+        group.sort(key=lambda r: r.sample_index)
+        start = min(r.start_version for r in group)
+        heapq.heappush(self._ready, (start, group[0].group_id, group))
 
     def ready_groups(self) -> int:
         return len(self._ready)

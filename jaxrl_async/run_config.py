@@ -83,12 +83,19 @@ def _section(name: str, cls, values: dict[str, Any]):
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """How the devices split into the sampler and trainer submeshes (sampler devices come first)."""
+    """How the devices split into the sampler and trainer submeshes.
 
-    sampler: tuple[int, int]  # (data, tensor)
+    One process: the sampler takes the first devices, the trainer the next ones (or the same ones with
+    `colocate`). Several processes: each sampler process runs one replica of `sampler` over its own
+    devices; the trainer mesh spans the devices of the trainer processes, in process order.
+    """
+
+    sampler: tuple[int, int]  # (data, tensor) of one sampler replica
     trainer: tuple[int, int]  # (fsdp, tensor)
-    fake_cpu_devices: int  # device count to create on a CPU-only machine
+    fake_cpu_devices: int  # device count to create on a CPU-only machine (per process)
     colocate: bool = False  # both submeshes on the first devices (e.g. a single GPU)
+    sampler_processes: tuple[int, ...] = ()  # process ids running a sampler replica; () = one process
+    trainer_processes: tuple[int, ...] = ()  # process ids running the trainer; the first is the lead
 
     @property
     def sampler_devices(self) -> int:
@@ -125,6 +132,8 @@ class RunConfig:
     log_every: int
     text_samples: int
     checkpoint_every: int
+    verify_weights: bool
+    length_caps: str
     data: DataConfig
     reward: RewardConfig
     sampler: SamplerConfig
@@ -192,10 +201,23 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         shape = tuple(m[name])
         if len(shape) != 2 or any(not isinstance(x, int) or x < 1 for x in shape):
             raise ConfigError(f"config.mesh.{name}: must be two positive integers, got {m[name]!r}")
+    for name in ("sampler_processes", "trainer_processes"):
+        ids = m.get(name) or ()
+        if not isinstance(ids, list | tuple) or any(not isinstance(p, int) or p < 0 for p in ids):
+            raise ConfigError(f"config.mesh.{name}: must be a tuple of process ids, got {ids!r}")
     mesh = MeshConfig(
-        tuple(m["sampler"]), tuple(m["trainer"]), int(m["fake_cpu_devices"]), bool(m.get("colocate"))
+        tuple(m["sampler"]),
+        tuple(m["trainer"]),
+        int(m["fake_cpu_devices"]),
+        bool(m.get("colocate")),
+        tuple(m.get("sampler_processes") or ()),
+        tuple(m.get("trainer_processes") or ()),
     )
+    if mesh.colocate and (mesh.sampler_processes or mesh.trainer_processes):
+        raise ConfigError("config.mesh.colocate: only for a single process (the roles share its devices)")
     need = mesh.devices_needed
+    if mesh.sampler_processes and num_devices is not None:
+        need = 0  # checked per role by jaxrl_async.setup once the processes have joined
     if num_devices is not None and need > num_devices:
         how = "colocated on" if mesh.colocate else "+"
         raise ConfigError(
@@ -213,6 +235,14 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
                 f"config.sampler.{name}: 'cpu_kernel' needs config.model.dtype='float32', "
                 f"got {c['model']['dtype']!r}"
             )
+    caps = c.get("length_caps", "")
+    if caps:
+        from jaxrl_async.actor import length_cap_fn
+
+        try:
+            length_cap_fn(caps)
+        except ValueError as e:
+            raise ConfigError(f"config.length_caps: {e}") from None
     tr = sections["trainer"]
     if tr.total_steps < c["total_steps"]:
         raise ConfigError(
@@ -236,5 +266,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         log_every=c["log_every"],
         text_samples=c["text_samples"],
         checkpoint_every=c["checkpoint_every"],
+        verify_weights=bool(c.get("verify_weights", False)),
+        length_caps=caps,
         **sections,
     )

@@ -12,10 +12,11 @@ import pytest
 from configs import tiny_arith
 from jaxrl_async.checkpoint import load_policy
 from jaxrl_async.metrics import read_scalars
-from jaxrl_async.orchestrator import Orchestrator
+from jaxrl_async.model import init_params
+from jaxrl_async.orchestrator import run_from_config
 from jaxrl_async.run_config import ConfigError, validate
-from jaxrl_async.setup import build_setup
 from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
+from jaxrl_async.weight_sync import checksum
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,30 +87,23 @@ def test_config_errors_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match=r"config\.sampler: .*top_p"):
         validate(_small(tmp_path, **{"sampler.top_p": 1.5}), n)
     with pytest.raises(ConfigError, match=r"config\.trainer\.temperature"):
-        build_setup(_small(tmp_path, **{"trainer.temperature": 0.5}))
+        run_from_config(_small(tmp_path, **{"trainer.temperature": 0.5}))
+    with pytest.raises(ConfigError, match=r"config\.mesh\.sampler_processes"):
+        validate(_small(tmp_path, **{"mesh.sampler_processes": (-1,)}), n)
+    with pytest.raises(ConfigError, match=r"config\.length_caps"):
+        validate(_small(tmp_path, length_caps="lognormal:median=24"), n)
 
 
 def test_async_run_trains_syncs_respects_eta_and_writes_tags(tmp_path):
-    setup = build_setup(_small(tmp_path))
-    try:
-        before = jax.tree.map(np.asarray, setup.state.params)
-        summary = Orchestrator(setup).run()
-        assert summary["steps"] == 4 and int(setup.state.version) == 4
-        assert summary["max_admission_ahead"] <= 1
-        assert summary["staleness_max"] >= 0 and summary["train_tokens_per_s"] > 0
-        after = jax.tree.map(np.asarray, setup.state.params)
-        changed = [
-            not np.array_equal(a, b)
-            for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True)
-        ]
-        assert all(changed), "every parameter should move after 4 updates"
-        synced = setup.engine_params()  # the sampler's copy after the last weight sync
-        for a, b in zip(jax.tree.leaves(setup.state.params), jax.tree.leaves(synced), strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-            assert b.sharding.mesh.devices.flat[0] in setup.sampler_mesh.devices.flat
-        assert setup.engine.version == 4
-    finally:
-        setup.close()
+    summary = run_from_config(_small(tmp_path, verify_weights=True))
+    assert summary["steps"] == 4 and summary["processes"] == 1
+    assert summary["max_admission_ahead"] <= 1
+    assert summary["staleness_max"] >= 0 and summary["train_tokens_per_s"] > 0
+    # After every sync the sampler held the trainer's weights: one checksum per version, equal.
+    sums = summary["weight_checksums"]
+    assert sorted(sums["learner"]) == [0, 1, 2, 3, 4]
+    assert sums["actors"][0] == sums["learner"]
+    assert [e["step"] for e in summary["evals"]] == [0, 2, 4]
     scalars = read_scalars(os.path.join(tmp_path, "tb"))
     for tag in REQUIRED_TAGS:
         assert tag in scalars, tag
@@ -117,12 +111,15 @@ def test_async_run_trains_syncs_respects_eta_and_writes_tags(tmp_path):
     with open(os.path.join(tmp_path, "summary.json")) as f:
         assert json.load(f)["steps"] == 4
 
-    # The trained policy loads from the run directory alone (model.json + the newest step's params) ...
+    # The trained policy loads from the run directory alone (model.json + the newest step's params): it
+    # is the version the sampler last received, and every parameter moved from its initial value.
     mesh = make_mesh((1, 1), ("data", "tensor"), jax.devices()[:1])
     model_cfg, params, tokenizer, version = load_policy(str(tmp_path), mesh, SAMPLER_RULES)
-    assert (model_cfg, tokenizer, version) == (setup.model_cfg, "char", 4)
-    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(params), strict=True):
-        np.testing.assert_array_equal(a, np.asarray(b))
+    assert (tokenizer, version) == ("char", 4)
+    assert checksum(params) == pytest.approx(sums["learner"][4], rel=1e-6)
+    before = init_params(model_cfg, jax.random.key(0), mesh, SAMPLER_RULES)
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(params), strict=True):
+        assert not np.array_equal(np.asarray(a), np.asarray(b)), "every parameter should move"
     # ... also from a step directory; a missing version is named; the generate CLI samples from the run.
     assert load_policy(os.path.join(tmp_path, "checkpoints", "4"), mesh, SAMPLER_RULES)[3] == 4
     with pytest.raises(FileNotFoundError, match=r"no checkpoint step 2 \(saved: \[4\]\)"):
@@ -136,21 +133,13 @@ def test_async_run_trains_syncs_respects_eta_and_writes_tags(tmp_path):
     assert len([line for line in res.stdout.splitlines() if line.startswith("ids:")]) == 1
 
     # Resume: a longer run in the same workdir continues from version 4 with the saved data position.
-    setup = build_setup(_small(tmp_path, total_steps=5))
-    try:
-        orch = Orchestrator(setup)
-        assert orch.version == 4
-        assert orch.run()["steps"] == 5
-    finally:
-        setup.close()
+    resumed = run_from_config(_small(tmp_path, total_steps=5, verify_weights=True))
+    assert resumed["steps"] == 5 and resumed["evals"][0]["step"] == 4
+    assert resumed["weight_checksums"]["learner"][4] == pytest.approx(sums["learner"][4], rel=1e-6)
 
 
 def test_sync_mode_is_eta_zero(tmp_path):
-    setup = build_setup(_small(tmp_path, mode="sync", total_steps=2, eval_every=0))
-    try:
-        summary = Orchestrator(setup).run()
-    finally:
-        setup.close()
+    summary = run_from_config(_small(tmp_path, mode="sync", total_steps=2, eval_every=0))
     assert summary["max_staleness"] == 0 and summary["max_admission_ahead"] == 0
     assert summary["staleness_max"] == 0  # every sample was produced by the policy it trains
 
@@ -160,10 +149,9 @@ def test_colocated_roles_share_devices(tmp_path):
     with pytest.raises(ConfigError, match=r"config\.mesh.*colocated.*need 16 devices"):
         big = {"mesh.sampler": (4, 4), "mesh.trainer": (2, 1), "mesh.colocate": True}
         validate(_small(tmp_path, **big), n)
-    cfg = _small(tmp_path, mode="sync", total_steps=2, eval_every=0, **{"mesh.colocate": True})
-    setup = build_setup(cfg)
-    try:
-        assert list(setup.sampler_mesh.devices.flat) == list(setup.trainer_mesh.devices.flat)
-        assert Orchestrator(setup).run()["steps"] == 2
-    finally:
-        setup.close()
+    cfg = _small(
+        tmp_path, mode="sync", total_steps=2, eval_every=0, verify_weights=True, **{"mesh.colocate": True}
+    )
+    summary = run_from_config(cfg)
+    assert summary["steps"] == 2
+    assert summary["weight_checksums"]["actors"][0] == summary["weight_checksums"]["learner"]

@@ -126,15 +126,16 @@ def test_calibrate_roles_times_each_role_of_a_real_run(tmp_path):
     from test_orchestrator import _small
 
     from jaxrl_async.calibration import calibrate_roles, host_cores
-    from jaxrl_async.setup import build_setup
+    from jaxrl_async.orchestrator import build_local
 
     cfg = _small(tmp_path, **{"mesh.sampler": (1, 1), "mesh.trainer": (1, 1)})
-    setup = build_setup(cfg)
+    proc = build_local(cfg)
     try:
-        d = calibrate_roles(setup, batches=2)
+        d = calibrate_roles(proc, batches=2)
+        assert proc.learner.core.version == 3  # one untimed (compiling) + two timed train steps
+        assert proc.actor.loop.engine.version == 3  # the timed weight swaps reached the sampler
     finally:
-        setup.close()
-    assert int(setup.state.version) == 3  # one untimed (compiling) + two timed train steps
+        proc.close()
     assert d["samples_per_batch"] == cfg.prompts_per_step * cfg.samples_per_prompt == 16
     assert d["cores"] == host_cores() and d["num_slots"] == 8
     max_len = cfg.sampler.max_prompt_len + cfg.sampler.max_new_tokens

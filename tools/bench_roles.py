@@ -32,17 +32,17 @@ def main(argv):
     config = _CONFIG.value
     prepare_devices(config)  # before JAX picks a backend
     from jaxrl_async.calibration import calibrate_roles
+    from jaxrl_async.orchestrator import build_local
     from jaxrl_async.run_config import ConfigError
-    from jaxrl_async.setup import build_setup
 
     try:
-        setup = build_setup(config)
+        proc = build_local(config)
     except ConfigError as e:
         raise app.UsageError(f"invalid config: {e}") from None
     try:
-        result = calibrate_roles(setup, _BATCHES.value)
+        result = calibrate_roles(proc, _BATCHES.value)
     finally:
-        setup.close()
+        proc.close()
     text = json.dumps(result, indent=2)
     print(text)
     if _OUT.value:

@@ -205,7 +205,7 @@ def load_hf(path: str, dtype: str = "float32", mesh=None, rules: Rules | None = 
                 return np.ascontiguousarray(to_ours(st.get(template))[idx]).astype(np_dtype)
 
         sharding = (
-            jax.sharding.SingleDeviceSharding(jax.devices()[0]) if shardings is None else shardings[key]
+            jax.sharding.SingleDeviceSharding(jax.local_devices()[0]) if shardings is None else shardings[key]
         )
         flat[key] = jax.make_array_from_callback(spec.shape, sharding, read, dtype=np_dtype)
     return cfg, _unflatten(flat)

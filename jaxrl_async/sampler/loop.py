@@ -150,6 +150,11 @@ class SamplerLoop:
         return self._admitting() and not self._groups and not self._queue and None in self._slots
 
     @property
+    def free_slots(self) -> int:
+        """Slots not holding a running sequence (as far as the host knows)."""
+        return sum(s is None for s in self._slots)
+
+    @property
     def num_live(self) -> int:
         """Slots holding a running sequence (as far as the host knows)."""
         return sum(s is not None for s in self._slots)

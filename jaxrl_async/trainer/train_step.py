@@ -81,7 +81,9 @@ def loglinear_prox_logp(behav_BxT, logp_BxT, versions_BxT, prox_version):
 
 def _replicated(mesh: Mesh | None):
     """Where scalars live: replicated over the mesh, or committed to the default device."""
-    return SingleDeviceSharding(jax.devices()[0]) if mesh is None else NamedSharding(mesh, PartitionSpec())
+    if mesh is None:
+        return SingleDeviceSharding(jax.local_devices()[0])
+    return NamedSharding(mesh, PartitionSpec())
 
 
 def _fresh_copy(tree, shardings):

@@ -1,0 +1,38 @@
+"""The throughput workload of tools/bench_async.py: a long-tailed completion-length mix on a tiny model.
+
+`configs/tiny_arith.py` with a random 2-layer model (no warm start) and the reward "the completion contains
+a digit", so every group carries a gradient. Each prompt's generation cap is drawn from a lognormal
+(median 24, p99 96, cap 128 tokens) and the stop token is disabled, so completion lengths follow exactly
+that distribution, in every mode alike. Throughput is what this config measures, not learning.
+"""
+
+from configs import tiny_arith
+
+
+def get_config():
+    c = tiny_arith.get_config()
+    c.workdir = "runs/bench_async"
+    c.max_staleness = 4
+    c.total_steps = 30
+    c.prompts_per_step = 16
+    c.samples_per_prompt = 4
+    c.eval_every = 0  # only the first and the last version are evaluated
+    c.eval_prompts = 8
+    c.text_samples = 0
+    c.length_caps = "lognormal:median=24,p99=96,max=128,seed=1"
+
+    c.model.n_layers = 2
+    c.data.reward = "format"
+    c.reward.defaults = {"format_regex": "[0-9]"}
+
+    c.sampler.num_slots = 256
+    c.sampler.max_new_tokens = 128
+    c.sampler.stop_tokens = (-1,)  # never sampled: lengths are exactly the drawn caps
+
+    c.trainer.lr = 1e-5
+    c.trainer.token_budget = 256
+    c.trainer.rows_per_micro = 8
+    c.trainer.skip_zero_advantage = False  # every sample is trained, whatever the rewards
+
+    c.warm_start.enabled = False
+    return c

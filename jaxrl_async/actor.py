@@ -1,0 +1,285 @@
+"""The actor: one sampler replica. It starts the prompts the coordinator grants, decodes them with
+continuous batching, grades the completions, sends finished groups to the learner, and swaps in each new
+policy version between decode calls (in flight). Actor 0 also measures held-out accuracy.
+
+One `poll()` is one round of its event loop: read messages, apply new weights, ask for prompts, run one
+generate call, hand completions to the reward service and finished groups to the learner. It never blocks
+on another role: everything it needs arrives as messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from jaxrl_async.evaluation import evaluate_accuracy
+from jaxrl_async.rollouts import Rollout
+from jaxrl_async.sampler import Request, SamplerLoop
+from jaxrl_async.transport import EvalResult, NewWeights, Rollouts, Stop, Stopped, TicketRequest, Tickets
+from jaxrl_async.weight_sync import checksum
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorConfig:
+    """What an actor needs to know of the run.
+
+    Attributes:
+      index: this actor's number (0 measures held-out accuracy).
+      samples_per_prompt: G, completions per prompt.
+      seed: the run's seed (each prompt's sampling stream derives from it and the group id).
+      update_mode: how running sequences take new weights (keep_kv | recompute_kv | finish).
+      eval_every: versions between evaluations (0 = only the first and the last).
+      total_steps: the last version (always evaluated).
+      verify_weights: checksum every received version (a host read of the weights; for tests).
+    """
+
+    index: int
+    samples_per_prompt: int
+    seed: int
+    update_mode: str
+    eval_every: int
+    total_steps: int
+    verify_weights: bool = False
+
+
+def length_cap_fn(spec: str) -> Callable[[int], int]:
+    """Group id -> generation cap from "lognormal:median=M,p99=P,max=N[,seed=S]" (benchmarks: with the
+    stop token disabled, completion lengths then follow that distribution exactly).
+
+    Raises:
+      ValueError: naming what is wrong with `spec`.
+    """
+    kind, _, rest = spec.partition(":")
+    if kind != "lognormal":
+        raise ValueError(f"{spec!r}: only 'lognormal:median=M,p99=P,max=N[,seed=S]' is supported")
+    try:
+        kv = {k.strip(): float(v) for k, v in (item.split("=") for item in rest.split(",") if item)}
+    except ValueError:
+        raise ValueError(f"{spec!r}: expected key=value pairs after 'lognormal:'") from None
+    missing = {"median", "p99", "max"} - set(kv)
+    if missing or not 0 < kv.get("median", 0) <= kv.get("p99", 0):
+        raise ValueError(
+            f"{spec!r}: needs median, p99 and max with 0 < median <= p99 (missing {sorted(missing)})"
+        )
+    median, max_len, seed = kv["median"], int(kv["max"]), int(kv.get("seed", 0))
+    sigma = math.log(kv["p99"] / median) / 2.3263478740408408  # z of the 99th percentile
+
+    def cap(group_id: int) -> int:
+        rng = np.random.default_rng((seed, group_id))
+        return int(np.clip(round(median * math.exp(sigma * rng.standard_normal())), 1, max_len))
+
+    return cap
+
+
+def to_rollout(c, reward: float, reason: str, tokenizer) -> Rollout:
+    """A graded sampler Completion (its metadata is the Prompt) as a trainer Rollout."""
+    return Rollout(
+        uid=c.metadata.uid,
+        group_id=int(c.uid),
+        sample_index=int(c.sample_index),
+        prompt_tokens=np.asarray(c.prompt_tokens, np.int32),
+        completion_tokens=np.asarray(c.tokens, np.int32),
+        behav_logprobs=np.asarray(c.logprobs, np.float32),
+        versions=np.asarray(c.versions, np.int32),
+        reward=float(reward),
+        finish_reason=c.finish_reason,
+        metadata={"text": tokenizer.decode(c.tokens), "prompt": c.metadata.text, "reason": reason},
+    )
+
+
+class Actor:
+    """A sampler replica (see the module docstring).
+
+    Args:
+      cfg: the actor's settings.
+      engine, eval_engine: the sampling engine and the greedy one for evaluation (same sampler mesh).
+      rewards: the reward service (its worker processes grade while the actor decodes).
+      tokenizer: decodes completions for grading and logs.
+      eval_prompts: held-out prompts (actor 0 only).
+      transport: the run's transport; this role reads "actor:<index>".
+      weights: receives published versions (`LocalWeights` or `TransferReceiver`).
+      max_new_tokens_fn: optional group id -> generation cap (benchmarks impose a length distribution).
+    """
+
+    def __init__(self, cfg: ActorConfig, engine, eval_engine, rewards, tokenizer, eval_prompts, transport,
+                 weights, max_new_tokens_fn: Callable[[int], int] | None = None):  # fmt: skip
+        self.cfg, self.engine, self.eval_engine = cfg, engine, eval_engine
+        self.rewards, self.tokenizer, self.eval_prompts = rewards, tokenizer, eval_prompts
+        self.transport, self.weights, self.max_new_tokens_fn = transport, weights, max_new_tokens_fn
+        self.endpoint = f"actor:{cfg.index}"
+        self.loop = SamplerLoop(engine)
+        # Prompts to keep queued beyond the free slots: a quarter of the engine, so slots freed by one
+        # generate call refill in the next without waiting for the coordinator's answer.
+        self.lookahead = max(1, math.ceil(engine.cfg.num_slots / cfg.samples_per_prompt / 4))
+        self.version: int | None = None  # the policy version in use (None until the first arrives)
+        self.granted = 0  # prompts granted so far
+        self.asked = 0  # prompts asked for and not yet granted
+        self.exhausted = False
+        self.stopped = False
+        self._pending: dict[tuple[int, int], Any] = {}  # reward request -> Completion
+        self._groups: dict[int, list[Rollout]] = {}
+        self._ready: list[list[Rollout]] = []
+        self.sample_tokens = 0
+        self.idle_s = 0.0
+        self.eval_s = 0.0
+        self.weight_s = 0.0
+        self.checksums: dict[int, float] = {}
+        self.evals: list[tuple[int, float]] = []
+        self._drained_sent = False
+
+    # ----- the event loop -----
+
+    def poll(self) -> bool:
+        """One round (see the module docstring); False if there was nothing to do."""
+        t0 = time.perf_counter()
+        new: list[NewWeights] = []
+        for m in self.transport.recv(self.endpoint):
+            if isinstance(m, Tickets):
+                self._start(m)
+            elif isinstance(m, NewWeights):
+                new.append(m)
+            elif isinstance(m, Stop):
+                self.stopped = True
+            else:
+                raise TypeError(f"{self.endpoint}: unexpected message {type(m).__name__}")
+        if self.stopped:
+            final = {**self.stats(), "reward_stats": self.rewards.stats()}
+            self.transport.send("learner", Stopped(self.endpoint, final))
+            return True
+        if new:
+            self._apply(new)
+        if self.version is None:  # nothing to sample with yet
+            return bool(new)
+        self._ask()
+        completions = self.loop.step(self._admit_none)
+        active = bool(completions) or not self.loop.idle
+        self._grade(completions)
+        if not active and self._pending:  # only rewards in flight: sleep until one lands
+            self.rewards.wait(0.005)
+        self._collect()
+        self._send()
+        if not active and not new:
+            self.idle_s += time.perf_counter() - t0
+        return active or bool(new)
+
+    def _admit_none(self):
+        return None  # every request is queued by `_start`
+
+    def _start(self, tickets: Tickets) -> None:
+        self.exhausted = self.exhausted or tickets.exhausted
+        self.asked -= len(tickets.prompts)
+        self.granted += len(tickets.prompts)
+        for gid, prompt in tickets.prompts:
+            self.loop.add_request(
+                Request(
+                    uid=gid,
+                    prompt_tokens=tuple(int(t) for t in prompt.tokens),
+                    n_samples=self.cfg.samples_per_prompt,
+                    seed=self.cfg.seed * 1_000_003 + gid,
+                    max_new_tokens=self.max_new_tokens_fn(gid) if self.max_new_tokens_fn else None,
+                    metadata=prompt,
+                )
+            )
+
+    def _ask(self) -> None:
+        """Keeps enough prompts queued to fill the free slots plus the lookahead."""
+        if self.exhausted:
+            return
+        free = self.loop.free_slots
+        queued = self.granted - self.loop.stats.requests_admitted
+        want = math.ceil(free / self.cfg.samples_per_prompt) + self.lookahead - queued - self.asked
+        if want > 0:
+            self.asked += want
+            self.transport.send("coordinator", TicketRequest(self.cfg.index, want))
+
+    def _apply(self, messages: list[NewWeights]) -> None:
+        """Receives every published version (each must be taken), evaluates the ones due, and samples
+        with the newest."""
+        params = None
+        for m in messages:
+            t0 = time.perf_counter()
+            params, version = self.weights.receive(m), m.version
+            self.weight_s += time.perf_counter() - t0
+            if self.cfg.verify_weights:
+                self.checksums[version] = checksum(params)
+            if self.cfg.index == 0 and (self.version is None or self._eval_due(version)):
+                self._evaluate(params, version)
+        first = self.version is None
+        self.loop.update_params(params, version, None if first else self.cfg.update_mode)
+        self.version = version
+
+    def _eval_due(self, version: int) -> bool:
+        every = self.cfg.eval_every
+        return version == self.cfg.total_steps or bool(every and version % every == 0)
+
+    def _evaluate(self, params, version: int) -> None:
+        t0 = time.perf_counter()
+        acc = evaluate_accuracy(
+            self.eval_engine, self.rewards, self.tokenizer, self.eval_prompts, params, version
+        )
+        seconds = time.perf_counter() - t0
+        self.eval_s += seconds
+        self.evals.append((version, acc))
+        self.transport.send("learner", EvalResult(version, acc, seconds))
+
+    def _grade(self, completions) -> None:
+        for c in completions:
+            self.sample_tokens += len(c.tokens)
+            key = (int(c.uid), int(c.sample_index))
+            self._pending[key] = c
+            prompt = c.metadata
+            self.rewards.submit(key, prompt.text, self.tokenizer.decode(c.tokens), dict(prompt.metadata))
+
+    def _collect(self) -> None:
+        g = self.cfg.samples_per_prompt
+        for res in self.rewards.poll():
+            c = self._pending.pop(res.request_id)
+            group = self._groups.setdefault(int(c.uid), [])
+            group.append(to_rollout(c, res.reward, res.reason, self.tokenizer))
+            if len(group) == g:
+                del self._groups[int(c.uid)]
+                group.sort(key=lambda r: r.sample_index)
+                self._ready.append(group)
+
+    def _send(self) -> None:
+        drained = self.exhausted and self.loop.idle and not self._pending
+        if self._ready or (drained and not self._drained_sent):
+            self._drained_sent = drained
+            self.transport.send("learner", Rollouts(self.cfg.index, self._ready, self.stats()))
+            self._ready = []
+
+    # ----- reporting -----
+
+    def describe(self) -> str:
+        """One line of state, for the stall warning."""
+        return (
+            f"{self.endpoint}: version {self.version}, {self.loop.num_live} live / "
+            f"{self.loop.free_slots} free slots, {self.granted - self.loop.stats.requests_admitted} prompts "
+            f"queued, {self.asked} asked, "
+            f"{len(self._pending)} rewards pending, {len(self._groups)} partial groups"
+            + (", data exhausted" if self.exhausted else "")
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since the start (the learner lead logs them)."""
+        s = self.loop.stats
+        return {
+            "sample_tokens": self.sample_tokens,
+            "idle_s": self.idle_s,
+            "eval_s": self.eval_s,
+            "weight_s": self.weight_s,
+            "occupancy": s.occupancy,
+            "completions": s.completions,
+            "reward_errors": float(sum(self.rewards.stats()["errors"].values())),
+            "drained": self.exhausted and self.loop.idle and not self._pending,
+            "checksums": dict(self.checksums),
+            "version": self.version,
+        }

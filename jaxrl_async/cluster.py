@@ -1,0 +1,302 @@
+"""Processes and their roles: `jax.distributed` start-up, peer addresses, failure reports, barriers.
+
+A run is one program on every process (one controller per host). `config.mesh.sampler_processes` and
+`config.mesh.trainer_processes` say which processes sample (each runs one sampler replica over its own
+devices) and which train (together they run one SPMD train step over the trainer mesh); the first trainer
+process is the *learner lead*: it hosts the coordinator, the TensorBoard writer and the message hub. With
+both lists empty a single process runs every role, as on a laptop.
+
+JAX's coordination service (started by `jax.distributed.initialize`) is the cluster manager: its heartbeats
+end every process when one dies (within `heartbeat_timeout_s`), its key-value store carries peer addresses
+and failure reports, and its barriers fence start-up and shutdown. Nothing here replaces it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+
+log = logging.getLogger(__name__)
+
+_FAILED = "jaxrl/failed/"  # key prefix: process id -> why it stopped
+ENV = {"coordinator_address": "JAXRL_COORDINATOR", "num_processes": "JAXRL_NUM_PROCESSES",
+       "process_id": "JAXRL_PROCESS_ID"}  # fmt: skip
+
+
+class ClusterError(ValueError):
+    """A cluster flag or the process layout is wrong; the message names the flag or config field."""
+
+
+class PeerFailure(RuntimeError):
+    """Another process of the run failed; the message names it and its role."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Roles:
+    """Which process plays which role.
+
+    Attributes:
+      num_processes: processes in the run.
+      samplers: process ids that run a sampler replica (an actor), in actor order.
+      trainers: process ids that run the learner; trainers[0] is the learner lead.
+    """
+
+    num_processes: int
+    samplers: tuple[int, ...]
+    trainers: tuple[int, ...]
+
+    @classmethod
+    def from_config(cls, mesh, num_processes: int) -> Roles:
+        """The roles of `config.mesh` (validated against `num_processes`, errors name the field)."""
+        s, t = tuple(mesh.sampler_processes), tuple(mesh.trainer_processes)
+        if not s and not t:
+            if num_processes != 1:
+                raise ClusterError(
+                    f"--num_processes={num_processes}: set config.mesh.sampler_processes and "
+                    "config.mesh.trainer_processes (e.g. (0,) and (1,)) to say which process does what"
+                )
+            return cls(1, (0,), (0,))
+        if not s or not t:
+            empty = "sampler_processes" if not s else "trainer_processes"
+            raise ClusterError(f"config.mesh.{empty}: empty while the other role list is set")
+        if num_processes == 1 and s == t == (0,):
+            return cls(1, s, t)
+        every = set(range(num_processes))
+        for name, ids in (("sampler_processes", s), ("trainer_processes", t)):
+            bad = [p for p in ids if p not in every]
+            if bad or len(set(ids)) != len(ids):
+                raise ClusterError(
+                    f"config.mesh.{name}={ids}: ids must be distinct and in [0, {num_processes}) "
+                    f"(--num_processes={num_processes})"
+                )
+        both = set(s) & set(t)
+        if both:
+            raise ClusterError(
+                f"config.mesh.sampler_processes={s} and trainer_processes={t} share process(es) "
+                f"{sorted(both)}; with several processes each process has one role"
+            )
+        if t[0] != 0:
+            raise ClusterError(
+                f"config.mesh.trainer_processes={t}: must start with process 0, the learner lead (process "
+                "0 hosts the coordination service and is the only process orbax writes checkpoint metadata "
+                "from)"
+            )
+        missing = sorted(every - set(s) - set(t))
+        if missing:
+            raise ClusterError(
+                f"--num_processes={num_processes} but process(es) {missing} are in neither "
+                f"config.mesh.sampler_processes={s} nor config.mesh.trainer_processes={t}"
+            )
+        return cls(num_processes, s, t)
+
+    @property
+    def multi(self) -> bool:
+        return self.num_processes > 1
+
+    @property
+    def lead(self) -> int:
+        """The learner lead: coordinator, message hub, TensorBoard writer, checkpoint primary."""
+        return self.trainers[0]
+
+    def role(self, pid: int) -> str:
+        names = []
+        if pid in self.trainers:
+            names.append("learner lead" if pid == self.lead else "trainer")
+        if pid in self.samplers:
+            names.append(f"sampler {self.samplers.index(pid)}")
+        return " + ".join(names) or "no role"
+
+
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """How to reach the coordination service (flags win over JAXRL_* variables; all None = one process)."""
+
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    init_timeout_s: int = 300
+    heartbeat_timeout_s: int = 20
+
+    @classmethod
+    def resolve(cls, **given) -> Flags:
+        """Fills the unset fields from the environment (JAXRL_COORDINATOR, ...); checks their form."""
+        values = dict(given)
+        for name, var in ENV.items():
+            if values.get(name) in (None, "", -1) and os.environ.get(var):
+                values[name] = os.environ[var]
+        for name in ("num_processes", "process_id"):
+            v = values.get(name)
+            if v in (None, "", -1):
+                values[name] = None
+                continue
+            try:
+                values[name] = int(v)
+            except ValueError:
+                raise ClusterError(f"--{name}: not an integer: {v!r}") from None
+        addr = values.get("coordinator_address") or None
+        values["coordinator_address"] = addr
+        if addr is not None:
+            host, _, port = addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ClusterError(f"--coordinator_address={addr!r}: expected HOST:PORT (e.g. 10.0.0.2:8476)")
+        n, pid = values["num_processes"], values["process_id"]
+        if n is not None and n < 1:
+            raise ClusterError(f"--num_processes={n}: must be >= 1")
+        if n is not None and pid is not None and not 0 <= pid < n:
+            raise ClusterError(f"--process_id={pid}: must be in [0, --num_processes={n})")
+        for name in ("init_timeout_s", "heartbeat_timeout_s"):
+            if int(values.get(name, 1)) < 1:
+                raise ClusterError(f"--{name}: must be >= 1")
+        return cls(**values)
+
+    @property
+    def given(self) -> list[str]:
+        """The connection flags that are set."""
+        return [n for n in ENV if getattr(self, n) is not None]
+
+
+class Cluster:
+    """This process's place in the run: its id, the roles, and the coordination service's client.
+
+    A single-process run has no client: every method is then a cheap no-op.
+    """
+
+    def __init__(self, roles: Roles, process_id: int = 0, client=None, host: str = "127.0.0.1"):
+        self.roles, self.process_id, self.client, self.host = roles, process_id, client, host
+        self._next_check = 0.0
+
+    @property
+    def role(self) -> str:
+        return self.roles.role(self.process_id)
+
+    @property
+    def is_lead(self) -> bool:
+        return self.process_id == self.roles.lead
+
+    def publish(self, key: str, value: str) -> None:
+        """Makes `value` visible to every process under `key` (the coordination service's store)."""
+        if self.client is not None:
+            self.client.key_value_set(f"jaxrl/{key}", value)
+
+    def lookup(self, key: str, timeout_s: float = 3600.0) -> str:
+        """Waits up to `timeout_s` for another process to `publish` `key` (checking for failed peers)."""
+        if self.client is None:
+            raise RuntimeError("lookup needs a multi-process run")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self.client.blocking_key_value_get(f"jaxrl/{key}", 2000)
+            except Exception as e:  # noqa: BLE001 - the service's deadline error
+                self.check_peers(force=True)
+                if time.monotonic() > deadline:
+                    raise PeerFailure(
+                        f"no process published {key!r} within {timeout_s:.0f} s ({e})"
+                    ) from None
+
+    def barrier(self, name: str, processes: Sequence[int] | None = None, timeout_s: float = 600.0) -> None:
+        """A coordination-service barrier (never a device collective: those can deadlock with transfers)."""
+        if self.client is None:
+            return
+        ids = None if processes is None else sorted(processes)
+        try:
+            self.client.wait_at_barrier(f"jaxrl/{name}", int(timeout_s * 1000), ids)
+        except Exception as e:  # noqa: BLE001
+            self.check_peers(force=True)
+            raise PeerFailure(f"barrier {name!r} did not complete within {timeout_s:.0f} s ({e})") from None
+
+    def report_failure(self, message: str) -> None:
+        """Tells every other process that this one is stopping because of `message` (best effort)."""
+        if self.client is None:
+            return
+        try:
+            self.client.key_value_set(f"{_FAILED}{self.process_id}", f"{self.role}: {message}"[:2000])
+        except Exception:  # noqa: BLE001 - the service may already be gone; the heartbeat then tells
+            pass
+
+    def check_peers(self, force: bool = False, every_s: float = 1.0) -> None:
+        """Raises PeerFailure if another process reported a failure (polled at most every `every_s`)."""
+        if self.client is None:
+            return
+        now = time.monotonic()
+        if not force and now < self._next_check:
+            return
+        self._next_check = now + every_s
+        try:
+            failed = self.client.key_value_dir_get(_FAILED)
+        except Exception as e:  # noqa: BLE001 - the coordination service (process 0) is unreachable
+            raise PeerFailure(f"the JAX coordination service on process 0 is unreachable ({e})") from None
+        others = [(k, v) for k, v in failed if not k.endswith(f"/{self.process_id}")]
+        if others:
+            key, why = sorted(others)[0]
+            pid = int(key.rsplit("/", 1)[1])
+            raise PeerFailure(f"process {pid} ({self.roles.role(pid)}) failed: {why}")
+
+
+def _advertised_host(coordinator_address: str) -> str:
+    """The address other processes reach this one at: the interface that routes to the coordinator."""
+    host = coordinator_address.rpartition(":")[0].strip("[]")
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # no packet is sent: this only picks the route
+        return s.getsockname()[0]
+
+
+def connect(mesh, flags: Flags) -> Cluster:
+    """Validates the process layout, starts `jax.distributed` when the run has several processes.
+
+    Must run before JAX initialises a backend. A run whose config names roles but whose flags give no
+    coordinator lets JAX detect the cluster (Cloud TPU, SLURM, ...).
+
+    Raises:
+      ClusterError: naming the flag or config field (before anything compiles or connects).
+    """
+    if flags.given and len(flags.given) < len(ENV):
+        missing = [f"--{n}" for n in ENV if n not in flags.given]
+        raise ClusterError(
+            f"a multi-process run needs {', '.join(missing)} too (or {', '.join(ENV.values())})"
+        )
+    if flags.num_processes == 1 or not (flags.given or mesh.sampler_processes or mesh.trainer_processes):
+        return Cluster(Roles.from_config(mesh, 1))
+    if flags.num_processes is not None:
+        Roles.from_config(mesh, flags.num_processes)  # fail before connecting
+    import jax
+
+    try:
+        jax.distributed.initialize(
+            coordinator_address=flags.coordinator_address,
+            num_processes=flags.num_processes,
+            process_id=flags.process_id,
+            initialization_timeout=flags.init_timeout_s,
+            heartbeat_timeout_seconds=flags.heartbeat_timeout_s,
+            shutdown_timeout_seconds=60,
+        )
+    except ValueError as e:  # JAX found no cluster to auto-detect
+        raise ClusterError(f"{e} (give --coordinator_address, --num_processes and --process_id)") from None
+    except Exception as e:  # noqa: BLE001 - JAX's deadline error does not name our flag
+        raise ClusterError(
+            f"could not join the run's coordination service at --coordinator_address="
+            f"{flags.coordinator_address} within --init_timeout_s={flags.init_timeout_s}: {e}"
+        ) from None
+    from jax._src.distributed import global_state  # the coordination service's client (as orbax uses it)
+
+    pid, n = jax.process_index(), jax.process_count()
+    roles = Roles.from_config(mesh, n)
+    address = flags.coordinator_address or global_state.coordinator_address or "127.0.0.1:0"
+    cluster = Cluster(roles, pid, global_state.client, _advertised_host(address))
+    log.info("process %d of %d: %s", pid, n, cluster.role)
+    return cluster
+
+
+def shutdown(cluster: Cluster) -> None:
+    """Leaves the run cleanly: every process meets at a barrier, then the service shuts down."""
+    if cluster.client is None:
+        return
+    import jax
+
+    cluster.barrier("end")
+    jax.distributed.shutdown()

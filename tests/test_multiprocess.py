@@ -1,0 +1,191 @@
+"""Multi-controller runs on localhost: separate sampler and trainer processes (jax.distributed, gloo)."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxrl_async.cluster import ClusterError, Flags, Roles
+from jaxrl_async.metrics import read_scalars
+from jaxrl_async.run_config import MeshConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCHER = os.path.join(REPO, "launch", "local_cluster.py")
+
+# The small run of test_orchestrator as a config file (a random model never solves addition: the reward
+# "contains a digit" gives every group signal).
+SMALL = """
+from configs import tiny_arith
+
+
+def get_config():
+    c = tiny_arith.get_config()
+    c.total_steps, c.prompts_per_step, c.samples_per_prompt = 4, 4, 4
+    c.eval_every, c.eval_prompts, c.max_staleness = 2, 16, 1
+    c.sampler.num_slots = 8
+    c.trainer.token_budget, c.trainer.rows_per_micro = 64, 2
+    c.warm_start.enabled = False
+    c.data.reward = "format"
+    c.reward.defaults = {"format_regex": "[0-9]"}
+    c.verify_weights = True
+    return c
+"""
+
+
+def _flags(workdir, **overrides) -> list[str]:
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, "small_config.py")
+    with open(path, "w") as f:
+        f.write(SMALL)
+    return [f"--config={path}", f"--config.workdir={workdir}"] + [
+        f"--config.{k}={v}" for k, v in overrides.items()
+    ]
+
+
+def _launch(n: int, devices: int, flags: list[str], timeout: float = 600, **popen):
+    cmd = [sys.executable, LAUNCHER, "--num-processes", str(n), "--devices-per-process", str(devices)]
+    cmd += ["--heartbeat-timeout-s", "10", "--", *flags]
+    env = dict(os.environ, PYTHONPATH=REPO)
+    if popen:
+        return subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=timeout)
+
+
+def _checksums_equal(summary) -> None:
+    sums = summary["weight_checksums"]
+    learner = {int(k): v for k, v in sums["learner"].items()}
+    assert sorted(learner) == list(range(summary["steps"] + 1))
+    for actor in sums["actors"].values():
+        got = {int(k): v for k, v in actor.items()}
+        assert sorted(got) == sorted(learner)
+        for v in learner:
+            assert got[v] == pytest.approx(learner[v], rel=1e-6), f"version {v}"
+
+
+def test_roles_and_flags_are_validated_before_anything_connects():
+    mesh = lambda s, t: MeshConfig((1, 1), (1, 1), 1, sampler_processes=s, trainer_processes=t)
+    assert Roles.from_config(mesh((), ()), 1) == Roles(1, (0,), (0,))
+    roles = Roles.from_config(mesh((2,), (0, 1)), 3)
+    assert roles.lead == 0 and roles.role(2) == "sampler 0" and roles.role(1) == "trainer"
+    with pytest.raises(ClusterError, match=r"process\(es\) \[2\] are in neither"):
+        Roles.from_config(mesh((1,), (0,)), 3)
+    with pytest.raises(
+        ClusterError, match=r"config\.mesh\.trainer_processes=\(1,\): must start with process 0"
+    ):
+        Roles.from_config(mesh((0,), (1,)), 2)
+    with pytest.raises(ClusterError, match=r"share process"):
+        Roles.from_config(mesh((0, 1), (0,)), 2)
+    with pytest.raises(ClusterError, match=r"--num_processes=2: set config\.mesh\.sampler_processes"):
+        Roles.from_config(mesh((), ()), 2)
+    with pytest.raises(ClusterError, match=r"--coordinator_address='10\.0\.0\.1': expected HOST:PORT"):
+        Flags.resolve(coordinator_address="10.0.0.1")
+    with pytest.raises(ClusterError, match=r"--process_id=3: must be in \[0, --num_processes=2\)"):
+        Flags.resolve(coordinator_address="h:1", num_processes=2, process_id=3)
+
+
+def test_bad_process_layout_fails_fast_naming_the_flag(tmp_path):
+    flags = _flags(tmp_path, **{"mesh.sampler_processes": "(1,)", "mesh.trainer_processes": "(0,)"})
+    t0 = time.monotonic()
+    res = _launch(3, 1, flags, timeout=120)
+    assert res.returncode != 0
+    assert "process(es) [2] are in neither config.mesh.sampler_processes" in res.stdout
+    assert time.monotonic() - t0 < 60  # nothing compiled, nothing waited for a missing peer
+
+
+def test_sampler_and_trainer_processes_sync_weights_every_step(tmp_path):
+    """2 processes x 2 CPU devices: the learner (and coordinator) on process 0, the sampler on process 1."""
+    flags = _flags(
+        tmp_path,
+        **{"mesh.sampler": "(2,1)", "mesh.trainer": "(2,1)", "mesh.sampler_processes": "(1,)"},
+        **{"mesh.trainer_processes": "(0,)"},
+    )
+    res = _launch(2, 2, flags)
+    assert res.returncode == 0, res.stdout[-4000:]
+    with open(tmp_path / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["processes"] == 2 and summary["steps"] == 4
+    assert summary["max_admission_ahead"] <= 1  # eta holds
+    _checksums_equal(summary)
+    assert [e["step"] for e in summary["evals"]] == [0, 2, 4]
+    # Exactly one TensorBoard writer: one event file, written by the learner lead.
+    events = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if "tfevents" in f]
+    assert len(events) == 1 and os.path.dirname(events[0]) == str(tmp_path / "tb")
+    assert [s for s, _ in read_scalars(str(tmp_path / "tb"))["loss/policy"]] == [1, 2, 3, 4]
+    assert "process 1 of 2: sampler 0" in res.stdout and "process 0 of 2: learner lead" in res.stdout
+
+
+def test_two_trainer_processes_match_one_process(tmp_path):
+    """1 sampler + 2 trainer processes, sync mode, fixed seeds: the same losses as one process with the
+    same trainer mesh shape."""
+    common = {
+        "mode": "sync",
+        "total_steps": 3,
+        "eval_every": 0,
+        "mesh.trainer": "(2,1)",
+        "mesh.sampler": "(1,1)",
+    }
+    multi = _flags(
+        tmp_path / "multi", **common, **{"mesh.sampler_processes": "(2,)", "mesh.trainer_processes": "(0,1)"}
+    )
+    res = _launch(3, 1, multi)
+    assert res.returncode == 0, res.stdout[-4000:]
+    single = _flags(tmp_path / "single", **common)
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    one = subprocess.run(
+        [sys.executable, os.path.join(REPO, "launch", "run.py"), *single],
+        env=env, text=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stderr[-4000:]
+    losses = {
+        k: [v for _, v in read_scalars(str(tmp_path / k / "tb"))["loss/policy"]] for k in ("multi", "single")
+    }
+    assert len(losses["multi"]) == 3
+    assert losses["multi"] == pytest.approx(losses["single"], abs=1e-5)
+    with open(tmp_path / "multi" / "summary.json") as f:
+        summary = json.load(f)
+    _checksums_equal(summary)  # the sampler assembled the two trainer processes' shards correctly
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_killed_process_ends_every_process(tmp_path, victim):
+    """SIGKILL one process mid-run: the others exit non-zero within 60 s, and the message names it."""
+    flags = _flags(
+        tmp_path,
+        **{"total_steps": 1000, "eval_every": 0, "mesh.sampler_processes": "(1,)"},
+        **{"mesh.trainer_processes": "(0,)"},
+    )
+    proc = _launch(2, 1, flags, popen=True)
+    pids, lines = {}, []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            m = re.match(r"\[launcher\] process (\d+).*: pid (\d+)", line)
+            if m:
+                pids[int(m.group(1))] = int(m.group(2))
+            if "step 2 |" in line:  # both roles are running
+                break
+        assert len(pids) == 2, "".join(lines)
+        os.kill(pids[victim], signal.SIGKILL)
+        killed = time.monotonic()
+        out, _ = proc.communicate(timeout=90)
+        elapsed = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(lines) + out
+    assert proc.returncode != 0
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+    assert f"[launcher] process {victim} was killed by SIGKILL" in text
+    survivor = 1 - victim
+    assert re.search(
+        rf"\[launcher\] process {survivor} (exited with status [1-9]|was killed by SIGABRT)", text
+    )
+    if victim == 1:  # JAX's heartbeat names the dead task in the survivor's error
+        assert "tasks are unhealthy (stopped sending heartbeats):\n[p0] 1" in text or "unhealthy" in text
