@@ -129,6 +129,7 @@ class Actor:
         self._ready: list[list[Rollout]] = []
         self.sample_tokens = 0
         self.idle_s = 0.0
+        self._idle_since: float | None = None
         self.eval_s = 0.0
         self.weight_s = 0.0
         self.checksums: dict[int, float] = {}
@@ -166,9 +167,16 @@ class Actor:
             self.rewards.wait(0.005)
         self._collect()
         self._send()
-        if not active and not new:
-            self.idle_s += time.perf_counter() - t0
+        self._account_idle(t0, active or bool(new))
         return active or bool(new)
+
+    def _account_idle(self, t0: float, busy: bool) -> None:
+        """Wall time with nothing to decode or grade (whatever the loop did meanwhile) is idle time."""
+        if busy and self._idle_since is not None:
+            self.idle_s += t0 - self._idle_since
+            self._idle_since = None
+        elif not busy and self._idle_since is None:
+            self._idle_since = t0
 
     def _admit_none(self):
         return None  # every request is queued by `_start`
@@ -273,7 +281,7 @@ class Actor:
         s = self.loop.stats
         return {
             "sample_tokens": self.sample_tokens,
-            "idle_s": self.idle_s,
+            "idle_s": self.idle_s + (time.perf_counter() - self._idle_since if self._idle_since else 0.0),
             "eval_s": self.eval_s,
             "weight_s": self.weight_s,
             "occupancy": s.occupancy,

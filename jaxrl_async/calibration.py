@@ -134,3 +134,22 @@ def calibrate_roles(proc, batches: int = 6) -> dict[str, Any]:
         "update_s": med(update_times),
         "batches": batches,
     }
+
+
+def decode_step_s(engine, busy: int, calls: int = 20) -> float:
+    """Median seconds per decode step of `engine` with `busy` of its slots running (the rest empty)."""
+    import numpy as np
+
+    state = engine.init_state()
+    prefix = engine.prefill(np.arange(1, engine.cfg.max_prompt_len + 1) % engine.model_cfg.vocab_size)
+    for b in range(busy):
+        state = engine.insert(
+            state, prefix, b, seed=b, sample_index=0, max_new_tokens=engine.cfg.max_new_tokens
+        )
+    times = []
+    for _ in range(calls + 2):
+        t0 = time.perf_counter()
+        state, rnd = engine.generate(state)
+        rnd.tokens.block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return float(statistics.median(times[2:])) / engine.cfg.steps_per_call

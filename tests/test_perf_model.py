@@ -156,6 +156,28 @@ def test_sync_baseline_agrees_with_simulator(lengths):
     assert sim.max_staleness == 0
 
 
+def test_static_batch_engine_pays_full_steps_in_the_window_bound_regime():
+    # 16 devices, eta = 2, lognormal p99/median = 8, a fast trainer: the staleness window binds and few
+    # slots are busy. An engine with static shapes pays t(all slots) for every decode step anyway.
+    wl = Workload(16, 4, 64, LogNormalLengths(200, 1600, max_len=3200))
+    paged = System(16, Sampler(LATENCY, 1, 64), Trainer(8000.0, 1, 0.0), wl, 2)
+    static = dataclasses.replace(paged, sampler=dataclasses.replace(paged.sampler, static_batch=True))
+    a_paged, a_static = pm.analyze_split(paged, 12, 4), pm.analyze_split(static, 12, 4)
+    assert a_paged.bottleneck == a_static.bottleneck == "staleness"
+    assert a_paged.decode_batch < 0.25 * 64
+    sim = simulate(static, 12, 4, steps=150, warmup=20, seed=0)
+    assert a_static.tokens_per_s == pytest.approx(sim.tokens_per_s, rel=0.05)
+    assert 0.7 < a_static.tokens_per_s / a_paged.tokens_per_s < 0.9
+    # With every slot busy (two sampler replicas for a large batch: sampler-bound) they cost the same.
+    full = dataclasses.replace(
+        paged, workload=dataclasses.replace(wl, prompts_per_batch=128), max_staleness=8
+    )
+    full_static = dataclasses.replace(full, sampler=static.sampler)
+    r, r_static = pm.analyze_split(full, 2, 14), pm.analyze_split(full_static, 2, 14)
+    assert r.bottleneck == "sampler" and r.decode_batch == pytest.approx(64, rel=0.02)
+    assert r.tokens_per_s == pytest.approx(r_static.tokens_per_s, rel=0.02)
+
+
 def test_admission_rule_pins_staleness_when_trainer_bound():
     # A slow trainer: the sampler runs η versions ahead and waits; samples are trained η versions old.
     system = toy_system(3, tps=500.0)

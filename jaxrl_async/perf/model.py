@@ -82,9 +82,9 @@ def batch_generation_s(system: System, replicas: int, n_samples: int) -> tuple[f
     mean_len = float(lens.mean())
     resident = min(per_rep, sp.max_batch)
     occupancy = resident * surv
-    drain = float(np.sum(sp.latency.step_s(np.maximum(occupancy, 1e-9))))
+    drain = float(np.sum(sp.step_s(np.maximum(occupancy, 1e-9))))
     queued = max(0.0, per_rep - sp.max_batch)
-    full = queued * mean_len / sp.max_batch * sp.latency.step_s(sp.max_batch)
+    full = queued * mean_len / sp.max_batch * sp.step_s(sp.max_batch)
     seconds = full + drain + per_rep * sp.prefill_s + sp.update_s
     mean_batch = per_rep * mean_len / max(queued * mean_len / sp.max_batch + len(surv), 1e-9)
     return seconds, mean_batch
@@ -174,13 +174,13 @@ def analyze_split(system: System, sampler_devices: int, trainer_devices: int) ->
     train_s = system.trainer.step_s(system.train_tokens(mean_len), trainer_devices)
     train_rate = n / train_s
     slots = reps * sp.max_batch
-    t_full = sp.latency.step_s(sp.max_batch)
+    t_full = sp.step_s(sp.max_batch)
     sample_rate = slots / (mean_len * t_full + sp.max_batch * sp.prefill_s)
     # Fixed point: the decode batch sets the step time, which sets the window period and the rate,
     # which sets the decode batch again (Little's law: busy slots = rate x decode time per sample).
     batch = float(sp.max_batch)
     for _ in range(30):
-        step_s = sp.latency.step_s(max(batch, 1.0))
+        step_s = sp.step_s(max(batch, 1.0))
         window_rate = n / window_period_s(system, reps, train_s, step_s)
         rate = min(train_rate, sample_rate, window_rate)
         cap = sample_rate * max(0.0, 1 - sp.update_s * rate / n)  # one weight-update stall per version
@@ -196,7 +196,7 @@ def analyze_split(system: System, sampler_devices: int, trainer_devices: int) ->
         bottleneck = "staleness"
     else:
         bottleneck = "sampler"
-    step_s = sp.latency.step_s(max(batch, 1.0))
+    step_s = sp.step_s(max(batch, 1.0))
     longest_s = wl.lengths.expected_max(n) * step_s
     mean_stale = mean_staleness_estimate(
         bottleneck, eta, busy_slots=batch * reps, group_ratio=wl.lengths.expected_max(g) / mean_len, n=n

@@ -152,7 +152,7 @@ class _Sim:
             rep.busy = False
             return
         b = len(rep.active)
-        rep.dt = self.sp.latency.step_s(b)
+        rep.dt = self.sp.step_s(b)
         rep.k = int(self.remaining[rep.active].min())
         rep.chunk_start = now + stall
         self._truncate(rep, r)

@@ -31,6 +31,9 @@ class Sampler:
       max_batch: decode slots per replica (KV-cache memory cap).
       prefill_s: replica stall per admitted sample (its share of the prompt prefill).
       update_s: replica stall to load a new policy version.
+      static_batch: every decode step costs t(max_batch), however few slots are busy (a static-shape
+        engine, such as this project's slotted XLA decode); False: t(busy slots) (paged / ragged engines).
+        It matters when few slots are busy: in the window-bound regime and in a sync batch's tail.
     """
 
     latency: DecodeLatency
@@ -38,6 +41,13 @@ class Sampler:
     max_batch: int
     prefill_s: float = 0.0
     update_s: float = 0.0
+    static_batch: bool = False
+
+    def step_s(self, busy):
+        """Seconds per decode step with `busy` sequences in the replica (scalar or array)."""
+        if self.static_batch:
+            busy = np.full_like(np.asarray(busy, dtype=float), self.max_batch)
+        return self.latency.step_s(busy)
 
     def __post_init__(self):
         if self.devices_per_replica <= 0 or self.max_batch <= 0:
@@ -130,6 +140,7 @@ def build_system(
     train_bytes_per_param: float = 16.0,
     train_overhead_s: float = 0.0,
     update_s: float = 0.0,
+    static_batch: bool = False,
 ) -> System:
     """Derive a System from hardware and model shape; benchmark files override the roofline guesses.
 
@@ -154,6 +165,7 @@ def build_system(
       train_bytes_per_param: trainer memory per parameter (weights, grads, Adam moments, master copy).
       train_overhead_s: fixed seconds per train step (optimizer, weight publish).
       update_s: sampler stall per weight update.
+      static_batch: decode steps cost t(max batch) whatever the busy slots (see `Sampler`).
 
     Returns:
       The System.
@@ -190,7 +202,7 @@ def build_system(
     prefill_s = prompt_flops / (hw.peak_flops * tp * prefill_efficiency)
     if share_prefix:
         prefill_s /= workload.samples_per_prompt
-    sampler = Sampler(latency, tp, slots, prefill_s, update_s)
+    sampler = Sampler(latency, tp, slots, prefill_s, update_s, static_batch)
     if train_bench is not None:
         tps = train_bench[0] / train_bench[1]
     else:

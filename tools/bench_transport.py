@@ -1,7 +1,7 @@
-"""Cross-process weight sync, measured: the transfer server that multi-process runs use, against local
-copies of the same bytes.
+"""What crosses between processes, measured: weights (the transfer server) and rollouts (ZeroMQ), against
+local copies of the same bytes.
 
-  python tools/bench_weight_sync.py --preset llama_100m --reps 5 --out /tmp/weight_sync.json
+  python tools/bench_transport.py --preset llama_100m --reps 5 --out /tmp/transport.json
 
 Starts two JAX processes on localhost (one CPU device each; process 0 plays the trainer, process 1 the
 sampler) and moves the model's parameters from one to the other every repetition with
@@ -9,7 +9,9 @@ sampler) and moves the model's parameters from one to the other every repetition
 (`jax.experimental.transfer.await_pull`), the sampler pulls them and lays them out. Reports the median
 seconds on the sampler side (GB/s) and on the trainer side (what the trainer's loop pays per version),
 beside `numpy` copying the same bytes and `jax.device_put` between two devices of one process (the
-one-process runs' weight sync).
+one-process runs' weight sync). Then the sampler sends train batches of rollouts (`--samples` completions
+of `--tokens` tokens each, as the actor does) to the learner lead's ZeroMQ hub: median seconds per batch
+from send to receipt, and MB/s of the pickled messages.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def _worker(args) -> None:
     from jaxrl_async.cluster import Cluster, Roles
     from jaxrl_async.model import init_params, presets
     from jaxrl_async.sharding import TRAINER_RULES, make_mesh
+    from jaxrl_async.transport import Hello, Rollouts, ZmqTransport
     from jaxrl_async.weight_sync import TransferPublisher, TransferReceiver
 
     cluster = Cluster(Roles(2, (1,), (0,)), pid, global_state.client)
@@ -71,6 +74,20 @@ def _worker(args) -> None:
             jax.tree.map(np.copy, host)
             copies.append(time.perf_counter() - t0)
         out.update(bytes=nbytes, transfer_trainer_s=trainer_s[1:], memcpy_s=copies)
+        hub = ZmqTransport(["learner", "hello"], lead=True, address="127.0.0.1", process_id=0)
+        hub.route("actor:0", 1)
+        cluster.publish("hub", hub.address)
+        while not hub.recv("hello"):
+            hub.wait(0.05)
+        received = []
+        for _ in range(args.reps + 1):
+            got = []
+            while not got:
+                hub.wait(0.01)
+                got = hub.recv("learner")
+            received.append((time.perf_counter(), got[0].stats["sent"], got[0].stats["bytes"]))
+        out.update(rollout_s=[t - sent for t, sent, _ in received[1:]], rollout_bytes=received[0][2])
+        hub.close()
     else:
         recv = TransferReceiver(cluster, 0, cfg, t_mesh, s_mesh, cfg.param_dtype)
         from jaxrl_async.transport import NewWeights
@@ -83,6 +100,33 @@ def _worker(args) -> None:
             pulled.append(time.perf_counter() - t0)
             cluster.barrier(f"pulled_{v}")
         out.update(transfer_sampler_s=pulled[1:])
+        import pickle
+
+        from jaxrl_async.rollouts import Rollout
+
+        rng = np.random.default_rng(0)
+        batch = [
+            [
+                Rollout(
+                    uid=f"0:{g}", group_id=g, sample_index=i,
+                    prompt_tokens=rng.integers(0, 1000, 256, dtype=np.int32),
+                    completion_tokens=rng.integers(0, 1000, args.tokens, dtype=np.int32),
+                    behav_logprobs=rng.standard_normal(args.tokens).astype(np.float32),
+                    versions=np.zeros(args.tokens, np.int32), reward=1.0, finish_reason="stop",
+                    metadata={"text": "x" * args.tokens * 3, "prompt": "p" * 600, "reason": "ok"},
+                )
+                for i in range(8)
+            ]
+            for g in range(args.samples // 8)
+        ]  # fmt: skip
+        size = len(pickle.dumps(batch, protocol=5))
+        actor = ZmqTransport(["actor:0"], lead=False, address=cluster.lookup("hub"), process_id=1)
+        actor.send("hello", Hello(1))
+        for _ in range(args.reps + 1):
+            time.sleep(0.2)  # one batch at a time: the latency of each
+            actor.send("learner", Rollouts(0, batch, {"sent": time.perf_counter(), "bytes": size}))
+        time.sleep(1.0)
+        actor.close()
     with open(f"{args.tmp}/weight_sync_{pid}.json", "w") as f:
         json.dump(out, f)
     cluster.barrier("end")
@@ -113,6 +157,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="llama_100m")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--samples", type=int, default=512, help="completions per rollout batch")
+    p.add_argument("--tokens", type=int, default=1024, help="tokens per completion")
     p.add_argument("--out", default="")
     p.add_argument("--role", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -136,6 +182,8 @@ def main():
                     f"--tmp={tmp}",
                     f"--preset={args.preset}",
                     f"--reps={args.reps}",
+                    f"--samples={args.samples}",
+                    f"--tokens={args.tokens}",
                 ],
                 env=env,
             )  # fmt: skip
@@ -160,6 +208,11 @@ def main():
     for name, (s, t) in rows.items():
         out["rows"][name] = {"seconds": s, "gb_per_s": gb / s, "trainer_seconds": t}
         print(f"| {name} | {s:.4f} | {gb / s:.2f} | {'' if t is None else f'{t:.4f}'} |")
+    mb = trainer["rollout_bytes"] / 1e6
+    roll = med(trainer["rollout_s"])
+    out["rollouts"] = {"mbytes": mb, "seconds": roll, "mb_per_s": mb / roll, "samples": args.samples}
+    print(f"\nrollouts over ZeroMQ: {args.samples} completions x {args.tokens} tokens = {mb:.1f} MB pickled; "
+          f"median {roll * 1e3:.1f} ms per batch ({mb / roll:.0f} MB/s)")  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)
