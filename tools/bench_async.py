@@ -95,7 +95,8 @@ def role_bench(args, root: str, cores: list[int] | None, name: str) -> str:
     """tools/bench_roles.py on the workload, on `cores` (None: every core); returns the JSON path."""
     out = os.path.join(root, f"{name}.json")
     flags = config_flags(args, os.path.join(root, name), "async")
-    cmd = [sys.executable, os.path.join(REPO, "tools", "bench_roles.py"), *flags, "--batches", "6", "--out", out]
+    cmd = [sys.executable, os.path.join(REPO, "tools", "bench_roles.py"), *flags, "--batches", "6"]
+    cmd += ["--out", out]
     _run(cmd, cores, os.path.join(root, f"{name}.log"))
     return out
 
@@ -151,10 +152,12 @@ def main():
             pred = predicted[n]["tokens_per_s"]
             table[n]["predicted_tokens_per_s"] = pred
             table[n]["prediction_error"] = pred / table[n]["steady_train_tokens_per_s"] - 1
-    out = {"workload": vars(args), "cpus": sorted(os.sched_getaffinity(0)), "results": table, "predictions": predicted}
+    cpus = sorted(os.sched_getaffinity(0))
+    out = {"workload": vars(args), "cpus": cpus, "results": table, "predictions": predicted}
     print(json.dumps(out, indent=2))
     cols = ["steady_train_tokens_per_s", "over_sync", "predicted_tokens_per_s", "prediction_error"]
-    cols += ["sampler_idle_frac", "trainer_idle_frac", "staleness_mean", "staleness_max", "token_staleness_mean"]
+    cols += ["sampler_idle_frac", "trainer_idle_frac", "staleness_mean", "staleness_max"]
+    cols += ["token_staleness_mean"]
     print("\n| run | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols))
     for n in names:
         cells = [f"{table[n][c]:.3g}" if c in table[n] else "" for c in cols]

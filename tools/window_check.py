@@ -26,6 +26,13 @@ sys.path.insert(0, REPO)
 from tools.bench_async import config_flags, role_bench  # noqa: E402  (one definition of the workload)
 
 BATCHES = (1, 4, 16, 64, 256)
+KEYS = (
+    "steady_train_tokens_per_s",
+    "sampler_idle_frac",
+    "trainer_idle_frac",
+    "staleness_mean",
+    "staleness_max",
+)
 
 
 def _decode_times(args, out: str) -> None:
@@ -53,7 +60,8 @@ res = {{"slots": {args.slots}, "busy_of_run_engine": [], "engine_of_b_slots": []
 for b in {list(BATCHES)!r}:
     if b <= {args.slots}:
         res["busy_of_run_engine"].append([b, decode_step_s(engine, b)])
-        small = build.build_engines(run, cfg, mesh, dataclasses.replace(scfg, num_slots=b, token_budget=b * scfg.slot_len))[0]
+        few = dataclasses.replace(scfg, num_slots=b, token_budget=b * scfg.slot_len)
+        small = build.build_engines(run, cfg, mesh, few)[0]
         small.update_params(params, 0)
         res["engine_of_b_slots"].append([b, decode_step_s(small, b)])
 json.dump(res, open({out!r}, "w"))
@@ -137,8 +145,7 @@ def main():
         "workload": vars(args),
         "decode_step_s": decode,
         "roles": roles,
-        "measured": {k: measured[k] for k in ("steady_train_tokens_per_s", "sampler_idle_frac", "trainer_idle_frac",
-                                              "staleness_mean", "staleness_max", "max_admission_ahead")},
+        "measured": {k: measured[k] for k in KEYS},
         "predicted_busy_slots": predict(args, decode, roles, static=False),
         "predicted_all_slots": predict(args, decode, roles, static=True),
     }  # fmt: skip
