@@ -151,9 +151,8 @@ def main():
     }  # fmt: skip
     print(json.dumps(out, indent=2))
     m = out["measured"]["steady_train_tokens_per_s"]
-    print(
-        "\n| decode step cost | model tok/s | simulator tok/s | measured | model error |\n|---|---|---|---|---|"
-    )
+    print("\n| decode step cost | model tok/s | simulator tok/s | measured | model error |")
+    print("|---|---|---|---|---|")
     for key, name in (("predicted_busy_slots", "t(busy slots)"), ("predicted_all_slots", "t(all slots)")):
         r = out[key]
         print(f"| {name} | {r['model_tokens_per_s']:.0f} | {r['simulated_tokens_per_s']:.0f} | {m:.0f} | "
