@@ -35,7 +35,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval_prompts = 200  # Held-out prompts per evaluation.
     c.log_every = 1  # Train steps between TensorBoard writes and summary lines.
     c.text_samples = 4  # Completions (with rewards) written to TensorBoard as text at each log step.
-    c.checkpoint_every = 0  # Train steps between orbax checkpoints; 0 = only at the end.
+    c.checkpoint_every = 50  # Train steps between orbax checkpoints (0 = by time only); always at the end.
+    c.checkpoint_minutes = 30.0  # Also checkpoint when this many minutes passed since the last; 0 = off.
+    c.checkpoint_keep = 3  # Newest checkpoints kept (plus the one with the best held-out accuracy).
     # Checksum the sampler's weights after every sync against the trainer's (a host read: for tests).
     c.verify_weights = False
     # Benchmarks: per-prompt generation caps "lognormal:median=24,p99=96,max=128,seed=1"; "" = off.

@@ -182,8 +182,9 @@ class Actor:
         return None  # every request is queued by `_start`
 
     def _start(self, tickets: Tickets) -> None:
-        self.exhausted = self.exhausted or tickets.exhausted
-        self.asked -= len(tickets.prompts)
+        self.exhausted = tickets.exhausted
+        self._drained_sent = False
+        self.asked = max(0, self.asked - len(tickets.prompts))
         self.granted += len(tickets.prompts)
         for gid, prompt in tickets.prompts:
             self.loop.add_request(

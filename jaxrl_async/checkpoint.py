@@ -14,16 +14,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import time
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as cm
 
 from jaxrl_async.model import ModelConfig, abstract_params
 from jaxrl_async.model.config import RopeScaling
 
 MODEL_FILE = "model.json"
+log = logging.getLogger(__name__)
 
 
 def _items(state) -> dict:
@@ -54,10 +58,15 @@ class RunCheckpoints:
     """An orbax CheckpointManager keyed by policy version.
 
     Saves only when the trainer is idle (the caller's contract): the train step donates the state's buffers.
-    Restoring targets the live state's shardings, so a checkpoint restores onto whatever mesh the run has.
+    Saves are asynchronous: the caller is held while the arrays are copied out, orbax writes the files in
+    the background, and a step's directory appears (atomically renamed) only once complete, so a run
+    killed mid-write leaves the previous checkpoints intact. The newest `keep` checkpoints are kept, plus
+    the one with the best held-out accuracy. Restoring targets the live state's shardings, so a checkpoint
+    restores onto whatever mesh the run has; an unreadable newest checkpoint is skipped with a warning
+    that names it, and the one before is used.
     """
 
-    def __init__(self, directory: str, max_to_keep: int = 2, processes=None):
+    def __init__(self, directory: str, keep: int = 3, processes=None):
         """`processes`: the trainer processes of a multi-process run (None: every process)."""
         self.directory = os.path.abspath(directory)
         mp = ocp.options.MultiprocessingOptions(
@@ -67,8 +76,16 @@ class RunCheckpoints:
         )
         if processes is not None:  # orbax creates the root itself only when every process takes part
             os.makedirs(self.directory, exist_ok=True)
+        policy = cm.AnyPreservationPolicy(
+            [
+                cm.LatestN(n=keep),
+                cm.BestN(
+                    get_metric_fn=lambda m: m["eval_accuracy"], n=1, keep_checkpoints_without_metrics=False
+                ),
+            ]
+        )
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, create=processes is None, multiprocessing_options=mp
+            preservation_policy=policy, create=processes is None, multiprocessing_options=mp
         )
         handlers = None
         if processes is not None:
@@ -79,21 +96,34 @@ class RunCheckpoints:
             }
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
-    def save(self, version: int, state, coordinator: dict) -> None:
-        """Saves `state` and the coordinator's JSON-able state as step `version` (waits until written)."""
+    def save(
+        self, version: int, state, coordinator: dict, metrics: dict | None = None, wait: bool = False
+    ) -> float:
+        """Saves `state` and the coordinator's JSON-able state as step `version`; returns the seconds the
+        caller was held (the copy out of the state; all of the write with `wait`)."""
         if version in (self.manager.all_steps() or []):
-            return
+            return 0.0
+        t0 = time.perf_counter()
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(_savable(_items(state))), coordinator=ocp.args.JsonSave(coordinator)
         )
-        self.manager.save(version, args=args)
-        self.manager.wait_until_finished()
+        self.manager.save(version, args=args, metrics=metrics)
+        if wait:
+            self.manager.wait_until_finished()
+        return time.perf_counter() - t0
 
     def restore_latest(self, state):
-        """(state, version, coordinator state) from the newest checkpoint, or None."""
-        step = self.manager.latest_step()
-        if step is None:
-            return None
+        """(state, version, coordinator state) from the newest readable checkpoint, or None."""
+        self.manager.reload()
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                return self._restore(state, step)
+            except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: fall back to the previous
+                log.warning("checkpoint %s/%d is unreadable (%s: %s); trying the one before", self.directory,
+                            step, type(e).__name__, str(e)[:300])  # fmt: skip
+        return None
+
+    def _restore(self, state, step: int):
         live = _items(state)
         out = self.manager.restore(
             step,

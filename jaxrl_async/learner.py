@@ -24,7 +24,16 @@ import numpy as np
 from jaxrl_async.metrics import MetricsWriter, summary_line
 from jaxrl_async.rollouts import Rollout, RolloutQueue, staleness_stats
 from jaxrl_async.trainer import prepare_batch, train_step
-from jaxrl_async.transport import EvalResult, Rollouts, SaveCheckpoint, Stop, Stopped, TrainBatch, Trained
+from jaxrl_async.transport import (
+    EvalResult,
+    Preempt,
+    Rollouts,
+    SaveCheckpoint,
+    Stop,
+    Stopped,
+    TrainBatch,
+    Trained,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +58,9 @@ class LearnerConfig:
       samples_per_prompt: G.
       total_steps: versions to train.
       max_head_staleness: drop groups older than this when trained (None = off).
-      log_every, text_samples, checkpoint_every: see configs/base.py.
-      eval_every: versions between evaluations (the lead waits for the last one before stopping).
+      log_every, text_samples, checkpoint_every, checkpoint_minutes: see configs/base.py.
+      eval_every: versions between evaluations (the lead waits for the last one before stopping, and
+        for a version's own evaluation before checkpointing it, so the best checkpoint is known).
       followers: endpoints of the other trainer processes.
       actors: number of actors.
     """
@@ -63,6 +73,7 @@ class LearnerConfig:
     text_samples: int
     checkpoint_every: int
     eval_every: int
+    checkpoint_minutes: float = 0.0
     followers: tuple[str, ...] = ()
     actors: int = 1
 
@@ -93,9 +104,11 @@ class TrainerCore:
         """Offers the current weights to the actors; returns the `NewWeights` message."""
         return self.publisher.publish(self.version, self.state.params)
 
-    def save(self, coordinator_state: dict) -> None:
-        if self.checkpoints is not None:
-            self.checkpoints.save(self.version, self.state, coordinator_state)
+    def save(self, coordinator_state: dict, metrics: dict | None = None, wait: bool = False) -> float:
+        """Checkpoints the current version; returns the seconds the caller was held (see RunCheckpoints)."""
+        if self.checkpoints is None:
+            return 0.0
+        return self.checkpoints.save(self.version, self.state, coordinator_state, metrics, wait)
 
 
 @dataclasses.dataclass
@@ -137,6 +150,10 @@ class Learner:
         self.history: list[dict[str, float]] = []
         self.done = False
         self.data_exhausted = False
+        self.preempting = False
+        self.checkpoint_stall_s: list[float] = []
+        self._saved_at = time.monotonic()
+        self._save_after_eval: int | None = None
         self._stop_sent = False
         self.t_start = time.perf_counter()
         self._idle_since = self.t_start
@@ -157,13 +174,19 @@ class Learner:
             elif isinstance(m, Stopped):
                 self.stopped[m.endpoint] = m.stats
                 self.actor_stats[int(m.endpoint.split(":")[1])] = m.stats
+            elif isinstance(m, Preempt):
+                self.preempt(f"process {m.process_id} got {m.signal}")
             else:
                 raise TypeError(f"learner: unexpected message {type(m).__name__}")
         if self.inflight is not None and _ready(self.inflight.metrics):
             self._finish()
             progress = True
-        if self.inflight is None and self.version < self.cfg.total_steps:
+        if self._save_after_eval is not None and self._eval_of(self.version) is not None:
+            self.save()
+        busy = self.inflight is not None or self._save_after_eval is not None
+        if not busy and not self.preempting and self.version < self.cfg.total_steps:
             groups = self.queue.pop_batch(self.cfg.prompts_per_step, self.version)
+            self._report_drops()
             if groups is not None:
                 self._dispatch(groups)
                 progress = True
@@ -172,6 +195,27 @@ class Learner:
                 self.data_exhausted = True
         self._maybe_stop()
         return progress
+
+    def preempt(self, why: str) -> None:
+        """Stop after the step in flight: save, then end the run (SIGTERM / SIGINT on any process)."""
+        if not self.preempting:
+            log.warning("%s: saving after the step in flight, then stopping", why)
+        self.preempting = True
+
+    def _report_drops(self) -> None:
+        """Groups the queue dropped as too stale go back to the coordinator at once (started again)."""
+        if self.queue.dropped_ids:
+            self.transport.send("coordinator", Trained(self.version, [], self.queue.dropped_ids))
+            self.queue.dropped_ids = []
+            for stats in self.actor_stats.values():
+                stats["drained"] = False  # new work is coming
+
+    def _eval_of(self, version: int) -> float | None:
+        return next((a for v, a, _ in reversed(self.evals) if v == version), None)
+
+    def _is_eval_version(self, version: int) -> bool:
+        every = self.cfg.eval_every
+        return version == self.cfg.total_steps or bool(every and version % every == 0)
 
     def _all_drained(self) -> bool:
         stats = self.actor_stats
@@ -204,9 +248,16 @@ class Learner:
         values = self._log_step(step.groups, metrics, step_s, sync)
         if self.version % self.cfg.log_every == 0:
             log.info(summary_line(self.version, values, SUMMARY_KEYS))
-        every = self.cfg.checkpoint_every
-        if every and self.version % every == 0 and self.version < self.cfg.total_steps:
-            self.save()
+        if self.version < self.cfg.total_steps and self._save_due():
+            if self._is_eval_version(self.version) and self._eval_of(self.version) is None:
+                self._save_after_eval = self.version  # train on once its accuracy is in
+            else:
+                self.save()
+
+    def _save_due(self) -> bool:
+        every, minutes = self.cfg.checkpoint_every, self.cfg.checkpoint_minutes
+        by_steps = bool(every and self.version % every == 0)
+        return by_steps or bool(minutes and time.monotonic() - self._saved_at > 60 * minutes)
 
     def _publish(self) -> float:
         message = self.core.publish()
@@ -216,12 +267,18 @@ class Learner:
             self.transport.send(f"actor:{a}", message)
         return self.core.publisher.last_seconds
 
-    def save(self) -> None:
-        """Checkpoints the train state with the coordinator's state, on every trainer process."""
+    def save(self, final: bool = False) -> None:
+        """Checkpoints the train state with the coordinator's state, on every trainer process, with the
+        version's held-out accuracy when known (the checkpoints keep the best one by it)."""
         state = self.coordinator_state()
+        acc = self._eval_of(self.version)
+        metrics = None if acc is None else {"eval_accuracy": acc}
         for f in self.cfg.followers:
-            self.transport.send(f, SaveCheckpoint(self.version, state))
-        self.core.save(state)
+            self.transport.send(f, SaveCheckpoint(self.version, state, metrics, final))
+        held = self.core.save(state, metrics, wait=final)
+        self.checkpoint_stall_s.append(held)
+        self.writer.scalars(self.version, {"perf/checkpoint_stall_s": held})
+        self._saved_at, self._save_after_eval = time.monotonic(), None
 
     def _record_eval(self, m: EvalResult) -> None:
         self.eval_s += m.seconds
@@ -231,10 +288,18 @@ class Learner:
         log.info("version %d: held-out accuracy %.3f", m.version, m.accuracy)
 
     def _maybe_stop(self) -> None:
-        finished = self.version >= self.cfg.total_steps or self.data_exhausted
+        quit_now = self.data_exhausted or self.preempting
+        finished = self.version >= self.cfg.total_steps or quit_now
         last_eval = self.evals and self.evals[-1][0] >= self.version
-        if finished and self.inflight is None and not self._stop_sent and (last_eval or self.data_exhausted):
-            self.save()  # the final checkpoint, before the other trainer processes stop
+        if finished and self.inflight is None and not self._stop_sent and (last_eval or quit_now):
+            self.save(final=True)  # the final checkpoint, before the other trainer processes stop
+            if self.preempting:
+                where = getattr(self.core.checkpoints, "directory", "nowhere")
+                log.warning(
+                    "stopped on request: version %d saved in %s; the same command resumes",
+                    self.version,
+                    where,
+                )
             for a in range(self.cfg.actors):
                 self.transport.send(f"actor:{a}", Stop())
             for f in self.cfg.followers:
@@ -324,6 +389,8 @@ class Learner:
             "staleness_max": max((h.get("staleness/max", 0) for h in hist), default=0),
             "token_staleness_mean": mean("staleness/token_mean"),
             "weight_sync_s_mean": mean("perf/weight_sync_s"),
+            "checkpoint_stall_s": self.checkpoint_stall_s,
+            "preempted": self.preempting,
             "dropped_groups": self.queue.dropped_groups,
             "dropped_lengths": self.queue.dropped_lengths,
             "evals": [{"step": s, "accuracy": a, "elapsed_s": e} for s, a, e in self.evals],
@@ -370,7 +437,7 @@ class Follower:
                 if self.core.version == m.version:  # at least one update applied: a new version
                     self.core.publish()
             elif isinstance(m, SaveCheckpoint):
-                self.core.save(m.coordinator_state or {})
+                self.core.save(m.coordinator_state or {}, m.metrics, m.wait)
             elif isinstance(m, Stop):
                 self.done = True
             else:

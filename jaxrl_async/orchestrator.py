@@ -16,9 +16,12 @@ the learner lead says the run is over. `mode="sync"` is the same code with η = 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import signal
+import threading
 import time
 from typing import Any
 
@@ -26,11 +29,11 @@ from jaxrl_async import setup as build
 from jaxrl_async.actor import Actor, ActorConfig, length_cap_fn
 from jaxrl_async.cluster import Cluster, PeerFailure, Roles
 from jaxrl_async.coordinator import Coordinator
-from jaxrl_async.data import held_out_prompts, make_prompt_iterator
+from jaxrl_async.data import held_out_prompts, make_prompt_iterator, prompt_at
 from jaxrl_async.learner import Follower, Learner, LearnerConfig, TrainerCore
 from jaxrl_async.metrics import MetricsWriter
 from jaxrl_async.rewards import RewardService
-from jaxrl_async.transport import Hello, LocalTransport, ZmqTransport
+from jaxrl_async.transport import Hello, LocalTransport, Preempt, ZmqTransport
 from jaxrl_async.weight_sync import (
     LocalWeights,
     TransferPublisher,
@@ -154,9 +157,18 @@ def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
         proc.roles.append(proc.follower)
         return None
     prompts = make_prompt_iterator(run.data, tokenizer)
-    proc.coordinator = Coordinator(
-        prompts, run.prompts_per_step, run.eta, transport, core.version, coordinator_state or None
+    coordinator = Coordinator(
+        prompts,
+        run.prompts_per_step,
+        run.eta,
+        transport,
+        core.version,
+        coordinator_state or None,
+        lookup=functools.partial(prompt_at, run.data, tokenizer),
+        trained_log=os.path.join(run.workdir, "trained_uids.jsonl"),
     )
+    proc.coordinator = coordinator
+    proc.closers.append(coordinator.close)
     writer = MetricsWriter(run.workdir, enabled=True)
     proc.closers.append(writer.close)
     lcfg = LearnerConfig(
@@ -167,15 +179,23 @@ def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
         log_every=run.log_every,
         text_samples=run.text_samples,
         checkpoint_every=run.checkpoint_every,
+        checkpoint_minutes=run.checkpoint_minutes,
         eval_every=run.eval_every,
         followers=tuple(f"trainer:{p}" for p in roles.trainers[1:]),
         actors=len(roles.samplers),
     )
     if roles.multi:
         _await_hellos(transport, cluster)
-    proc.learner = Learner(lcfg, core, transport, writer, proc.coordinator.state)
+    proc.learner = Learner(lcfg, core, transport, writer, lambda: _snapshot(coordinator))
     proc.roles += [proc.coordinator, proc.learner]
     return local_weights
+
+
+def _snapshot(coordinator: Coordinator) -> dict:
+    """The coordinator's state for a checkpoint, once it has taken in the learner's last `Trained` (the
+    ledger must agree with the train state saved beside it)."""
+    coordinator.poll()
+    return coordinator.state()
 
 
 def _wait_for(transport, endpoint: str, cluster: Cluster, timeout_s: float = 3600.0):
@@ -226,7 +246,27 @@ def build_local(config) -> _Process:
     return proc
 
 
-def _event_loop(proc: _Process, transport) -> None:
+class _StopSignals:
+    """SIGTERM / SIGINT ask the run to save and stop (the learner lead does it); a second SIGINT aborts."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self._old = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _event_loop(proc: _Process, transport, signals: _StopSignals) -> None:
     """Polls this process's roles until its part of the run is over."""
     cluster = proc.cluster
     done = (
@@ -236,8 +276,15 @@ def _event_loop(proc: _Process, transport) -> None:
         if proc.actor is not None
         else (lambda: proc.follower.done)
     )
+    asked_to_stop = False
     last = time.monotonic()
     while not done():
+        if signals.received and not asked_to_stop:
+            asked_to_stop = True
+            if proc.learner is not None:
+                proc.learner.preempt(f"{signals.received} received")
+            else:
+                transport.send("learner", Preempt(cluster.process_id, signals.received))
         progress = False
         for role in proc.roles:
             progress = role.poll() or progress
@@ -263,14 +310,16 @@ def run_from_config(config, cluster: Cluster | None = None) -> dict[str, Any] | 
     build.validate(config, num_devices=None)  # fail on the config before connecting anything
     transport = _transport(cluster)
     proc = None
+    signals = _StopSignals()
     try:
         proc = build_process(config, cluster, transport)
         t0 = time.perf_counter()
-        _event_loop(proc, transport)
+        _event_loop(proc, transport, signals)
         if proc.learner is None:
             return None
         return _summary(proc, time.perf_counter() - t0)
     finally:
+        signals.restore()
         if proc is not None:
             proc.close()
         transport.close()

@@ -86,6 +86,7 @@ class RolloutQueue:
         self._ready: list[tuple[int, int, list[Rollout]]] = []
         self.dropped_groups = 0
         self.dropped_lengths: list[int] = []
+        self.dropped_ids: list[int] = []  # group ids dropped since the caller last took them
 
     def add(self, rollout: Rollout) -> None:
         group = self._pending.setdefault(rollout.group_id, [])
@@ -117,6 +118,7 @@ class RolloutQueue:
             for item in self._ready:
                 if trainer_version - item[0] > self.max_head_staleness:
                     self.dropped_groups += 1
+                    self.dropped_ids.append(item[1])
                     self.dropped_lengths.extend(len(r.completion_tokens) for r in item[2])
                 else:
                     keep.append(item)

@@ -132,6 +132,8 @@ class RunConfig:
     log_every: int
     text_samples: int
     checkpoint_every: int
+    checkpoint_minutes: float
+    checkpoint_keep: int
     verify_weights: bool
     length_caps: str
     data: DataConfig
@@ -176,6 +178,12 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         "checkpoint_every",
         allow_zero=("max_staleness", "eval_every", "text_samples", "checkpoint_every"),
     )
+    minutes = c.get("checkpoint_minutes", 0.0)
+    if not isinstance(minutes, int | float) or minutes < 0:
+        raise ConfigError(f"config.checkpoint_minutes: must be a number >= 0, got {minutes!r}")
+    keep = c.get("checkpoint_keep", 3)
+    if not isinstance(keep, int) or keep < 1:
+        raise ConfigError(f"config.checkpoint_keep: must be an integer >= 1, got {keep!r}")
     if c["mode"] == "async" and c["max_staleness"] < 1:
         raise ConfigError("config.max_staleness: async mode needs max_staleness >= 1 (0 is mode=sync)")
     head = c.get("max_head_staleness")
@@ -266,6 +274,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         log_every=c["log_every"],
         text_samples=c["text_samples"],
         checkpoint_every=c["checkpoint_every"],
+        checkpoint_minutes=float(c.get("checkpoint_minutes", 0.0)),
+        checkpoint_keep=int(c.get("checkpoint_keep", 3)),
         verify_weights=bool(c.get("verify_weights", False)),
         length_caps=caps,
         **sections,

@@ -240,7 +240,9 @@ def train_state(run: RunConfig, model_cfg: ModelConfig, mesh, params) -> TrainSt
 def checkpoints(run: RunConfig, cluster, model_cfg: ModelConfig) -> RunCheckpoints:
     roles = cluster.roles
     ckpt = RunCheckpoints(
-        os.path.join(run.workdir, "checkpoints"), processes=roles.trainers if roles.multi else None
+        os.path.join(run.workdir, "checkpoints"),
+        keep=run.checkpoint_keep,
+        processes=roles.trainers if roles.multi else None,
     )
     if cluster.is_lead:
         write_model_info(ckpt.directory, model_cfg, tokenizer_path(run))

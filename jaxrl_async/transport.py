@@ -89,23 +89,36 @@ class TrainBatch:
 
 @dataclasses.dataclass
 class Trained:
-    """The learner finished `version`; `group_ids` are the groups it trained (the coordinator's ledger)."""
+    """The learner finished `version`: `group_ids` are the groups it trained, `dropped` the groups it
+    discarded as too stale (the coordinator starts those again)."""
 
     version: int
     group_ids: list
+    dropped: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
 class SaveCheckpoint:
-    """Every trainer process saves the train state of `version` (with the coordinator's state)."""
+    """Every trainer process saves the train state of `version` (with the coordinator's state and the
+    version's metrics); `wait` until it is written (the last one of a run)."""
 
     version: int
     coordinator_state: dict | None = None
+    metrics: dict | None = None
+    wait: bool = False
 
 
 @dataclasses.dataclass
 class Stop:
     """The run is over: stop and report."""
+
+
+@dataclasses.dataclass
+class Preempt:
+    """A process was asked to stop (SIGTERM / SIGINT): the learner lead saves and stops the run."""
+
+    process_id: int
+    signal: str
 
 
 @dataclasses.dataclass

@@ -33,6 +33,7 @@ def get_config():
     c.data.reward = "format"
     c.reward.defaults = {"format_regex": "[0-9]"}
     c.verify_weights = True
+    c.checkpoint_every = 1
     return c
 """
 
@@ -57,9 +58,13 @@ def _launch(n: int, devices: int, flags: list[str], timeout: float = 600, **pope
 
 
 def _checksums_equal(summary) -> None:
+    _checksums_equal_from(summary, 0)
+
+
+def _checksums_equal_from(summary, start: int) -> None:
     sums = summary["weight_checksums"]
     learner = {int(k): v for k, v in sums["learner"].items()}
-    assert sorted(learner) == list(range(summary["steps"] + 1))
+    assert sorted(learner) == list(range(start, summary["steps"] + 1))
     for actor in sums["actors"].values():
         got = {int(k): v for k, v in actor.items()}
         assert sorted(got) == sorted(learner)
@@ -153,7 +158,8 @@ def test_two_trainer_processes_match_one_process(tmp_path):
 
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_killed_process_ends_every_process(tmp_path, victim):
-    """SIGKILL one process mid-run: the others exit non-zero within 60 s, and the message names it."""
+    """SIGKILL one process mid-run: the others exit non-zero within 60 s, and the message names it; the
+    same cluster started again resumes from the last checkpoint."""
     flags = _flags(
         tmp_path,
         **{"total_steps": 1000, "eval_every": 0, "mesh.sampler_processes": "(1,)"},
@@ -169,7 +175,9 @@ def test_a_killed_process_ends_every_process(tmp_path, victim):
             m = re.match(r"\[launcher\] process (\d+).*: pid (\d+)", line)
             if m:
                 pids[int(m.group(1))] = int(m.group(2))
-            if "step 2 |" in line:  # both roles are running
+            ckpt = tmp_path / "checkpoints"
+            saved = ckpt.exists() and any(d.isdigit() for d in os.listdir(ckpt))
+            if re.search(r"step \d+ \|", line) and saved:  # both roles run; a checkpoint is written
                 break
         assert len(pids) == 2, "".join(lines)
         os.kill(pids[victim], signal.SIGKILL)
@@ -188,4 +196,13 @@ def test_a_killed_process_ends_every_process(tmp_path, victim):
         rf"\[launcher\] process {survivor} (exited with status [1-9]|was killed by SIGABRT)", text
     )
     if victim == 1:  # JAX's heartbeat names the dead task in the survivor's error
-        assert "tasks are unhealthy (stopped sending heartbeats):\n[p0] 1" in text or "unhealthy" in text
+        assert "unhealthy (stopped sending heartbeats)" in text
+    again = _flags(tmp_path, **{"total_steps": 5, "eval_every": 0, "mesh.sampler_processes": "(1,)"},
+                   **{"mesh.trainer_processes": "(0,)"})  # fmt: skip
+    res = _launch(2, 1, again)
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert "resumed from" in res.stdout
+    with open(tmp_path / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["steps"] == 5 and summary["evals"][0]["step"] >= 1  # from a checkpoint, not from 0
+    _checksums_equal_from(summary, summary["evals"][0]["step"])

@@ -12,7 +12,7 @@ import pytest
 from configs import tiny_arith
 from jaxrl_async.checkpoint import load_policy
 from jaxrl_async.metrics import read_scalars
-from jaxrl_async.model import init_params
+from jaxrl_async.model import forward_logits, init_params
 from jaxrl_async.orchestrator import run_from_config
 from jaxrl_async.run_config import ConfigError, validate
 from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
@@ -131,6 +131,22 @@ def test_async_run_trains_syncs_respects_eta_and_writes_tags(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "policy version 4" in res.stdout
     assert len([line for line in res.stdout.splitlines() if line.startswith("ids:")]) == 1
+
+    # Export to Hugging Face: transformers loads it and gives our logits.
+    out = str(tmp_path / "hf")
+    cmd = [sys.executable, os.path.join(REPO, "tools", "export_hf.py"), str(tmp_path), "--out", out]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert res.returncode == 0 and "policy version 4" in res.stdout, res.stderr
+    assert "the export holds the model only" in res.stdout  # the run used the built-in char tokenizer
+    import torch
+    import transformers
+
+    tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, size=(2, 9)).astype(np.int32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+    ours = np.asarray(forward_logits(model_cfg, jax.device_get(params), tokens))
+    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
     # Resume: a longer run in the same workdir continues from version 4 with the saved data position.
     resumed = run_from_config(_small(tmp_path, total_steps=5, verify_weights=True))

@@ -12,6 +12,7 @@ _EXPORTS = {
     "held_out_prompts": "jaxrl_async.data.sources",
     "load_records": "jaxrl_async.data.sources",
     "make_prompt_iterator": "jaxrl_async.data.sources",
+    "prompt_at": "jaxrl_async.data.sources",
     "render_prompt": "jaxrl_async.data.sources",
     "arithmetic_reward": "jaxrl_async.data.synthetic",
     "countdown_reward": "jaxrl_async.data.synthetic",

@@ -39,6 +39,8 @@ class Prompt:
       tokens: int32 token ids of `text`.
       answer: the reference answer the verifier compares against.
       metadata: what the reward function receives; always holds "answer", "reward" and "task".
+      key: this draw of the example in the training stream, "<epoch>:<row>" (row: its index in one
+        epoch of the source, before shuffling); the coordinator's ledger and trained_uids.jsonl use it.
     """
 
     uid: str
@@ -46,6 +48,7 @@ class Prompt:
     tokens: np.ndarray
     answer: str
     metadata: Mapping[str, Any]
+    key: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -136,7 +136,9 @@ def to_prompt(cfg: DataConfig, tokenizer, record: dict[str, Any]) -> Prompt:
     """Turns a raw record into a tokenized Prompt whose metadata is ready for the reward service."""
     text, tokens = render_prompt(cfg, tokenizer, record["prompt"])
     meta = {**record["metadata"], "answer": record["answer"], "reward": cfg.reward_name, "task": cfg.task}
-    return Prompt(uid=record["uid"], text=text, tokens=tokens, answer=record["answer"], metadata=meta)
+    key = f"{record.get('epoch', 0)}:{record['row']}" if "row" in record else ""
+    answer = record["answer"]
+    return Prompt(uid=record["uid"], text=text, tokens=tokens, answer=answer, metadata=meta, key=key)
 
 
 # ---- datasets -----------------------------------------------------------------------------------------
@@ -179,18 +181,27 @@ def make_prompt_iterator(
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index {process_index} not in [0, {process_count})")
     ds = raw_dataset(cfg, split)[process_index::process_count]
-    if len(ds) == 0:
+    n = len(ds)
+    if n == 0:
         raise ValueError(f"process {process_index} of {process_count} gets no {split} records")
+    ds = ds.map_with_index(lambda i, rec: {**rec, "row": i % n})  # i runs on across epochs
     if split == "train":
         if cfg.shuffle:
             ds = ds.shuffle(seed=cfg.seed)  # grain reshuffles with a fresh permutation every epoch
         ds = ds.repeat(cfg.num_epochs)
+        ds = ds.map_with_index(lambda i, rec: {**rec, "epoch": i // n})
     ds = ds.map(lambda rec: to_prompt(cfg, tokenizer, rec))
     if cfg.max_prompt_tokens is not None:
         ds = ds.filter(lambda p: len(p.tokens) <= cfg.max_prompt_tokens)
     # Few threads: prompts are cheap, and the sampler's host loop should keep the cores.
     read = grain.ReadOptions(num_threads=1, prefetch_buffer_size=32)
     return iter(ds.to_iter_dataset(read_options=read))
+
+
+def prompt_at(cfg: DataConfig, tokenizer, key: str) -> Prompt:
+    """The training prompt a ledger key ("<epoch>:<row>", see `Prompt.key`) names."""
+    epoch, row = (int(x) for x in key.split(":"))
+    return to_prompt(cfg, tokenizer, {**raw_dataset(cfg, "train")[row], "row": row, "epoch": epoch})
 
 
 def held_out_prompts(cfg: DataConfig, tokenizer, n: int) -> list[Prompt]:
