@@ -26,7 +26,8 @@ def get_config(layout: str = "v5p"):
 
     c.model.preset = ""  # shapes come from the checkpoint's config.json
     c.model.checkpoint = ""  # REQUIRED: local HF directory (config.json, tokenizer, safetensors)
-    c.model.dtype = "bfloat16"
+    c.model.dtype = "bfloat16"  # compute and the sampler's weights
+    c.model.param_dtype = "float32"  # the trainer's master weights and AdamW state
 
     # Sizes checked with tools/plan_check.py (compiled train step + analytic KV cache per device).
     if layout == "v5p":

@@ -23,7 +23,8 @@ def get_config():
 
     c.model.preset = ""
     c.model.checkpoint = ""  # REQUIRED: local HF directory
-    c.model.dtype = "bfloat16"
+    c.model.dtype = "bfloat16"  # compute and the sampler's weights
+    c.model.param_dtype = "float32"  # the trainer's master weights and AdamW state
 
     c.mesh.sampler = (6, 1)
     c.mesh.trainer = (2, 1)

@@ -18,6 +18,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from jaxrl_async.data import DataConfig
+from jaxrl_async.model.config import ATTENTION, DTYPES
 from jaxrl_async.rewards import RewardConfig
 from jaxrl_async.sampler import SamplerConfig
 from jaxrl_async.trainer import TrainConfig
@@ -176,6 +177,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         raise ConfigError(
             "config.model.checkpoint: required (a local HF checkpoint directory), or set config.model.preset"
         )
+    for name, allowed in (("dtype", DTYPES), ("param_dtype", DTYPES), ("attention", ATTENTION)):
+        value = c["model"].get(name)
+        if value not in allowed:
+            raise ConfigError(f"config.model.{name}: {value!r} not in {allowed}")
     n_layers = c["model"].get("n_layers", 0)
     if not isinstance(n_layers, int) or n_layers < 0:
         raise ConfigError(f"config.model.n_layers: must be an integer >= 0 (0 = preset), got {n_layers!r}")

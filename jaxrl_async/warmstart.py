@@ -124,7 +124,7 @@ def warm_start(
     path = os.path.join(os.path.expanduser(cfg.cache_dir), key)
     shardings = jax.tree.map(lambda x: x.sharding, params)
     if os.path.exists(os.path.join(path, "config.json")):
-        _, cached = load_hf(path, dtype=model_cfg.param_dtype)
+        _, cached = load_hf(path, dtype=model_cfg.dtype, param_dtype=model_cfg.param_dtype)
         cached = jax.device_put(cached, shardings)
         acc = evaluate(cached)
         log.info("warm start: loaded %s (held-out accuracy %.3f)", path, acc)
