@@ -355,7 +355,7 @@ class Engine:
         }
 
     def _prefill_fn(self, dparams, tokens_1xT):
-        keys, values = decode.prefill_kv(self.model_cfg, dparams, tokens_1xT)
+        keys, values = decode.prefill_kv(self.model_cfg, dparams, tokens_1xT, self.mesh)
         return keys, values
 
     def _insert_fn(self, state, keys, values, row):
@@ -424,7 +424,7 @@ class Engine:
         return state, out
 
     def _recompute_fn(self, dparams, state, tokens_BxT):
-        keys, values = decode.prefill_kv(self.model_cfg, dparams, tokens_BxT)
+        keys, values = decode.prefill_kv(self.model_cfg, dparams, tokens_BxT, self.mesh)
         put = lambda c, p: jax.lax.dynamic_update_slice(c, p.astype(c.dtype), (0, 0, 0, 0))
         return dict(
             state,

@@ -180,16 +180,22 @@ class _Compiled:
     batch_sharding: Any
 
 
-def _model_logprobs(cfg: TrainConfig, model_cfg: ModelConfig, params, mb, remat: bool):
+def _model_logprobs(cfg: TrainConfig, model_cfg: ModelConfig, params, mb, remat: bool, mesh=None):
     logits, _ = forward(
-        model_cfg, params, mb["tokens"], mb["positions"], segment_ids=mb["segment_ids"], remat=remat
+        model_cfg,
+        params,
+        mb["tokens"],
+        mb["positions"],
+        segment_ids=mb["segment_ids"],
+        remat=remat,
+        mesh=mesh,
     )
     return token_logprobs(logits, mb["targets"], cfg.temperature)
 
 
-def _micro_loss(cfg, model_cfg, params, ref_params, mb, prox_BxT, prox_version):
+def _micro_loss(cfg, model_cfg, mesh, params, ref_params, mb, prox_BxT, prox_version):
     """(loss_sum, (count, metrics)) of one micro-batch; gradients flow through `params` only."""
-    logp, entropy = _model_logprobs(cfg, model_cfg, params, mb, cfg.remat)
+    logp, entropy = _model_logprobs(cfg, model_cfg, params, mb, cfg.remat, mesh)
     mask, behav, seg = mb["loss_mask"], mb["behav_logp"], mb["segment_ids"]
     if cfg.loss in _NO_PROX_LOSSES:
         prox = behav
@@ -207,7 +213,7 @@ def _micro_loss(cfg, model_cfg, params, ref_params, mb, prox_BxT, prox_version):
     m["entropy_sum"] = jnp.sum(entropy * mask)
     m["kl_behav_sum"] = jnp.sum(kl_estimate("k3", behav, logp) * mask)
     if cfg.kl_coef > 0:
-        ref_logp, _ = _model_logprobs(cfg, model_cfg, jax.lax.stop_gradient(ref_params), mb, False)
+        ref_logp, _ = _model_logprobs(cfg, model_cfg, jax.lax.stop_gradient(ref_params), mb, False, mesh)
         kl_BxT = kl_estimate(cfg.kl_estimator, logp, ref_logp)
         kl_sum, _ = aggregate(kl_BxT, Segments.make(mask, seg), LossHParams(**hp))
         loss_sum = loss_sum + cfg.kl_coef * kl_sum
@@ -233,7 +239,7 @@ def _compile(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh | None) -> _Co
         return grads if param_sh is None else jax.lax.with_sharding_constraint(grads, param_sh)
 
     def grads_of(params, ref_params, mb, prox_BxT, prox_version):
-        loss_fn = functools.partial(_micro_loss, cfg, model_cfg)
+        loss_fn = functools.partial(_micro_loss, cfg, model_cfg, mesh)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (loss_sum, (count, m)), grads = grad_fn(params, ref_params, mb, prox_BxT, prox_version)
         return {"grads": constrain(grads), "loss_sum": loss_sum, "count": count, "metrics": m}
@@ -285,7 +291,7 @@ def _compile(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh | None) -> _Co
             zero_fns[key] = jax.jit(zeros, out_shardings=out_sh)
         return zero_fns[key]()
 
-    logprobs = lambda params, mb: _model_logprobs(cfg, model_cfg, params, mb, False)[0]
+    logprobs = lambda params, mb: _model_logprobs(cfg, model_cfg, params, mb, False, mesh)[0]
     return _Compiled(
         logprobs=jax.jit(logprobs),
         accumulate=jax.jit(accumulate, donate_argnums=(2,)),
