@@ -195,6 +195,36 @@ def token_logprobs(logits_BxTxV, targets_BxT, temperature: float = 1.0):
     return tgt - logz, entropy
 
 
+def chunked_token_logprobs(
+    cfg: ModelConfig, params: dict, x_BxTxD, targets_BxT, temperature: float = 1.0, chunk: int = 0
+):
+    """`token_logprobs(unembed(x), targets)` computed `chunk` positions at a time.
+
+    Only one chunk's float32 logits [B, chunk, V] exist at once, in the forward and (recomputed) in the
+    backward pass: a 32k-position row of a 152k vocabulary would otherwise hold 20 GB of logits, plus
+    their gradient. Same numbers as the one-piece computation. `chunk` = 0 or >= T: one piece.
+
+    Raises:
+      ValueError: T is longer than `chunk` and not a multiple of it.
+    """
+    b, t, d = x_BxTxD.shape
+    if chunk <= 0 or chunk >= t:
+        return token_logprobs(unembed(cfg, params, x_BxTxD), targets_BxT, temperature)
+    if t % chunk:
+        raise ValueError(f"logprob chunk {chunk} does not divide the row length {t}")
+    n = t // chunk
+
+    @jax.checkpoint
+    def piece(args):
+        x_BxCxD, tgt_BxC = args
+        return token_logprobs(unembed(cfg, params, x_BxCxD), tgt_BxC, temperature)
+
+    xs = x_BxTxD.reshape(b, n, chunk, d).swapaxes(0, 1)
+    tgts = targets_BxT.reshape(b, n, chunk).swapaxes(0, 1)
+    logp_NxBxC, ent_NxBxC = jax.lax.map(piece, (xs, tgts))
+    return logp_NxBxC.swapaxes(0, 1).reshape(b, t), ent_NxBxC.swapaxes(0, 1).reshape(b, t)
+
+
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = None, sharding=None) -> dict:
     """An empty KV cache {"k", "v": [L, B, S, G, K]}; `sharding` places it (e.g. on the sampler mesh)."""
     shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
