@@ -33,6 +33,9 @@ def get_config() -> ml_collections.ConfigDict:
         10  # Train steps between greedy pass@1 evaluations on held-out prompts; 0 = only at the end.
     )
     c.eval_prompts = 200  # Held-out prompts per evaluation.
+    # Slots of the greedy eval engine (rounded down to a multiple of mesh.sampler's data axis, at most the
+    # sampler's): its KV cache sits beside the sampler's on the same devices, slots x slot length.
+    c.eval_slots = 64
     c.log_every = 1  # Train steps between TensorBoard writes and summary lines.
     c.text_samples = 4  # Completions (with rewards) written to TensorBoard as text at each log step.
     c.checkpoint_every = 0  # Train steps between orbax checkpoints; 0 = only at the end.

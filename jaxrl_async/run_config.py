@@ -123,6 +123,7 @@ class RunConfig:
     mesh: MeshConfig
     eval_every: int
     eval_prompts: int
+    eval_slots: int
     log_every: int
     text_samples: int
     checkpoint_every: int
@@ -159,7 +160,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         raise ConfigError("config.workdir: required (e.g. --config.workdir=runs/my_run)")
     if c["mode"] not in MODES:
         raise ConfigError(f"config.mode: {c['mode']!r} not in {MODES}")
-    _positive(c, "total_steps", "prompts_per_step", "samples_per_prompt", "eval_prompts", "log_every")
+    _positive(
+        c, "total_steps", "prompts_per_step", "samples_per_prompt", "eval_prompts", "eval_slots", "log_every"
+    )
     _positive(
         c,
         "max_staleness",
@@ -238,6 +241,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         mesh=mesh,
         eval_every=c["eval_every"],
         eval_prompts=c["eval_prompts"],
+        eval_slots=c["eval_slots"],
         log_every=c["log_every"],
         text_samples=c["text_samples"],
         checkpoint_every=c["checkpoint_every"],

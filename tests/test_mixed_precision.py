@@ -103,9 +103,13 @@ def test_hf_config_keeps_fp32_masters_by_default():
 
 
 @pytest.mark.parametrize("get", [math_8b.get_config, qwen_1p5b_math.get_config])
-def test_real_model_configs_train_fp32_masters_in_bf16(get):
+def test_real_model_configs_train_fp32_masters_in_bf16_with_minibatches_and_long_rows(get):
     c = get()
     assert (c.model.dtype, c.model.param_dtype) == ("bfloat16", "float32")
+    assert c.trainer.minibatches > 1  # AReaL's ppo_n_minibatches: pi_prox differs from pi_theta
+    # Long context: a trainer row holds the longest sequence the sampler can produce.
+    assert c.sampler.max_new_tokens >= 16384
+    assert c.trainer.token_budget >= c.sampler.max_prompt_len + c.sampler.max_new_tokens
 
 
 @pytest.mark.parametrize(
