@@ -34,6 +34,7 @@ def main():
     p.add_argument("--hf-config", default="", help="an HF config.json giving the model shape")
     p.add_argument("--hardware", default="h100", help="memory per device from jaxrl_async.perf presets")
     p.add_argument("--token-budget", type=int, default=0, help="override trainer.token_budget (row length)")
+    p.add_argument("--attention", default="", help="override model.attention (e.g. reference, to compare)")
     p.add_argument("--out", default="")
     args = p.parse_args()
 
@@ -50,7 +51,7 @@ def main():
     from jaxrl_async.run_config import SECTIONS, _section
 
     m = config.model
-    numerics = dict(dtype=m.dtype, param_dtype=m.param_dtype, attention=m.attention)
+    numerics = dict(dtype=m.dtype, param_dtype=m.param_dtype, attention=args.attention or m.attention)
     if args.hf_config:
         with open(args.hf_config) as f:
             model_cfg = from_hf_config(json.load(f), **numerics)
