@@ -33,6 +33,9 @@ def get_config() -> ml_collections.ConfigDict:
         10  # Train steps between greedy pass@1 evaluations on held-out prompts; 0 = only at the end.
     )
     c.eval_prompts = 200  # Held-out prompts per evaluation.
+    # Slots of the greedy eval engine (rounded down to a multiple of mesh.sampler's data axis, at most the
+    # sampler's): its KV cache sits beside the sampler's on the same devices, slots x slot length.
+    c.eval_slots = 64
     c.log_every = 1  # Train steps between TensorBoard writes and summary lines.
     c.text_samples = 4  # Completions (with rewards) written to TensorBoard as text at each log step.
     c.checkpoint_every = 50  # Train steps between orbax checkpoints (0 = by time only); always at the end.
@@ -46,7 +49,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict()
     c.model.preset = "tiny"  # Shape preset (jaxrl_async.model.presets) when no checkpoint is given.
     c.model.checkpoint = ""  # Local HF checkpoint directory; overrides the preset's shape.
-    c.model.dtype = "float32"  # Parameter and compute dtype: float32 | bfloat16.
+    c.model.dtype = "float32"  # Compute dtype (activations, matmuls, sampler weights): float32 | bfloat16.
+    # Storage dtype of the trainer's master weights and optimizer state: float32 | bfloat16. Keep float32:
+    # at lr 1e-6 an AdamW step is below half a bf16 ulp of most weights, so bf16 masters do not move.
+    c.model.param_dtype = "float32"
+    # Training and prefill attention: "auto" (cuDNN flash via jax.nn.dot_product_attention on GPU, the
+    # splash Pallas kernel on TPU, "reference" on CPU) | "reference" | "dot_product" | "splash".
+    c.model.attention = "auto"
     c.model.vocab_size = 0  # Preset override; 0 = the tokenizer's vocabulary size (rounded up to 8).
     c.model.n_layers = 0  # Preset override; 0 = the preset's layer count.
 

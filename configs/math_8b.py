@@ -26,18 +26,24 @@ def get_config(layout: str = "v5p"):
 
     c.model.preset = ""  # shapes come from the checkpoint's config.json
     c.model.checkpoint = ""  # REQUIRED: local HF directory (config.json, tokenizer, safetensors)
-    c.model.dtype = "bfloat16"
+    c.model.dtype = "bfloat16"  # compute and the sampler's weights
+    c.model.param_dtype = "float32"  # the trainer's master weights and AdamW state
 
-    # Sizes checked with tools/plan_check.py (compiled train step + analytic KV cache per device).
+    # Long context: completions of up to 27,648 tokens after prompts of up to 1,024 (AReaL's boba math
+    # setting); a trainer row (token_budget) must hold the longest sequence. Sizes checked with
+    # tools/plan_check.py (compiled train step and sampler programs per device; docs/performance-model.md).
     if layout == "v5p":
         c.mesh.sampler = (12, 4)
         c.mesh.trainer = (8, 2)  # (16, 1) compiled to ~166 GiB/chip of temporaries at 8k-token rows
-        c.sampler.num_slots = 768  # 64 per data shard; KV heads split over tensor=4
-        c.trainer.rows_per_micro = 8  # one 8k-token row per fsdp shard per micro-batch
+        c.sampler.num_slots = 768  # 64 per data shard x 28k positions; KV heads split over tensor=4
+        c.trainer.rows_per_micro = 8  # one 32k-token row per fsdp shard per micro-batch
     elif layout == "h100":
         c.mesh.sampler = (4, 1)
-        c.mesh.trainer = (2, 2)  # (4, 1) with 4 rows needed ~71 of 75 GiB: too tight
-        c.sampler.num_slots = 128  # 32 per GPU: 8B bf16 weights (15 GiB) + 32 x 5k-token KV rows
+        c.mesh.trainer = (2, 2)  # (4, 1) with 4 rows needed ~71 of 75 GiB at 8k-token rows: too tight
+        # 8 per GPU: a 28k-position slot of Qwen3-8B holds 3.9 GiB of bf16 KV; beside 15 GiB of weights,
+        # a second copy during a weight update and the eval engine's cache, more do not fit.
+        c.sampler.num_slots = 32
+        c.eval_slots = 8  # 2 per GPU (each as long as a sampler slot)
         c.trainer.rows_per_micro = 2
     else:
         raise ValueError(f"math_8b: unknown layout {layout!r} (v5p, h100)")
@@ -54,7 +60,7 @@ def get_config(layout: str = "v5p"):
     c.reward.timeout_s = 10.0
 
     c.sampler.max_prompt_len = 1024
-    c.sampler.max_new_tokens = 4096
+    c.sampler.max_new_tokens = 27648
     c.sampler.prompt_buckets = (256, 512, 1024)
     c.sampler.steps_per_call = 16
     c.sampler.temperature = 1.0
@@ -65,7 +71,10 @@ def get_config(layout: str = "v5p"):
     c.trainer.lr = 1e-6
     c.trainer.warmup_steps = 10
     c.trainer.total_steps = 500
-    c.trainer.token_budget = 8192
+    c.trainer.token_budget = 32768  # one row holds the longest prompt + completion (28,672 tokens)
+    # Several optimizer updates per batch (AReaL's ppo_n_minibatches=4): with one, pi_prox equals
+    # pi_theta and decoupled PPO's clip never binds.
+    c.trainer.minibatches = 4
     c.trainer.compute_dtype = "bfloat16"
     c.trainer.remat = True
     c.trainer.temperature = 1.0

@@ -1,4 +1,4 @@
-"""Qwen2.5-1.5B (or any ~1.5B HF checkpoint) on a math JSONL: a single 8-accelerator host, or a long CPU run.
+"""Qwen2.5-1.5B (or any ~1.5B HF checkpoint) on a math JSONL: one 8-accelerator host (checked for 8 x H100).
 
   python launch/run.py --config=configs/qwen_1p5b_math.py \
       --config.model.checkpoint=/ckpt/Qwen2.5-1.5B-Instruct \
@@ -23,7 +23,8 @@ def get_config():
 
     c.model.preset = ""
     c.model.checkpoint = ""  # REQUIRED: local HF directory
-    c.model.dtype = "bfloat16"
+    c.model.dtype = "bfloat16"  # compute and the sampler's weights
+    c.model.param_dtype = "float32"  # the trainer's master weights and AdamW state
 
     c.mesh.sampler = (6, 1)
     c.mesh.trainer = (2, 1)
@@ -37,9 +38,11 @@ def get_config():
     c.reward.reward = "math"
     c.reward.num_workers = 4
 
+    # Long context: completions of up to 27,648 tokens (AReaL's boba math setting); 32 slots per sampler
+    # GPU hold 25 GiB of bf16 KV (0.77 GiB per 28k-position slot). Checked with tools/plan_check.py.
     c.sampler.num_slots = 192
     c.sampler.max_prompt_len = 512
-    c.sampler.max_new_tokens = 2048
+    c.sampler.max_new_tokens = 27648
     c.sampler.prompt_buckets = (128, 256, 512)
     c.sampler.steps_per_call = 16
     c.sampler.temperature = 1.0
@@ -47,8 +50,11 @@ def get_config():
     c.trainer.lr = 1e-6
     c.trainer.warmup_steps = 5
     c.trainer.total_steps = 300
-    c.trainer.token_budget = 8192
+    c.trainer.token_budget = 32768  # one row holds the longest prompt + completion (28,160 tokens)
     c.trainer.rows_per_micro = 2
+    # Several optimizer updates per batch (AReaL's ppo_n_minibatches=4): with one, pi_prox equals
+    # pi_theta and decoupled PPO's clip never binds.
+    c.trainer.minibatches = 4
     c.trainer.compute_dtype = "bfloat16"
     c.trainer.remat = True
     c.trainer.temperature = 1.0

@@ -210,30 +210,29 @@ class Actor:
             self.transport.send("coordinator", TicketRequest(self.cfg.index, want))
 
     def _apply(self, messages: list[NewWeights]) -> None:
-        """Receives every published version (each must be taken), evaluates the ones due, and samples
-        with the newest."""
-        params = None
+        """Receives every published version (each must be taken) and samples with the newest; actor 0
+        evaluates the versions due (the eval engine shares the sampler's weights)."""
         for m in messages:
             t0 = time.perf_counter()
-            params, version = self.weights.receive(m), m.version
+            params = self.weights.receive(m)
             self.weight_s += time.perf_counter() - t0
             if self.cfg.verify_weights:
-                self.checksums[version] = checksum(params)
-            if self.cfg.index == 0 and (self.version is None or self._eval_due(version)):
-                self._evaluate(params, version)
-        first = self.version is None
-        self.loop.update_params(params, version, None if first else self.cfg.update_mode)
-        self.version = version
+                self.checksums[m.version] = checksum(params)
+            due = self.cfg.index == 0 and (self.version is None or self._eval_due(m.version))
+            if due or m is messages[-1]:
+                first = self.version is None
+                self.loop.update_params(params, m.version, None if first else self.cfg.update_mode)
+                self.version = m.version
+            if due:
+                self._evaluate(m.version)
 
     def _eval_due(self, version: int) -> bool:
         every = self.cfg.eval_every
         return version == self.cfg.total_steps or bool(every and version % every == 0)
 
-    def _evaluate(self, params, version: int) -> None:
+    def _evaluate(self, version: int) -> None:
         t0 = time.perf_counter()
-        acc = evaluate_accuracy(
-            self.eval_engine, self.rewards, self.tokenizer, self.eval_prompts, params, version
-        )
+        acc = evaluate_accuracy(self.eval_engine, self.rewards, self.tokenizer, self.eval_prompts, None)
         seconds = time.perf_counter() - t0
         self.eval_s += seconds
         self.evals.append((version, acc))

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from jaxrl_async.sampler import Engine, Request, SamplerLoop
+from jaxrl_async.sampler import Engine, Request, SamplerConfig, SamplerLoop
 
 
-def evaluate_accuracy(engine: Engine, rewards, tokenizer, prompts, sampler_params, version: int) -> float:
+def eval_sampler_config(cfg: SamplerConfig, data: int, max_slots: int = 64) -> SamplerConfig:
+    """The greedy eval engine's settings: the sampler's, greedy, with at most `max_slots` slots (a multiple
+    of the sampler mesh's data axis `data`), each as long as the sampler's."""
+    slots = data * max(1, min(cfg.num_slots, max_slots) // data)
+    return dataclasses.replace(
+        cfg, temperature=0.0, top_k=0, top_p=1.0, num_slots=slots, token_budget=slots * cfg.slot_len
+    )
+
+
+def evaluate_accuracy(
+    engine: Engine, rewards, tokenizer, prompts, sampler_params, version: int | None = None
+) -> float:
     """The fraction of `prompts` whose greedy completion gets reward >= 1.
 
     Args:
@@ -15,10 +28,12 @@ def evaluate_accuracy(engine: Engine, rewards, tokenizer, prompts, sampler_param
       rewards: the RewardService (grades in its worker processes).
       tokenizer: decodes completions.
       prompts: jaxrl_async.data.Prompt records.
-      sampler_params: weights in the sampler layout.
-      version: their policy version.
+      sampler_params: weights in the sampler layout, or None to decode with the engine's current weights
+        (an eval engine built with `weights_from` the sampler's engine shares those).
+      version: their policy version (with sampler_params).
     """
-    engine.update_params(sampler_params, version)
+    if sampler_params is not None:
+        engine.update_params(sampler_params, version)
     loop = SamplerLoop(engine)
     it = iter(prompts)
 

@@ -7,6 +7,22 @@ from collections.abc import Mapping
 
 import numpy as np
 
+# Scalar tags every run writes (README "Configs"); tests and tools/device_check.sh check for them.
+SCALAR_TAGS = (
+    "eval/accuracy",
+    "reward/mean",
+    "staleness/mean",
+    "staleness/max",
+    "staleness/token_mean",
+    "perf/train_tokens_per_s",
+    "perf/sample_tokens_per_s",
+    "perf/sampler_idle_frac",
+    "perf/trainer_idle_frac",
+    "perf/weight_sync_s",
+    "loss/policy",
+    "is_weight/mean",
+)
+
 
 class MetricsWriter:
     """Writes scalars, histograms and text under `workdir/tb` (process 0 only)."""

@@ -150,7 +150,8 @@ def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
         local_weights = None
     else:
         s_mesh = build.sampler_mesh(run, cluster)
-        publisher = local_weights = LocalWeights(WeightSync(model_cfg, s_mesh), run.verify_weights)
+        sync = WeightSync(model_cfg, s_mesh, dtype=sampler_dtype(model_cfg))
+        publisher = local_weights = LocalWeights(sync, run.verify_weights)
     core = TrainerCore(state, run.trainer, publisher, ckpts)
     if not lead:
         proc.follower = Follower(core, transport, cluster.process_id)

@@ -18,6 +18,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from jaxrl_async.data import DataConfig
+from jaxrl_async.model.config import ATTENTION, DTYPES
 from jaxrl_async.rewards import RewardConfig
 from jaxrl_async.sampler import SamplerConfig
 from jaxrl_async.trainer import TrainConfig
@@ -129,6 +130,7 @@ class RunConfig:
     mesh: MeshConfig
     eval_every: int
     eval_prompts: int
+    eval_slots: int
     log_every: int
     text_samples: int
     checkpoint_every: int
@@ -169,7 +171,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         raise ConfigError("config.workdir: required (e.g. --config.workdir=runs/my_run)")
     if c["mode"] not in MODES:
         raise ConfigError(f"config.mode: {c['mode']!r} not in {MODES}")
-    _positive(c, "total_steps", "prompts_per_step", "samples_per_prompt", "eval_prompts", "log_every")
+    _positive(
+        c, "total_steps", "prompts_per_step", "samples_per_prompt", "eval_prompts", "eval_slots", "log_every"
+    )
     _positive(
         c,
         "max_staleness",
@@ -193,6 +197,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         raise ConfigError(
             "config.model.checkpoint: required (a local HF checkpoint directory), or set config.model.preset"
         )
+    for name, allowed in (("dtype", DTYPES), ("param_dtype", DTYPES), ("attention", ATTENTION)):
+        value = c["model"].get(name)
+        if value not in allowed:
+            raise ConfigError(f"config.model.{name}: {value!r} not in {allowed}")
     n_layers = c["model"].get("n_layers", 0)
     if not isinstance(n_layers, int) or n_layers < 0:
         raise ConfigError(f"config.model.n_layers: must be an integer >= 0 (0 = preset), got {n_layers!r}")
@@ -271,6 +279,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         mesh=mesh,
         eval_every=c["eval_every"],
         eval_prompts=c["eval_prompts"],
+        eval_slots=c["eval_slots"],
         log_every=c["log_every"],
         text_samples=c["text_samples"],
         checkpoint_every=c["checkpoint_every"],

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from jaxrl_async.checkpoint import RunCheckpoints, write_model_info
 from jaxrl_async.data import held_out_prompts, make_prompt_iterator, reference_completion
 from jaxrl_async.data.prompt import SYNTHETIC_TASKS
-from jaxrl_async.evaluation import evaluate_accuracy
+from jaxrl_async.evaluation import eval_sampler_config, evaluate_accuracy
 from jaxrl_async.model import ModelConfig, from_hf_config, init_params, load_hf, param_shardings, presets
 from jaxrl_async.rewards import RewardService
 from jaxrl_async.run_config import ConfigError, RunConfig, validate
@@ -77,7 +77,7 @@ def model_config(run: RunConfig, tokenizer: Tokenizer) -> ModelConfig:
     m = run.model
     if m.get("checkpoint"):
         with open(os.path.join(m["checkpoint"], "config.json")) as f:
-            cfg = from_hf_config(json.load(f), dtype=m["dtype"])
+            cfg = from_hf_config(json.load(f), m["dtype"], m["param_dtype"], m["attention"])
     else:
         vocab = m.get("vocab_size") or -(-tokenizer.vocab_size // 8) * 8
         if vocab < tokenizer.vocab_size:
@@ -140,19 +140,12 @@ def trainer_mesh(run: RunConfig, cluster):
 
 
 def build_engines(run: RunConfig, model_cfg: ModelConfig, mesh, sampler_cfg: SamplerConfig):
-    """The sampling engine and the greedy evaluation engine on one sampler mesh (weights arrive later)."""
-    engine = Engine(model_cfg, None, mesh, sampler_cfg)
-    data = mesh.shape["data"]
-    eval_slots = data * max(1, min(sampler_cfg.num_slots, 64) // data)  # a multiple of the data axis
-    eval_cfg = dataclasses.replace(
-        sampler_cfg,
-        temperature=0.0,
-        top_k=0,
-        top_p=1.0,
-        num_slots=eval_slots,
-        token_budget=eval_slots * sampler_cfg.slot_len,
-    )
-    return engine, Engine(model_cfg, None, mesh, eval_cfg)
+    """The sampling engine and the greedy evaluation engine on one sampler mesh. They share one copy of
+    the weights (in the compute dtype), which arrives with the first published version."""
+    weights_cfg = model_cfg.compute_copy()
+    engine = Engine(weights_cfg, None, mesh, sampler_cfg)
+    eval_cfg = eval_sampler_config(sampler_cfg, mesh.shape["data"], run.eval_slots)
+    return engine, Engine(weights_cfg, None, mesh, eval_cfg, weights_from=engine)
 
 
 # ----- trainer side -----
@@ -161,9 +154,10 @@ def build_engines(run: RunConfig, model_cfg: ModelConfig, mesh, sampler_cfg: Sam
 def initial_params(run: RunConfig, model_cfg: ModelConfig, mesh):
     """Fresh parameters on the trainer mesh: the HF checkpoint's or a random init (every trainer process
     calls this: it is one SPMD computation)."""
-    ckpt = run.model.get("checkpoint")
-    if ckpt:
-        return load_hf(ckpt, dtype=run.model["dtype"], mesh=mesh, rules=TRAINER_RULES)[1]
+    m = run.model
+    if m.get("checkpoint"):
+        kw = dict(param_dtype=m["param_dtype"], attention=m["attention"], mesh=mesh, rules=TRAINER_RULES)
+        return load_hf(m["checkpoint"], dtype=m["dtype"], **kw)[1]
     return init_params(model_cfg, jax.random.key(run.seed), mesh, TRAINER_RULES)
 
 

@@ -119,6 +119,14 @@ SAMPLER_RULES = Rules(
 ROLE_RULES = {"trainer": TRAINER_RULES, "sampler": SAMPLER_RULES}
 
 
+def rules_for(mesh: Mesh) -> Rules:
+    """The role rules whose mesh axes are `mesh`'s (the trainer's or the sampler's)."""
+    for rules in ROLE_RULES.values():
+        if tuple(rules.mesh_axes) == tuple(mesh.axis_names):
+            return rules
+    raise ValueError(f"no role rules for a mesh with axes {mesh.axis_names}")
+
+
 def make_mesh(shape: Sequence[int], axis_names: Sequence[str], devices: Sequence | None = None) -> Mesh:
     """A mesh of `shape` over `devices` (default: all devices, in order).
 

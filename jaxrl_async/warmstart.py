@@ -125,7 +125,7 @@ def warm_start(
     shardings = jax.tree.map(lambda x: x.sharding, params)
     info_path = os.path.join(path, "warm_start.json")
     if os.path.exists(os.path.join(path, "config.json")):
-        _, cached = load_hf(path, dtype=model_cfg.param_dtype)
+        _, cached = load_hf(path, dtype=model_cfg.dtype, param_dtype=model_cfg.param_dtype)
         cached = jax.device_put(cached, shardings)
         if os.path.exists(info_path):  # measured when the cache was written: no engine needed now
             with open(info_path) as f:

@@ -116,8 +116,9 @@ def test_sharded_index_export_and_load_into_mesh(tmp_path):
 
 def test_bf16_load_close_to_fp32(tmp_path):
     model, path = _make_hf(tmp_path, "qwen3_qknorm_untied")
-    cfg, params = load_hf(path, dtype="bfloat16")
+    cfg, params = load_hf(path, dtype="bfloat16", param_dtype="bfloat16")
     assert params["embed"].dtype == jnp.bfloat16
+    assert load_hf(path, dtype="bfloat16")[1]["embed"].dtype == jnp.float32  # fp32 masters by default
     logits = np.asarray(forward_logits(cfg, params, _tokens()))
     ref = _hf_logits(model, _tokens())
     assert logits.dtype == np.float32

@@ -34,6 +34,7 @@ BASE = TrainConfig(
     weight_decay=0.01,
     behav_mode="truncate",
     staleness_bins=3,
+    minibatches=1,
 )
 
 
@@ -227,6 +228,20 @@ def test_minibatches_apply_several_updates_per_step(params):
     state = create_train_state(cfg, MODEL, params)
     state, m = train_step(state, prepare_batch(cfg, make_rollouts()))
     assert int(state.updates) == 2 and int(state.version) == 1 and int(m["skipped"]) == 0
+
+
+def test_chunked_logprobs_give_the_same_loss_and_gradients(params):
+    rollouts = make_rollouts(8, seed=11)
+    whole = create_train_state(BASE, MODEL, params)
+    chunked_cfg = dataclasses.replace(BASE, logits_chunk=16)  # 48-position rows in 3 chunks
+    chunked = create_train_state(chunked_cfg, MODEL, params)
+    l0, g0, m0 = loss_and_grads(whole, prepare_batch(BASE, rollouts))
+    l1, g1, m1 = loss_and_grads(chunked, prepare_batch(chunked_cfg, rollouts))
+    assert float(l1) == pytest.approx(float(l0), rel=1e-6)
+    assert float(m1["entropy_mean"]) == pytest.approx(float(m0["entropy_mean"]), rel=1e-6)
+    tree_close(g1, g0, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="logits_chunk"):
+        TrainConfig(token_budget=48, logits_chunk=32)
 
 
 def test_kl_penalty_to_an_identical_reference_is_zero(params):

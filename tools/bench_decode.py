@@ -2,6 +2,8 @@
 
   JAX_PLATFORMS=cpu python tools/bench_decode.py [--attention cpu_kernel] [--linear cpu_kernel]
       [--latency-out FILE] [--json-out FILE] [--quick]
+  python tools/bench_decode.py --preset qwen2.5-1.5b --dtype bfloat16 --batches 1,max --hardware h200 \
+      --latency-only --json-out decode.json      # an accelerator: tokens/s vs the HBM roofline
 
 Measures, in one run on one device:
   - memory read bandwidth (sum over a 1 GiB array) and the batch-1 decode roofline it implies;
@@ -54,12 +56,32 @@ def measure_bandwidth(gib: float = 1.0, reps: int = 10) -> float:
     return x.nbytes / t
 
 
-def decode_bytes(cfg, context: int) -> int:
-    """Bytes a batch-1 decode step must read: every weight once (one embedding row) + the valid KV."""
+def decode_bytes(cfg, context: int, batch: int = 1) -> int:
+    """Bytes a decode step must read: every weight once (one embedding row) + each row's valid KV."""
     itemsize = jnp.dtype(cfg.param_dtype).itemsize
     weights = cfg.num_params - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
     kv = 2 * cfg.n_layers * context * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
-    return weights * itemsize + kv
+    return weights * itemsize + batch * kv
+
+
+def decode_flops(cfg, context: int, batch: int) -> float:
+    """Matmul FLOPs of a decode step: every weight once per row, attention over the row's context."""
+    weights = cfg.num_params - cfg.vocab_size * cfg.d_model * (0 if cfg.tie_embeddings else 1)
+    return batch * (2.0 * weights + 4.0 * cfg.n_layers * context * cfg.n_heads * cfg.head_dim)
+
+
+def largest_batch(cfg, slot_len: int, cap: int, fraction: float = 0.8) -> int:
+    """The most slots (a multiple of 8, at most `cap`) whose KV cache and logits fit in `fraction` of
+    device 0's memory beside two weight copies (the sampler-layout input and the engine's decode layout).
+    `cap` where the device reports no memory size (XLA:CPU)."""
+    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    if not limit:
+        return cap
+    weights = 2 * cfg.num_params * jnp.dtype(cfg.param_dtype).itemsize
+    per_slot = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * slot_len * jnp.dtype(cfg.dtype).itemsize
+    per_slot += 4 * cfg.vocab_size * 4  # float32 logits and sampling temporaries per row
+    n = int((fraction * limit - weights) // per_slot)
+    return max(1, min(cap, n // 8 * 8))
 
 
 def _engine(cfg, params, mesh, batch, prompt_len, new_tokens, k, fuse=True, **kw):
@@ -229,18 +251,42 @@ def main(argv=None) -> None:
         choices=("xla", "cpu_kernel"),
         help="the engine's decode-step matmuls (SamplerConfig.linear)",
     )
+    ap.add_argument("--preset", default="", help="model shape (default: llama_100m, or tiny with --quick)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and compute")
+    ap.add_argument(
+        "--batches", default="1,2,4,8,16,32", help="decode batch sizes; 'max' = the largest that fits"
+    )
+    ap.add_argument("--max-batch", type=int, default=4096, help="cap on 'max' (and its value on XLA:CPU)")
+    ap.add_argument("--prompt-len", type=int, default=0, help="default 64 (16 with --quick)")
+    ap.add_argument("--new-tokens", type=int, default=0, help="default 128 (16 with --quick)")
+    ap.add_argument(
+        "--hardware", default="", help="a jaxrl_async.perf preset (h100, h200, ...): spec rooflines"
+    )
+    ap.add_argument(
+        "--latency-only",
+        action="store_true",
+        help="only the decode latency curve and its rooflines (no ablation, transformers or batching)",
+    )
     args = ap.parse_args(argv)
 
     quick = args.quick
-    cfg = presets.tiny(vocab_size=512, max_seq_len=256) if quick else presets.llama_100m()
+    name = args.preset or ("tiny" if quick else "llama_100m")
+    shape = dict(vocab_size=512, max_seq_len=256) if name == "tiny" else {}
+    cfg = presets.get(name, dtype=args.dtype, param_dtype=args.dtype, **shape)
     prompt_len, new_tokens, k, reps = (16, 16, 4, 2) if quick else (64, 128, 8, 5)
-    batches = [1, 2, 4, 8, 16, 32]
+    prompt_len, new_tokens = args.prompt_len or prompt_len, args.new_tokens or new_tokens
+    cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, prompt_len + new_tokens))
+    batches = [
+        largest_batch(cfg, prompt_len + new_tokens, args.max_batch) if b == "max" else int(b)
+        for b in args.batches.split(",")
+    ]
     mesh = make_mesh((1, 1), ("data", "tensor"), jax.devices()[:1])
     params = init_params(cfg, jax.random.key(0), mesh, SAMPLER_RULES)
     res = {
-        "model": "tiny" if quick else "llama_100m",
+        "model": name,
         "num_params": cfg.num_params,
         "dtype": cfg.dtype,
+        "device_kind": jax.devices()[0].device_kind,
         "devices": len(jax.devices()),
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
@@ -261,13 +307,33 @@ def main(argv=None) -> None:
         eng = _engine(cfg, params, mesh, b, prompt_len, new_tokens, k, **engine_kw)
         points.append({"batch": b, "step_s": engine_step_time(eng, prompt_len, reps)})
         del eng
+    hw = None
+    if args.hardware:
+        from jaxrl_async.perf.hardware import get_hardware
+
+        hw = get_hardware(args.hardware)
+        res["hardware"] = {"name": hw.name, "mem_bw": hw.mem_bw, "peak_flops": hw.peak_flops}
+        res["roofline_b1_tok_s_spec"] = hw.mem_bw / decode_bytes(cfg, ctx)
+    for p in points:
+        b = p["batch"]
+        p["tok_s"] = b / p["step_s"]
+        p["memory_roofline_tok_s"] = b * bw / decode_bytes(cfg, ctx, b)
+        if hw is not None:
+            step = max(decode_bytes(cfg, ctx, b) / hw.mem_bw, decode_flops(cfg, ctx, b) / hw.peak_flops)
+            p["spec_roofline_tok_s"] = b / step
+            p["fraction_of_spec_roofline"] = p["tok_s"] / p["spec_roofline_tok_s"]
     res["latency"] = points
     step1 = points[0]["step_s"]
     res["b1_tok_s"] = 1.0 / step1
     res["b1_fraction_of_roofline"] = res["b1_tok_s"] / res["roofline_b1_tok_s"]
+    if hw is not None:
+        res["b1_fraction_of_spec_roofline"] = res["b1_tok_s"] / res["roofline_b1_tok_s_spec"]
     if args.latency_out:
         with open(args.latency_out, "w") as f:
             json.dump({"points": points, "model": res["model"], "steps_per_call": k}, f, indent=1)
+    if args.latency_only:
+        _finish(res, args)
+        return
 
     bmax = batches[-1]
     # Side by side, alternating, best of two: the machine may be shared.
@@ -334,6 +400,10 @@ def main(argv=None) -> None:
         k=4,
         **engine_kw,
     )
+    _finish(res, args)
+
+
+def _finish(res: dict, args) -> None:
     print(json.dumps(res, indent=1))
     if args.json_out:
         with open(args.json_out, "w") as f:
@@ -349,7 +419,15 @@ def _print_table(res: dict) -> None:
     print(f"{'batch':>6} {'step ms':>9} {'tok/s':>9}")
     for p in res["latency"]:
         print(f"{p['batch']:>6} {p['step_s'] * 1e3:>9.1f} {p['batch'] / p['step_s']:>9.1f}")
-    print(f"batch 1: {res['b1_fraction_of_roofline'] * 100:.0f}% of the memory roofline")
+    print(f"batch 1: {res['b1_fraction_of_roofline'] * 100:.0f}% of the measured-bandwidth roofline")
+    if "b1_fraction_of_spec_roofline" in res:
+        print(
+            f"batch 1: {res['b1_fraction_of_spec_roofline'] * 100:.0f}% of {res['hardware']['name']}'s "
+            f"HBM roofline; largest batch {res['latency'][-1]['batch']}: "
+            f"{res['latency'][-1]['fraction_of_spec_roofline'] * 100:.0f}% of its roofline"
+        )
+    if "ablation_step_s" not in res:
+        return
     print(
         "ablation at the largest batch (ms/step): "
         + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in res["ablation_step_s"].items())

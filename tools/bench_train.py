@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_async.model import ModelConfig, init_params, presets
+from jaxrl_async.perf.hardware import get_hardware
 from jaxrl_async.trainer import (
     Rollout,
     TrainConfig,
@@ -29,10 +30,10 @@ from jaxrl_async.trainer import (
 )
 
 
-def matmul_peak_flops(n: int, reps: int) -> float:
-    """Median FLOP/s of a jitted float32 n x n matmul (the roofline the train step is judged against)."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+def matmul_peak_flops(n: int, reps: int, dtype: str = "float32") -> float:
+    """Median FLOP/s of a jitted n x n matmul in `dtype` (the measured roofline)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
     mm = jax.jit(jnp.matmul)
     mm(a, b).block_until_ready()
     times = []
@@ -43,8 +44,9 @@ def matmul_peak_flops(n: int, reps: int) -> float:
     return 2 * n**3 / statistics.median(times)
 
 
-def forward_flops_per_row(cfg: ModelConfig, row_len: int) -> float:
-    """Matmul FLOPs of one forward over a row; attention counted as computed (the full masked row)."""
+def forward_flops_per_row(cfg: ModelConfig, row_len: int, causal: bool = False) -> float:
+    """Matmul FLOPs of one forward over a row; attention counted as computed (the full masked row), or
+    with `causal` only its causal half (the model FLOPs that MFU counts)."""
     d, h, g, k, f, v, layers = (
         cfg.d_model,
         cfg.n_heads,
@@ -55,7 +57,7 @@ def forward_flops_per_row(cfg: ModelConfig, row_len: int) -> float:
         cfg.n_layers,
     )
     per_token = 2 * (layers * (d * h * k + 2 * d * g * k + h * k * d + 3 * d * f) + d * v)
-    attention = layers * 2 * 2 * row_len * row_len * h * k
+    attention = layers * 2 * 2 * row_len * row_len * h * k / (2 if causal else 1)
     return per_token * row_len + attention
 
 
@@ -112,17 +114,28 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", type=int, default=8, help="rows per micro-batch")
     ap.add_argument("--budget", type=int, default=256, help="positions per packed row")
     ap.add_argument("--steps", type=int, default=3, help="timed train steps (after one untimed, compiling)")
-    ap.add_argument("--tail-seqs", type=int, default=32, help="sequences in the long-tailed batch")
+    ap.add_argument(
+        "--tail-seqs", type=int, default=32, help="sequences in the long-tailed batch (0: no packing test)"
+    )
     ap.add_argument("--tail-steps", type=int, default=1, help="timed steps per layout in packing vs padding")
     ap.add_argument("--matmul-n", type=int, default=4096)
     ap.add_argument("--remat", action="store_true")
+    ap.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="compute (masters stay float32)"
+    )
+    ap.add_argument(
+        "--hardware", default="", help="a jaxrl_async.perf preset (h100, h200, ...): MFU vs its bf16 peak"
+    )
+    ap.add_argument("--json-out", default="")
     args = ap.parse_args(argv)
 
-    model = presets.get(args.model)
-    cfg = TrainConfig(lr=1e-5, token_budget=args.budget, rows_per_micro=args.rows, remat=args.remat)
+    model = presets.get(args.model, dtype=args.dtype, param_dtype="float32")
+    cfg = TrainConfig(
+        lr=1e-5, token_budget=args.budget, rows_per_micro=args.rows, remat=args.remat, minibatches=1
+    )
     params = init_params(model, jax.random.key(0))
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    peak = matmul_peak_flops(args.matmul_n, reps=5)
+    peak = matmul_peak_flops(args.matmul_n, reps=5, dtype=args.dtype)
 
     # Throughput: one micro-batch of full rows.
     full = uniform_rollouts(args.rows, args.budget, model.vocab_size, seed=0)
@@ -138,7 +151,67 @@ def main(argv=None) -> dict:
     flops = 3 * forward_flops_per_row(model, args.budget) * args.rows  # forward + backward (2x forward)
     achieved = flops / step_s
 
-    # Packing vs padding on the same long-tailed rollouts, same compiled micro-batch shape.
+    packing = _packing_comparison(args, cfg, model, state) if args.tail_seqs else None
+    result = {
+        "devices": jax.device_count(),
+        "device_kind": jax.devices()[0].device_kind,
+        "model": args.model,
+        "params": int(n_params),
+        "dtype": args.dtype,
+        "attention": model.attention,
+        "micro_batch": [args.rows, args.budget],
+        "remat": args.remat,
+        "matmul_peak_flops": peak,
+        "first_step_s": first_step_s,
+        "step_s": step_s,
+        "train_tokens_per_s": tokens / step_s,
+        "achieved_flops": achieved,
+        "fraction_of_matmul_peak": achieved / peak,
+        "packing": packing,
+        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+    }
+    if args.hardware:
+        hw = get_hardware(args.hardware)
+        result["hardware"] = {"name": hw.name, "peak_flops": hw.peak_flops}
+        model_flops = 3 * forward_flops_per_row(model, args.budget, causal=True) * args.rows
+        result["mfu"] = model_flops / step_s / hw.peak_flops
+    print(json.dumps(result, indent=2))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=2)
+    rows = [
+        ("model / params", f"{args.model} / {n_params / 1e6:.1f}M, {args.dtype} compute"),
+        ("micro-batch", f"{args.rows} x {args.budget}"),
+        (f"matmul peak ({args.dtype})", f"{peak / 1e9:.1f} GFLOP/s"),
+        ("train step (median)", f"{step_s:.2f} s"),
+        ("train tokens/s", f"{tokens / step_s:.1f}"),
+        ("achieved", f"{achieved / 1e9:.1f} GFLOP/s = {100 * achieved / peak:.0f}% of matmul peak"),
+    ]
+    if "mfu" in result:
+        rows.append(("MFU", f"{100 * result['mfu']:.0f}% of {args.hardware}'s bf16 peak"))
+    if packing:
+        rows += [
+            ("long-tailed batch", f"{packing['sequences']} seqs, {packing['tokens']} tokens"),
+            (
+                "packed",
+                f"{packing['packed']['micro_batches']} micro-batches, fill {packing['packed']['fill']:.0%}, "
+                f"{packing['packed']['tokens_per_s']:.1f} tok/s",
+            ),
+            (
+                "padded",
+                f"{packing['padded']['micro_batches']} micro-batches, fill {packing['padded']['fill']:.0%}, "
+                f"{packing['padded']['tokens_per_s']:.1f} tok/s",
+            ),
+            ("packing speedup", f"{packing['speedup']:.2f}x"),
+        ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return result
+
+
+def _packing_comparison(args, cfg, model, state) -> dict:
+    """Packing vs padding on the same long-tailed rollouts, same compiled micro-batch shape."""
     tail = long_tailed_rollouts(args.tail_seqs, args.budget, model.vocab_size, seed=1)
     tail_adv = compute_advantages(cfg.advantage, [r.reward for r in tail], [r.group_id for r in tail])
     layouts = {
@@ -156,48 +229,7 @@ def main(argv=None) -> dict:
             "tokens_per_s": tail_tokens / s,
         }
     packing["speedup"] = packing["packed"]["tokens_per_s"] / packing["padded"]["tokens_per_s"]
-
-    result = {
-        "devices": jax.device_count(),
-        "device_kind": jax.devices()[0].device_kind,
-        "model": args.model,
-        "params": int(n_params),
-        "micro_batch": [args.rows, args.budget],
-        "remat": args.remat,
-        "matmul_peak_flops": peak,
-        "first_step_s": first_step_s,
-        "step_s": step_s,
-        "train_tokens_per_s": tokens / step_s,
-        "achieved_flops": achieved,
-        "fraction_of_matmul_peak": achieved / peak,
-        "packing": packing,
-        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-    }
-    print(json.dumps(result, indent=2))
-    rows = [
-        ("model / params", f"{args.model} / {n_params / 1e6:.1f}M"),
-        ("micro-batch", f"{args.rows} x {args.budget}"),
-        ("matmul peak (f32)", f"{peak / 1e9:.1f} GFLOP/s"),
-        ("train step (median)", f"{step_s:.2f} s"),
-        ("train tokens/s", f"{tokens / step_s:.1f}"),
-        ("achieved", f"{achieved / 1e9:.1f} GFLOP/s = {100 * achieved / peak:.0f}% of matmul peak"),
-        ("long-tailed batch", f"{len(tail)} seqs, {tail_tokens} tokens"),
-        (
-            "packed",
-            f"{packing['packed']['micro_batches']} micro-batches, fill {packing['packed']['fill']:.0%}, "
-            f"{packing['packed']['tokens_per_s']:.1f} tok/s",
-        ),
-        (
-            "padded",
-            f"{packing['padded']['micro_batches']} micro-batches, fill {packing['padded']['fill']:.0%}, "
-            f"{packing['padded']['tokens_per_s']:.1f} tok/s",
-        ),
-        ("packing speedup", f"{packing['speedup']:.2f}x"),
-    ]
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}")
-    return result
+    return packing
 
 
 if __name__ == "__main__":

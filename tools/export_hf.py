@@ -39,7 +39,8 @@ def main(argv=None) -> None:
     save_hf(model_cfg, params, args.out, tokenizer_dir=tok_dir)
     print(f"policy version {version} -> {args.out}")
     if tok_dir is None:
-        print(f"no Hugging Face tokenizer to copy (the run used {tokenizer!r}): the export holds the model only")
+        why = f"the run used {tokenizer!r}"
+        print(f"no Hugging Face tokenizer to copy ({why}): the export holds the model only")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def load_checkpoint(path: str, mesh, dtype: str = "float32", step: int | None = 
       FileNotFoundError: `path` is neither a Hugging Face directory nor one of our runs.
     """
     if os.path.exists(os.path.join(path, "config.json")):
-        model_cfg, params = load_hf(path, dtype=dtype, mesh=mesh, rules=SAMPLER_RULES)
+        model_cfg, params = load_hf(path, dtype=dtype, mesh=mesh, rules=SAMPLER_RULES, param_dtype=dtype)
         return model_cfg, params, path
     if find_checkpoints(path) is None:
         raise FileNotFoundError(

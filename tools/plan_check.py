@@ -3,8 +3,9 @@
   python tools/plan_check.py --config configs/math_8b.py:h100 --preset qwen3-8b --hardware h100
   python tools/plan_check.py --config configs/math_8b.py --preset llama-3.1-8b --hardware tpu-v5p
 
-The model shape comes from `--preset` or from `--hf-config PATH/config.json` (no weights are read).
-Prints JSON with per-device bytes and whether they fit the hardware's memory.
+The model shape comes from `--preset` or from `--hf-config PATH/config.json` (no weights are read); its
+numerics (compute dtype, master-weight dtype, attention) from the config's `model` section. Prints JSON
+with per-device bytes, the trainer state and sampler weight dtypes, and whether each role fits.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def main():
     p.add_argument("--preset", default="", help="model shape preset (jaxrl_async.model.presets)")
     p.add_argument("--hf-config", default="", help="an HF config.json giving the model shape")
     p.add_argument("--hardware", default="h100", help="memory per device from jaxrl_async.perf presets")
+    p.add_argument("--token-budget", type=int, default=0, help="override trainer.token_budget (row length)")
+    p.add_argument("--attention", default="", help="override model.attention (e.g. reference, to compare)")
     p.add_argument("--out", default="")
     args = p.parse_args()
 
@@ -44,44 +47,63 @@ def main():
 
     from jaxrl_async.model import from_hf_config, presets
     from jaxrl_async.perf.hardware import get_hardware
-    from jaxrl_async.perf.plan_check import plan_check
+    from jaxrl_async.perf.plan_check import plan_check, target_platform
     from jaxrl_async.run_config import SECTIONS, _section
 
-    dtype = config.model.dtype
+    m = config.model
+    numerics = dict(dtype=m.dtype, param_dtype=m.param_dtype, attention=args.attention or m.attention)
     if args.hf_config:
         with open(args.hf_config) as f:
-            model_cfg = from_hf_config(json.load(f), dtype=dtype)
+            model_cfg = from_hf_config(json.load(f), **numerics)
     else:
-        model_cfg = presets.get(args.preset or config.model.preset, dtype=dtype, param_dtype=dtype)
+        model_cfg = presets.get(args.preset or m.preset, **numerics)
+    if args.token_budget:
+        config.trainer.token_budget = args.token_budget
     train_cfg = _section("trainer", SECTIONS["trainer"], dict(config.trainer.to_dict()))
     sampler_cfg = _section("sampler", SECTIONS["sampler"], dict(config.sampler.to_dict()))
     hw = get_hardware(args.hardware)
-    report = plan_check(model_cfg, train_cfg, sampler_cfg, config.mesh)
-    gib = 2**30
+    platform = target_platform(hw.name)
+    report = plan_check(model_cfg, train_cfg, sampler_cfg, config.mesh, platform, config.eval_slots)
     report["hardware"] = {"name": hw.name, "mem_bytes": hw.mem_bytes}
     report["fits"] = {
         "trainer": report["trainer"]["peak_estimate"] <= hw.mem_bytes,
-        "sampler": report["sampler"]["peak_accelerator"] <= hw.mem_bytes,
+        "sampler": report["sampler"]["peak"] <= hw.mem_bytes,
     }
     print(json.dumps(report, indent=2))
-    tr, sa, ok = report["trainer"], report["sampler"], report["fits"]
-    verdict = lambda fits: "fits" if fits else "DOES NOT FIT"
-    print(f"\nper device, {hw.name} has {hw.mem_bytes / gib:.0f} GiB")
-    print(
-        f"  trainer {config.mesh.trainer}: args {tr['argument_size'] / gib:.2f} GiB, temps "
-        f"{tr['temp_size'] / gib:.2f} GiB, peak ~{tr['peak_estimate'] / gib:.2f} GiB "
-        f"-> {verdict(ok['trainer'])}"
-    )
-    an = sa["analytic"]
-    print(
-        f"  sampler {config.mesh.sampler}: args {sa['argument_size'] / gib:.2f} GiB (analytic: weights "
-        f"{an['weights'] / gib:.2f} + KV cache {an['kv_cache'] / gib:.2f}), temps "
-        f"{sa['temp_size_accelerator'] / gib:.2f} GiB (XLA:CPU {sa['temp_size'] / gib:.2f}), "
-        f"peak ~{sa['peak_accelerator'] / gib:.2f} GiB -> {verdict(ok['sampler'])}"
-    )
+    print(summary(report, config, train_cfg, sampler_cfg))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def summary(report: dict, config, train_cfg, sampler_cfg) -> str:
+    """The human-readable verdict printed after the JSON."""
+    gib = 2**30
+    g = lambda b: f"{b / gib:.2f} GiB"
+    tr, sa, hw, ok = report["trainer"], report["sampler"], report["hardware"], report["fits"]
+    verdict = lambda fits: "fits" if fits else "DOES NOT FIT"
+    att = tr["attention"]
+    an = sa["analytic"]
+    lines = [
+        f"\nper device, {hw['name']} has {hw['mem_bytes'] / gib:.0f} GiB",
+        f"  trainer {tuple(config.mesh.trainer)}: {train_cfg.rows_per_micro} rows x {train_cfg.token_budget} "
+        f"tokens per micro-batch; params {tr['dtypes']['params']}, optimizer state "
+        f"{tr['dtypes']['optimizer_state']}",
+        f"    attention {att['target']} (compiled as {att['compiled_as']}"
+        + (f", + dense segment masks {g(att['mask_bytes'])}" if att["mask_bytes"] else "")
+        + ")",
+        f"    micro-batch: args {g(tr['argument_size'])} + optimizer state {g(tr['optimizer_state_bytes'])}, "
+        f"temps {g(tr['temp_size'])}; update: temps {g(tr['apply']['temp_size'])}",
+        f"    peak ~{g(tr['peak_estimate'])} -> {verdict(ok['trainer'])}",
+        f"  sampler {tuple(config.mesh.sampler)}: weights {sa['dtypes']} {g(sa['weights'])} (once), "
+        f"KV cache + state {g(sa['decode_state'])} ({sampler_cfg.num_slots} slots x {sampler_cfg.slot_len}), "
+        f"eval engine {g(sa['eval_decode_state'])} ({sa['eval_slots']} slots)",
+        f"    analytic: weights {g(an['weights'])} + KV {g(an['kv_cache'])} + eval KV "
+        f"{g(an['eval_kv_cache'])} = {g(an['total'])}; compiled held {g(sa['held'])}",
+        f"    temps {g(sa['temp_size_accelerator'])} (XLA:CPU {g(sa['generate']['temp_size'])}), weight "
+        f"update +{g(sa['update_transient'])}; peak ~{g(sa['peak'])} -> {verdict(ok['sampler'])}",
+    ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from jaxrl_async.model.params import (
 )
 from jaxrl_async.model.transformer import (
     CACHE_LOGICAL_AXES,
+    chunked_token_logprobs,
     forward,
     forward_logits,
     init_cache,
@@ -25,6 +26,7 @@ __all__ = [
     "ParamSpec",
     "RopeScaling",
     "abstract_params",
+    "chunked_token_logprobs",
     "forward",
     "forward_logits",
     "from_hf_config",

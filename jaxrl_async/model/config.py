@@ -13,6 +13,8 @@ _ARCHS = {
 _HF_ARCH = {v: k for k, v in _ARCHS.items()}
 _MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 DTYPES = ("float32", "bfloat16")
+# Training and prefill attention (jaxrl_async.model.attention): "auto" picks by platform.
+ATTENTION = ("auto", "reference", "dot_product", "splash")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +57,8 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE.
     max_seq_len: int = 4096
     dtype: str = "float32"  # compute dtype of activations and matmuls
-    param_dtype: str = "float32"  # storage dtype of the weights
+    param_dtype: str = "float32"  # storage dtype of the weights (the trainer's master copy)
+    attention: str = "auto"  # training / prefill attention implementation (one of ATTENTION)
     arch: str = "llama"  # which HF architecture to export as
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -73,6 +76,8 @@ class ModelConfig:
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} not in {DTYPES}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"ModelConfig.attention={self.attention!r} not in {ATTENTION}")
         if self.arch not in _HF_ARCH:
             raise ValueError(f"ModelConfig.arch={self.arch!r} not in {sorted(_HF_ARCH)}")
 
@@ -93,6 +98,11 @@ class ModelConfig:
 
     def replace(self, **kw) -> ModelConfig:
         return dataclasses.replace(self, **kw)
+
+    def compute_copy(self) -> ModelConfig:
+        """This model with its weights stored in the compute dtype: the layout of a copy cast from the
+        master weights (the sampler's bf16 weights of an fp32-master run)."""
+        return self if self.param_dtype == self.dtype else self.replace(param_dtype=self.dtype)
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -121,8 +131,14 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     return float(theta), RopeScaling(**kw)
 
 
-def from_hf_config(hf: dict[str, Any], dtype: str = "float32") -> ModelConfig:
-    """A ModelConfig from a parsed HF config.json; unknown architectures fail naming the field."""
+def from_hf_config(
+    hf: dict[str, Any], dtype: str = "float32", param_dtype: str = "float32", attention: str = "auto"
+) -> ModelConfig:
+    """A ModelConfig from a parsed HF config.json; unknown architectures fail naming the field.
+
+    `dtype` is the compute dtype; `param_dtype` the storage dtype of the weights read (float32 master
+    weights by default, whatever the checkpoint's own dtype); `attention` as ModelConfig.attention.
+    """
     archs = hf.get("architectures") or []
     arch = next((_ARCHS[a] for a in archs if a in _ARCHS), None)
     if arch is None:
@@ -167,7 +183,8 @@ def from_hf_config(hf: dict[str, Any], dtype: str = "float32") -> ModelConfig:
         qk_norm=arch == "qwen3",
         max_seq_len=int(hf.get("max_position_embeddings", 4096)),
         dtype=dtype,
-        param_dtype=dtype,
+        param_dtype=param_dtype,
+        attention=attention,
         arch=arch,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=eos,

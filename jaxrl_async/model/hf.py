@@ -160,13 +160,23 @@ def _hf_names(template: str, stacked: bool, n_layers: int) -> list[str]:
     return [template.format(l=i) for i in range(n_layers)] if stacked else [template]
 
 
-def load_hf(path: str, dtype: str = "float32", mesh=None, rules: Rules | None = None):
+def load_hf(
+    path: str,
+    dtype: str = "float32",
+    mesh=None,
+    rules: Rules | None = None,
+    param_dtype: str = "float32",
+    attention: str = "auto",
+):
     """Loads a local HF checkpoint directory.
 
     Args:
       path: directory with config.json and *.safetensors (optionally model.safetensors.index.json).
-      dtype: "float32" or "bfloat16": parameter and compute dtype.
+      dtype: "float32" or "bfloat16": the compute dtype.
       mesh, rules: place each tensor directly into this role's sharding (default: the default device).
+      param_dtype: dtype the weights are stored in: "float32" master weights for training (whatever the
+        checkpoint's dtype), or the compute dtype for a model that only samples.
+      attention: ModelConfig.attention.
 
     Returns:
       (ModelConfig, params) with params in the layout of `param_specs`.
@@ -178,7 +188,7 @@ def load_hf(path: str, dtype: str = "float32", mesh=None, rules: Rules | None = 
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"{path}: no config.json")
     with open(cfg_path) as f:
-        cfg = from_hf_config(json.load(f), dtype=dtype)
+        cfg = from_hf_config(json.load(f), dtype=dtype, param_dtype=param_dtype, attention=attention)
     st = SafetensorsDir(path)
     layout, specs = _hf_layout(cfg), _flat_specs(cfg)
     for key in specs:  # validate every tensor before reading any

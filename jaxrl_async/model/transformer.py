@@ -12,9 +12,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxrl_async.model import attention
 from jaxrl_async.model.config import ModelConfig
-
-_NEG_INF = -1e30
 
 
 def rms_norm(x, weight, eps: float):
@@ -57,26 +56,17 @@ def apply_rope(x_BxTxNxK, positions_BxT, inv_freq):
     return out.astype(x_BxTxNxK.dtype)
 
 
-def _attention(q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask_BxTxS):
-    b, t, h, kd = q_BxTxHxK.shape
-    g = k_BxSxGxK.shape[2]
-    q_BxTxGxRxK = q_BxTxHxK.reshape(b, t, g, h // g, kd)
-    scores = jnp.einsum("btgrk,bsgk->bgrts", q_BxTxGxRxK, k_BxSxGxK, preferred_element_type=jnp.float32)
-    scores = scores * (kd**-0.5)
-    scores = jnp.where(mask_BxTxS[:, None, None, :, :], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxGxK.dtype)
-    out = jnp.einsum("bgrts,bsgk->btgrk", probs, v_BxSxGxK)
-    return out.reshape(b, t, h, kd)
-
-
 def _write_cache(cache_BxSxGxK, new_BxTxGxK, start_B):
     """Writes each row's T new entries at its own start index (ragged per-slot lengths)."""
     write = lambda c, u, s: jax.lax.dynamic_update_slice(c, u, (s, 0, 0))
     return jax.vmap(write)(cache_BxSxGxK, new_BxTxGxK.astype(cache_BxSxGxK.dtype), start_B)
 
 
-def _layer(cfg: ModelConfig, lp: dict, x_BxTxD, positions_BxT, inv_freq, mask_BxTxS, kv=None):
-    """One transformer block; `kv` is this layer's (k_BxSxGxK, v_BxSxGxK) cache or None."""
+def _layer(cfg: ModelConfig, lp: dict, x_BxTxD, positions_BxT, inv_freq, attend, kv=None):
+    """One transformer block; `kv` is this layer's (k_BxSxGxK, v_BxSxGxK) cache or None.
+
+    `attend(q, k, v)` is the attention over the layer's keys and values (with the row's mask).
+    """
     dt = x_BxTxD.dtype
     h_BxTxD = rms_norm(x_BxTxD, lp["attn_norm"], cfg.rms_eps)
     q = jnp.einsum("btd,dhk->bthk", h_BxTxD, lp["q"].astype(dt))
@@ -93,7 +83,7 @@ def _layer(cfg: ModelConfig, lp: dict, x_BxTxD, positions_BxT, inv_freq, mask_Bx
         v_cache = _write_cache(v_cache, v, positions_BxT[:, 0])
         kv = (k_cache, v_cache)
         k, v = k_cache.astype(dt), v_cache.astype(dt)
-    attn_BxTxHxK = _attention(q, k, v, mask_BxTxS)
+    attn_BxTxHxK = attend(q, k, v)
     out = jnp.einsum("bthk,hkd->btd", attn_BxTxHxK, lp["o"].astype(dt))
     if cfg.o_bias:
         out = out + lp["o_bias"].astype(dt)
@@ -114,6 +104,7 @@ def forward(
     cache=None,
     remat: bool = False,
     return_hidden: bool = False,
+    mesh=None,
 ):
     """Runs the model.
 
@@ -128,6 +119,7 @@ def forward(
         index positions[b, 0] ... and each query attends to cache indices <= its position.
       remat: rematerialize each layer in the backward pass.
       return_hidden: return the final normed hidden states [B, T, D] instead of logits.
+      mesh: the mesh the call is sharded on (a kernel such as splash attention runs per device on it).
 
     Returns:
       (logits [B, T, V] float32 (or hidden), the updated cache or None).
@@ -136,20 +128,21 @@ def forward(
     b, t = tokens_BxT.shape
     x_BxTxD = params["embed"].astype(dt)[tokens_BxT]
     inv_freq = rope_inv_freq(cfg)
-    if cache is None:
-        seg = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids
-        causal_TxS = jnp.tril(jnp.ones((t, t), bool))
-        mask_BxTxS = causal_TxS[None] & (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] != 0)
-        # Padding rows attend to themselves so softmax stays finite; their outputs are masked downstream.
-        mask_BxTxS = mask_BxTxS | jnp.eye(t, dtype=bool)[None]
-    else:
+    if cache is not None:  # decoding attends to cache indices <= each query's position
         s = cache["k"].shape[2]
         mask_BxTxS = jnp.arange(s)[None, None, :] <= positions_BxT[:, :, None]
+        attend = lambda q, k, v: attention.reference_attention(q, k, v, mask_BxTxS)
+    elif attention.resolve(cfg.attention) == "reference":
+        # Padding rows attend to themselves so softmax stays finite; their outputs are masked downstream.
+        mask_BxTxS = attention.packed_causal_mask(segment_ids, t, b)
+        attend = lambda q, k, v: attention.reference_attention(q, k, v, mask_BxTxS)
+    else:
+        attend = lambda q, k, v: attention.attend(cfg.attention, q, k, v, segment_ids, mesh)
 
     def body(carry, lp):
         x, layer_idx, kc, vc = carry
         kv = None if cache is None else (kc[layer_idx], vc[layer_idx])
-        x, kv = _layer(cfg, lp, x, positions_BxT, inv_freq, mask_BxTxS, kv)
+        x, kv = _layer(cfg, lp, x, positions_BxT, inv_freq, attend, kv)
         if cache is not None:
             kc, vc = kc.at[layer_idx].set(kv[0]), vc.at[layer_idx].set(kv[1])
         return (x, layer_idx + 1, kc, vc), None
@@ -200,6 +193,36 @@ def token_logprobs(logits_BxTxV, targets_BxT, temperature: float = 1.0):
     logp_all = logits - logz[..., None]
     entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
     return tgt - logz, entropy
+
+
+def chunked_token_logprobs(
+    cfg: ModelConfig, params: dict, x_BxTxD, targets_BxT, temperature: float = 1.0, chunk: int = 0
+):
+    """`token_logprobs(unembed(x), targets)` computed `chunk` positions at a time.
+
+    Only one chunk's float32 logits [B, chunk, V] exist at once, in the forward and (recomputed) in the
+    backward pass: a 32k-position row of a 152k vocabulary would otherwise hold 20 GB of logits, plus
+    their gradient. Same numbers as the one-piece computation. `chunk` = 0 or >= T: one piece.
+
+    Raises:
+      ValueError: T is longer than `chunk` and not a multiple of it.
+    """
+    b, t, d = x_BxTxD.shape
+    if chunk <= 0 or chunk >= t:
+        return token_logprobs(unembed(cfg, params, x_BxTxD), targets_BxT, temperature)
+    if t % chunk:
+        raise ValueError(f"logprob chunk {chunk} does not divide the row length {t}")
+    n = t // chunk
+
+    @jax.checkpoint
+    def piece(args):
+        x_BxCxD, tgt_BxC = args
+        return token_logprobs(unembed(cfg, params, x_BxCxD), tgt_BxC, temperature)
+
+    xs = x_BxTxD.reshape(b, n, chunk, d).swapaxes(0, 1)
+    tgts = targets_BxT.reshape(b, n, chunk).swapaxes(0, 1)
+    logp_NxBxC, ent_NxBxC = jax.lax.map(piece, (xs, tgts))
+    return logp_NxBxC.swapaxes(0, 1).reshape(b, t), ent_NxBxC.swapaxes(0, 1).reshape(b, t)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = None, sharding=None) -> dict:

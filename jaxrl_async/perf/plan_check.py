@@ -1,12 +1,26 @@
-"""Plan check: compile a config's train step for its trainer mesh on abstract arrays and report memory.
+"""Plan check: compile a config's train step and sampler programs for its meshes and report memory.
 
-Nothing is allocated: parameters, optimizer state and the micro-batch are ShapeDtypeStructs carrying the
-trainer shardings, and XLA's compiled memory analysis gives the per-device argument, output and
-temporary bytes. On a CPU-only machine the mesh is made of fake CPU devices (the caller creates enough
-before JAX starts), so a user learns before launch whether params + optimizer + activations fit.
-The sampler's `generate` (weights, KV cache, decode temporaries) is compiled the same way for the sampler
-mesh (see `decode_memory` for bf16 on XLA:CPU); an analytic size (weights + slots x slot length x layers x
-2 x KV heads x head dim) is reported beside it as a cross-check.
+Nothing is allocated: parameters, optimizer state, micro-batches, weights and decode states are
+ShapeDtypeStructs carrying their shardings, and XLA's compiled memory analysis gives the per-device
+argument, output and temporary bytes. On a CPU-only machine the meshes are made of fake CPU devices (the
+caller creates enough before JAX starts), so a user learns before launch whether a config fits.
+
+Trainer: the train step's own jitted programs (`trainer.train_step.compile_abstract`): a micro-batch's
+forward/backward into the gradient accumulator, and the optimizer update. The peak is the larger phase,
+counting the optimizer state, which is live while micro-batches run.
+
+Attention on the target: the memory-efficient kernels cannot be compiled for a GPU or TPU here, so the
+trainer is compiled with the splash kernel's own code in Pallas interpret mode, a flash-attention stand-in
+with the same O(T) residuals. For cuDNN (GPU "dot_product") the dense segment mask it takes is added
+analytically: per row on a device, a [T, T] bool mask, its bf16 bias and the bf16 bias gradient the
+kernel returns (5 T^2 bytes). "reference" is compiled as it is (float32 scores, T^2 x heads).
+
+Sampler: every buffer a sampler device holds. The sampler's engine and the greedy eval engine (which
+shares its weights, `Engine(weights_from=...)`) are both compiled: their arguments are the weights
+(counted once) and each engine's decode state (KV cache and per-slot scalars). A weight update briefly
+holds one more weight copy (the incoming sampler-layout copy while the decode layout is built; the old
+layout is released first). An analytic count (weights + slots x slot length x layers x 2 x KV heads x
+head dim) is reported beside the compiled one as a cross-check.
 """
 
 from __future__ import annotations
@@ -16,72 +30,79 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
+import numpy as np
 
-from jaxrl_async.model import ModelConfig, abstract_params, forward, token_logprobs
+from jaxrl_async.evaluation import eval_sampler_config
+from jaxrl_async.model import ModelConfig, attention, param_specs
 from jaxrl_async.sampler import Engine
-from jaxrl_async.sharding import SAMPLER_RULES, TRAINER_RULES, make_mesh
-from jaxrl_async.trainer import TrainConfig, make_optimizer, policy_loss
+from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
+from jaxrl_async.trainer import TrainConfig
+from jaxrl_async.trainer.train_step import compile_abstract
+
+# Bytes per [T, T] element of the cuDNN path's dense segment mask: bool mask + bf16 bias + bf16 dbias.
+_CUDNN_MASK_BYTES = 1 + 2 + 2
 
 
-def _train_update(cfg: TrainConfig, model_cfg: ModelConfig, tx, params, opt_state, mb: dict):
-    """One micro-batch forward/backward plus the optimizer update (the train step's memory peak)."""
-
-    def loss_fn(p):
-        logits, _ = forward(
-            model_cfg, p, mb["tokens"], mb["positions"], segment_ids=mb["segment_ids"], remat=cfg.remat
-        )
-        logp, _ = token_logprobs(logits, mb["targets"], cfg.temperature)
-        prox = jax.lax.stop_gradient(logp)
-        loss_sum, count, _ = policy_loss(
-            cfg.loss,
-            logp,
-            prox,
-            mb["behav_logp"],
-            mb["advantages"],
-            mb["loss_mask"],
-            segment_ids=mb["segment_ids"],
-            **cfg.loss_hparams(),
-        )
-        return loss_sum / jnp.maximum(count, 1.0)
-
-    grads = jax.grad(loss_fn)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+def target_platform(hardware_name: str) -> str:
+    """ "tpu", "gpu" or "cpu" for a jaxrl_async.perf.hardware preset name."""
+    name = hardware_name.lower()
+    if name.startswith("tpu"):
+        return "tpu"
+    return "cpu" if name in ("cpu", "this-cpu") else "gpu"
 
 
-def train_memory(cfg: TrainConfig, model_cfg: ModelConfig, trainer_shape: tuple[int, int], devices) -> dict:
-    """Per-device bytes of the compiled train update on a (fsdp, tensor) mesh over `devices`."""
+def _dtypes(tree) -> list[str]:
+    return sorted({str(x.dtype) for x in jax.tree.leaves(tree) if len(x.shape)})
+
+
+def trainer_attention(cfg: TrainConfig, model_cfg: ModelConfig, platform: str) -> dict:
+    """Which attention the trainer runs on `platform`, what is compiled here for it, and the extra bytes
+    per packed row (cuDNN's dense segment mask)."""
+    target = attention.resolve(model_cfg.attention, platform)
+    compute = cfg.compute_dtype or model_cfg.dtype
+    if target == "dot_product" and platform == "gpu" and compute in ("bfloat16", "float16"):
+        mask = _CUDNN_MASK_BYTES * cfg.token_budget**2
+        return {"target": "cudnn", "compiled_as": "splash", "mask_bytes_per_row": mask}
+    return {"target": target, "compiled_as": target, "mask_bytes_per_row": 0}
+
+
+def train_memory(
+    cfg: TrainConfig,
+    model_cfg: ModelConfig,
+    trainer_shape: tuple[int, int],
+    devices,
+    platform: str = "cpu",
+) -> dict:
+    """Per-device bytes of the train step's compiled programs on a (fsdp, tensor) mesh.
+
+    The top-level figures are the micro-batch program's (forward/backward into the gradient accumulator);
+    `apply` is the optimizer update's, `prox_logprobs` the pi_prox forward's (minibatches > 1).
+    `peak_estimate` is the largest phase, counting the optimizer state (live while micro-batches run)
+    and, for cuDNN attention, its dense segment masks.
+    """
     mesh = make_mesh(trainer_shape, ("fsdp", "tensor"), devices)
-    if cfg.compute_dtype:
-        model_cfg = dataclasses.replace(model_cfg, dtype=cfg.compute_dtype)
-    params = abstract_params(model_cfg, mesh, TRAINER_RULES)
-    tx = make_optimizer(cfg)
-    opt_shapes = jax.eval_shape(tx.init, params)
-    param_sh = jax.tree.map(lambda x: x.sharding, params)
-    opt_sh = optax.tree_utils.tree_map_params(
-        tx,
-        lambda _, s: s,
-        opt_shapes,
-        param_sh,
-        transform_non_params=lambda _: TRAINER_RULES.sharding(mesh, ()),
-    )
-    opt_state = jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt_shapes, opt_sh
-    )
-    row = TRAINER_RULES.sharding(mesh, ("batch", "seq"), (cfg.rows_per_micro, cfg.token_budget))
-    shape = (cfg.rows_per_micro, cfg.token_budget)
-    ints = ("tokens", "targets", "positions", "segment_ids")
-    mb = {
-        k: jax.ShapeDtypeStruct(shape, jnp.int32 if k in ints else jnp.float32, sharding=row)
-        for k in (*ints, "behav_logp", "advantages", "loss_mask")
+    att = trainer_attention(cfg, model_cfg, platform)
+    programs = compile_abstract(cfg, model_cfg.replace(attention=att["compiled_as"]), mesh)
+    acc = compiled_memory(programs["accumulate"])
+    apply = compiled_memory(programs["apply"])
+    opt = programs["optimizer_state_bytes"]
+    rows_per_device = -(-cfg.rows_per_micro // trainer_shape[0])
+    mask = att["mask_bytes_per_row"] * rows_per_device
+    state = programs["state"]
+    phases = [acc["peak_estimate"] + opt + mask, apply["peak_estimate"]]
+    prox = None
+    if programs["logprobs"] is not None:  # minibatches > 1: the pi_prox forward before any update
+        prox = compiled_memory(programs["logprobs"])
+        phases.append(prox["peak_estimate"] + opt + mask)
+    return {
+        **acc,
+        "apply": apply,
+        "prox_logprobs": prox,
+        "optimizer_state_bytes": opt,
+        "attention": {"target": att["target"], "compiled_as": att["compiled_as"], "mask_bytes": mask},
+        "dtypes": {"params": _dtypes(state.params), "optimizer_state": _dtypes(state.opt_state)},
+        "peak_estimate": max(phases),
     }
-    fn = jax.jit(
-        lambda p, o, b: _train_update(cfg, model_cfg, tx, p, o, b),
-        donate_argnums=(0, 1),
-        out_shardings=(param_sh, opt_sh),
-    )
-    return compiled_memory(fn.lower(params, opt_state, mb).compile())
 
 
 def compiled_memory(compiled) -> dict[str, int]:
@@ -111,14 +132,10 @@ def kv_cache_bytes(
 
 def sampler_weight_bytes(model_cfg: ModelConfig, sampler_shape: tuple[int, int], dtype_bytes: int = 2) -> int:
     """Per-device sampler weight bytes under SAMPLER_RULES (replicated over data, split over tensor)."""
-    import numpy as np
-
-    from jaxrl_async.model import param_specs
-
     mesh_sizes = {"data": sampler_shape[0], "tensor": sampler_shape[1]}
+    table = dict(SAMPLER_RULES.mapping)
     total = 0
     for spec in jax.tree.leaves(param_specs(model_cfg), is_leaf=lambda x: hasattr(x, "logical_axes")):
-        table = dict(SAMPLER_RULES.mapping)
         n = int(np.prod(spec.shape))
         for dim, axis in zip(spec.shape, spec.logical_axes, strict=True):
             mesh_axis = table.get(axis)
@@ -128,45 +145,97 @@ def sampler_weight_bytes(model_cfg: ModelConfig, sampler_shape: tuple[int, int],
     return total
 
 
-def decode_memory(model_cfg: ModelConfig, sampler_cfg: Any, sampler_shape: tuple[int, int], devices) -> dict:
-    """Per-device bytes of the sampler's compiled `generate` on a (data, tensor) mesh over `devices`.
+def _generate_memory(model_cfg: ModelConfig, sampler_cfg: Any, mesh, source: Engine | None = None):
+    """(engine, compiled `generate` memory with accelerator temporaries) on `mesh`.
 
     XLA:CPU has no bfloat16 matmul: it converts bf16 operands (weights, KV cache) to f32 copies, which show
     up as temporaries an accelerator would not need. For a bf16 model the same step is therefore also
     compiled in f32, and its temporaries (f32 activations, an upper bound for bf16 ones) are reported as
     `temp_size_accelerator`; `peak_accelerator` = arguments + outputs - aliased + those temporaries.
     """
-    mesh = make_mesh(sampler_shape, ("data", "tensor"), devices)
-    out = compiled_memory(Engine(model_cfg, None, mesh, sampler_cfg).compile_generate())
+    engine = Engine(model_cfg, None, mesh, sampler_cfg, weights_from=source)
+    out = compiled_memory(engine.compile_generate())
     temps = out["temp_size"]
     if jnp.dtype(model_cfg.dtype) == jnp.bfloat16 or jnp.dtype(model_cfg.param_dtype) == jnp.bfloat16:
         f32 = dataclasses.replace(model_cfg, dtype="float32", param_dtype="float32")
         temps = compiled_memory(Engine(f32, None, mesh, sampler_cfg).compile_generate())["temp_size"]
     out["temp_size_accelerator"] = temps
     out["peak_accelerator"] = out["argument_size"] + out["output_size"] - out["alias_size"] + temps
-    return out
+    return engine, out
 
 
-def plan_check(model_cfg: ModelConfig, train_cfg: TrainConfig, sampler: Any, mesh: Any) -> dict:
+def decode_memory(model_cfg: ModelConfig, sampler_cfg: Any, sampler_shape: tuple[int, int], devices) -> dict:
+    """Per-device bytes of the sampler's compiled `generate` on a (data, tensor) mesh over `devices`."""
+    mesh = make_mesh(sampler_shape, ("data", "tensor"), devices)
+    return _generate_memory(model_cfg, sampler_cfg, mesh)[1]
+
+
+def sampler_memory(
+    model_cfg: ModelConfig, sampler_cfg: Any, sampler_shape: tuple[int, int], devices, eval_slots: int = 64
+) -> dict:
+    """Every buffer one sampler device holds (see the module doc), compiled and analytic.
+
+    `model_cfg` is the sampler's: weights in the compute dtype (`ModelConfig.compute_copy`); `eval_slots`
+    the run's config.eval_slots.
+    """
+    mesh = make_mesh(sampler_shape, ("data", "tensor"), devices)
+    main, gen = _generate_memory(model_cfg, sampler_cfg, mesh)
+    eval_cfg = eval_sampler_config(sampler_cfg, sampler_shape[0], eval_slots)
+    _, ev = _generate_memory(model_cfg, eval_cfg, mesh, source=main)
+    weights = main.weight_bytes_per_device()
+    state, eval_state = gen["argument_size"] - weights, ev["argument_size"] - weights
+    held = weights + state + eval_state
+    temps = max(gen["temp_size_accelerator"], ev["temp_size_accelerator"])
+    dtype_bytes = jnp.dtype(model_cfg.dtype).itemsize
+    an_w = sampler_weight_bytes(model_cfg, sampler_shape, jnp.dtype(model_cfg.param_dtype).itemsize)
+    an_kv = kv_cache_bytes(model_cfg, sampler_cfg.num_slots, sampler_cfg.slot_len, sampler_shape, dtype_bytes)
+    an_ev = kv_cache_bytes(model_cfg, eval_cfg.num_slots, eval_cfg.slot_len, sampler_shape, dtype_bytes)
+    return {
+        "weights": weights,
+        "decode_state": state,
+        "eval_decode_state": eval_state,
+        "held": held,
+        "temp_size_accelerator": temps,
+        "update_transient": weights,
+        "peak": held + max(temps, weights),
+        "eval_slots": eval_cfg.num_slots,
+        "generate": gen,
+        "eval_generate": ev,
+        "dtypes": _dtypes(main._expected),
+        "analytic": {
+            "weights": an_w,
+            "kv_cache": an_kv,
+            "eval_kv_cache": an_ev,
+            "total": an_w + an_kv + an_ev,
+        },
+    }
+
+
+def plan_check(
+    model_cfg: ModelConfig,
+    train_cfg: TrainConfig,
+    sampler: Any,
+    mesh: Any,
+    platform: str = "cpu",
+    eval_slots: int = 64,
+) -> dict:
     """Memory per device for the trainer and the sampler, both from compiled programs.
 
-    The sampler's analytic weights + KV-cache figure is kept beside the compiled one as a cross-check.
-
     Args:
-      model_cfg: the model.
+      model_cfg: the model (param_dtype = the trainer's master weights; dtype = compute and sampler).
       train_cfg: TrainConfig of the run.
       sampler: SamplerConfig of the run (num_slots, slot_len).
       mesh: object with `sampler` (data, tensor) and `trainer` (fsdp, tensor) shapes.
+      platform: the target ("gpu", "tpu" or "cpu"): decides which attention the trainer runs.
+      eval_slots: config.eval_slots (the greedy eval engine's slots).
     """
     devices = jax.devices()
     ns = mesh.sampler[0] * mesh.sampler[1]
     nt = mesh.trainer[0] * mesh.trainer[1]
     if ns + nt > len(devices):
         raise ValueError(f"plan check needs {ns + nt} devices, {len(devices)} present")
-    train = train_memory(train_cfg, model_cfg, tuple(mesh.trainer), devices[ns : ns + nt])
-    dtype_bytes = 2 if model_cfg.dtype == "bfloat16" else 4
-    weights = sampler_weight_bytes(model_cfg, tuple(mesh.sampler), dtype_bytes)
-    kv = kv_cache_bytes(model_cfg, sampler.num_slots, sampler.slot_len, tuple(mesh.sampler), dtype_bytes)
-    compiled = decode_memory(model_cfg, sampler, tuple(mesh.sampler), devices[:ns])
-    analytic = {"weights": weights, "kv_cache": kv, "total": weights + kv}
-    return {"trainer": train, "sampler": {**compiled, "analytic": analytic}}
+    train = train_memory(train_cfg, model_cfg, tuple(mesh.trainer), devices[ns : ns + nt], platform)
+    sampler_mem = sampler_memory(
+        model_cfg.compute_copy(), sampler, tuple(mesh.sampler), devices[:ns], eval_slots
+    )
+    return {"trainer": train, "sampler": sampler_mem}

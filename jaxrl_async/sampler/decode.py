@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxrl_async.model import ModelConfig, abstract_params, param_specs
+from jaxrl_async.model import ModelConfig, abstract_params, attention, param_specs
 from jaxrl_async.model.transformer import apply_rope, rms_norm, rope_inv_freq
 from jaxrl_async.sampler import cpu_kernels
 
@@ -163,8 +163,11 @@ def _attend(q_BxTxHxK, k_BxGxSxK, v_BxGxSxK, mask_BxTxS):
     return out_BxGxRxTxK.transpose(0, 3, 1, 2, 4).reshape(b, t, h, kd)
 
 
-def prefill_kv(cfg: ModelConfig, dparams: dict, tokens_BxT):
+def prefill_kv(cfg: ModelConfig, dparams: dict, tokens_BxT, mesh=None):
     """Keys and values of tokens at positions 0..T-1 (causal; right padding is harmless).
+
+    Attention follows `cfg.attention` like the trainer's (`jaxrl_async.model.attention`; the reference
+    implementation is `_attend`, shared with decoding); `mesh` is the sampler mesh the call runs on.
 
     Returns:
       (keys, values): per layer [B, G, T, K] in the compute dtype.
@@ -174,6 +177,7 @@ def prefill_kv(cfg: ModelConfig, dparams: dict, tokens_BxT):
     positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     inv_freq = rope_inv_freq(cfg)
     mask_BxTxS = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    reference = attention.resolve(cfg.attention) == "reference"
     x_BxTxD = dparams["embed"].astype(dt)[tokens_BxT]
     keys, values = [], []
     for i, lp in enumerate(dparams["layers"]):
@@ -184,7 +188,11 @@ def prefill_kv(cfg: ModelConfig, dparams: dict, tokens_BxT):
         keys.append(k_BxGxTxK)
         values.append(v_BxGxTxK)
         if i + 1 < len(dparams["layers"]):  # the last layer's output is never needed
-            x_BxTxD = _mlp_residual(cfg, lp, x_BxTxD, _attend(q, k_BxGxTxK, v_BxGxTxK, mask_BxTxS))
+            if reference:
+                attn_BxTxHxK = _attend(q, k_BxGxTxK, v_BxGxTxK, mask_BxTxS)
+            else:
+                attn_BxTxHxK = attention.attend(cfg.attention, q, k, v, mesh=mesh)
+            x_BxTxD = _mlp_residual(cfg, lp, x_BxTxD, attn_BxTxHxK)
     return keys, values
 
 

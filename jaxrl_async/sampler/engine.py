@@ -90,6 +90,15 @@ def check_params(params, expected) -> None:
             raise ValueError(f"update_params: leaf {name} has sharding {have}, expected {e.sharding}")
 
 
+class _Weights:
+    """An engine's decode-layout weights and their policy version (engines built with `weights_from`
+    share one, so the weights exist once on the sampler's devices)."""
+
+    def __init__(self, version: int):
+        self.dparams = None
+        self.version = int(version)
+
+
 def _batch_buckets(limit: int) -> list[int]:
     """Prefill batch sizes: powers of two below `limit`, then `limit`."""
     out, n = [], 1
@@ -107,15 +116,25 @@ class Engine:
     """Prefill / insert / generate for one model on one sampler mesh (axes "data", "tensor")."""
 
     def __init__(
-        self, model_cfg: ModelConfig, params: dict, mesh: Mesh, cfg: SamplerConfig, version: int = 0
+        self,
+        model_cfg: ModelConfig,
+        params: dict,
+        mesh: Mesh,
+        cfg: SamplerConfig,
+        version: int = 0,
+        weights_from: Engine | None = None,
     ):
         """Compiles nothing yet; validates and converts `params` (already in the sampler layout on `mesh`).
 
         With `params=None` nothing is allocated: only `compile_generate` may be called (plan checks).
+        With `weights_from` (an engine of the same model and mesh, e.g. the sampler's, for a greedy eval
+        engine) this engine holds no weights of its own: it decodes with that engine's, and an update of
+        either is seen by both. It still has its own decode state (KV cache).
 
         Raises:
           ValueError: the slot count does not divide over the data axis, the slot length exceeds the model's
-            max_seq_len, or `params` do not match the model's sampler layout.
+            max_seq_len, `params` do not match the model's sampler layout, or `weights_from` has another
+            model, mesh or weight layout.
         """
         if cfg.num_slots % mesh.shape["data"]:
             raise ValueError(
@@ -198,12 +217,29 @@ class Engine:
             out_shardings=self._state_sh,
         )
         self._init_state = jax.jit(self._init_state_fn, out_shardings=self._state_sh)
-        self.version = version
-        self._dparams = None
+        if weights_from is None:
+            self._weights = _Weights(version)
+        else:
+            same = (weights_from.model_cfg, weights_from.mesh, weights_from._layout_kw)
+            if same != (model_cfg, mesh, self._layout_kw) or params is not None:
+                raise ValueError(
+                    "weights_from: the engines must share the model config, mesh and weight layout "
+                    "(fuse_projections, linear), and params must be None"
+                )
+            self._weights = weights_from._weights
         if params is not None:
             self.update_params(params, version)
 
     # ----- public API -----
+
+    @property
+    def version(self) -> int:
+        """Policy version of the current weights."""
+        return self._weights.version
+
+    @property
+    def _dparams(self):
+        return self._weights.dparams
 
     def init_state(self) -> dict:
         """A decode state with every slot free."""
@@ -215,8 +251,11 @@ class Engine:
         The caller (the loop) decides what happens to the KV of running sequences (keep / recompute).
         """
         self.validate(params)
-        self._dparams = self._to_layout(params)
-        self.version = int(version)
+        # Drop the old layout first: its buffers are freed once in-flight calls finish, so at most the
+        # incoming copy and the new layout coexist, never two layouts plus the copy.
+        self._weights.dparams = None
+        self._weights.dparams = self._to_layout(params)
+        self._weights.version = int(version)
 
     def compile_generate(self):
         """`generate` compiled on abstract weights and decode state (nothing allocated; for plan checks)."""
@@ -226,6 +265,13 @@ class Engine:
         dparams = jax.tree.map(abstract, dshapes, self._dparams_sh)
         state = jax.tree.map(abstract, jax.eval_shape(self._init_state_fn), self._state_sh)
         return self._generate.lower(dparams, state).compile()
+
+    def weight_bytes_per_device(self) -> int:
+        """Bytes of the decode-layout weights on each sampler device (shared with `weights_from` engines)."""
+        to_layout = functools.partial(decode.to_decode_layout, self.model_cfg, **self._layout_kw)
+        shapes = jax.eval_shape(to_layout, abstract_params(self.model_cfg))
+        shard_bytes = lambda x, sh: int(np.prod(sh.shard_shape(x.shape))) * x.dtype.itemsize
+        return sum(jax.tree.leaves(jax.tree.map(shard_bytes, shapes, self._dparams_sh)))
 
     def validate(self, params: dict) -> None:
         """Raises ValueError (naming the leaf) unless `params` match this engine's sampler layout."""
@@ -355,7 +401,7 @@ class Engine:
         }
 
     def _prefill_fn(self, dparams, tokens_1xT):
-        keys, values = decode.prefill_kv(self.model_cfg, dparams, tokens_1xT)
+        keys, values = decode.prefill_kv(self.model_cfg, dparams, tokens_1xT, self.mesh)
         return keys, values
 
     def _insert_fn(self, state, keys, values, row):
@@ -424,7 +470,7 @@ class Engine:
         return state, out
 
     def _recompute_fn(self, dparams, state, tokens_BxT):
-        keys, values = decode.prefill_kv(self.model_cfg, dparams, tokens_BxT)
+        keys, values = decode.prefill_kv(self.model_cfg, dparams, tokens_BxT, self.mesh)
         put = lambda c, p: jax.lax.dynamic_update_slice(c, p.astype(c.dtype), (0, 0, 0, 0))
         return dict(
             state,

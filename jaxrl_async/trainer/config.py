@@ -25,7 +25,12 @@ class TrainConfig:
       clip_norm: global gradient-norm clip; None = off.
       token_budget: positions per packed row; rows_per_micro: rows per micro-batch (a multiple of the
         mesh's fsdp size). One micro-batch holds rows_per_micro * token_budget positions.
+      logits_chunk: the unembedding and logprobs run this many positions of a row at a time, so only
+        one chunk's float32 logits exist at once (a 32k-position row of a 152k vocabulary would hold
+        20 GB); rows up to this long are done in one piece. Longer rows must be a multiple of it.
       minibatches: optimizer updates per train step (PPO minibatches over the step's micro-batches).
+        The default, 4, is AReaL's ppo_n_minibatches: with 1, pi_prox equals pi_theta at the only update
+        and decoupled PPO's clip never binds (no trust region).
       prox_mode: "recompute" (pi_prox from the weights at the start of the step: a forward pass when
         minibatches > 1, the stop-gradient of the loss's own forward when minibatches == 1, which is the
         same number) or "loglinear" (AReaL's version interpolation, no forward pass).
@@ -63,7 +68,8 @@ class TrainConfig:
     clip_norm: float | None = 1.0
     token_budget: int = 1024
     rows_per_micro: int = 1
-    minibatches: int = 1
+    logits_chunk: int = 4096
+    minibatches: int = 4
     prox_mode: str = "recompute"
     compute_dtype: str | None = None
     temperature: float = 1.0
@@ -98,9 +104,14 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.end_lr_ratio must be in [0, 1], got {self.end_lr_ratio}")
         if self.clip_norm is not None and self.clip_norm <= 0:
             raise ValueError(f"TrainConfig.clip_norm must be > 0 or None, got {self.clip_norm}")
-        for name in ("token_budget", "rows_per_micro", "minibatches", "staleness_bins"):
+        for name in ("token_budget", "rows_per_micro", "logits_chunk", "minibatches", "staleness_bins"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.token_budget > self.logits_chunk and self.token_budget % self.logits_chunk:
+            raise ValueError(
+                f"TrainConfig.logits_chunk={self.logits_chunk} must divide token_budget={self.token_budget} "
+                "(or be >= it)"
+            )
         if self.skip_zero_advantage and self.kl_coef > 0:
             raise ValueError("TrainConfig.skip_zero_advantage needs kl_coef == 0 (the KL term has gradients)")
         if self.temperature <= 0:

@@ -23,7 +23,7 @@ FIELDS = (
     "versions",
     "advantages",
 )
-_DTYPES = {
+FIELD_DTYPES = {
     "tokens": np.int32,
     "targets": np.int32,
     "positions": np.int32,
@@ -163,7 +163,7 @@ def sequence_length(r) -> int:
 def _fill(rollouts, advantages, rows: list[list[int]], rows_per_micro: int, row_len: int) -> PackedBatch:
     n_micro = max(1, -(-len(rows) // rows_per_micro))
     shape = (n_micro * rows_per_micro, row_len)
-    out = {k: np.zeros(shape, _DTYPES[k]) for k in FIELDS}
+    out = {k: np.zeros(shape, FIELD_DTYPES[k]) for k in FIELDS}
     tokens = 0
     for row, members in enumerate(rows):
         start = 0

@@ -21,7 +21,13 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from jaxrl_async.model import ModelConfig, forward, param_shardings, token_logprobs
+from jaxrl_async.model import (
+    ModelConfig,
+    abstract_params,
+    chunked_token_logprobs,
+    forward,
+    param_shardings,
+)
 from jaxrl_async.sharding import TRAINER_RULES
 from jaxrl_async.trainer.advantages import compute_advantages, kl_estimate
 from jaxrl_async.trainer.config import TrainConfig
@@ -34,7 +40,7 @@ from jaxrl_async.trainer.losses import (
     policy_loss,
 )
 from jaxrl_async.trainer.optimizer import learning_rate_schedule, make_optimizer
-from jaxrl_async.trainer.packing import PackedBatch, pack_rollouts
+from jaxrl_async.trainer.packing import FIELD_DTYPES, PackedBatch, pack_rollouts
 
 # Losses whose trust region is anchored at the behaviour policy: they never read pi_prox.
 _NO_PROX_LOSSES = ("ppo", "reinforce_tis")
@@ -179,19 +185,29 @@ class _Compiled:
     accumulate: Any
     apply: Any
     zero_acc: Any
+    acc_layout: Any
     batch_sharding: Any
 
 
-def _model_logprobs(cfg: TrainConfig, model_cfg: ModelConfig, params, mb, remat: bool):
-    logits, _ = forward(
-        model_cfg, params, mb["tokens"], mb["positions"], segment_ids=mb["segment_ids"], remat=remat
+def _model_logprobs(cfg: TrainConfig, model_cfg: ModelConfig, params, mb, remat: bool, mesh=None):
+    hidden_BxTxD, _ = forward(
+        model_cfg,
+        params,
+        mb["tokens"],
+        mb["positions"],
+        segment_ids=mb["segment_ids"],
+        remat=remat,
+        return_hidden=True,
+        mesh=mesh,
     )
-    return token_logprobs(logits, mb["targets"], cfg.temperature)
+    return chunked_token_logprobs(
+        model_cfg, params, hidden_BxTxD, mb["targets"], cfg.temperature, cfg.logits_chunk
+    )
 
 
-def _micro_loss(cfg, model_cfg, params, ref_params, mb, prox_BxT, prox_version):
+def _micro_loss(cfg, model_cfg, mesh, params, ref_params, mb, prox_BxT, prox_version):
     """(loss_sum, (count, metrics)) of one micro-batch; gradients flow through `params` only."""
-    logp, entropy = _model_logprobs(cfg, model_cfg, params, mb, cfg.remat)
+    logp, entropy = _model_logprobs(cfg, model_cfg, params, mb, cfg.remat, mesh)
     mask, behav, seg = mb["loss_mask"], mb["behav_logp"], mb["segment_ids"]
     if cfg.loss in _NO_PROX_LOSSES:
         prox = behav
@@ -209,7 +225,7 @@ def _micro_loss(cfg, model_cfg, params, ref_params, mb, prox_BxT, prox_version):
     m["entropy_sum"] = jnp.sum(entropy * mask)
     m["kl_behav_sum"] = jnp.sum(kl_estimate("k3", behav, logp) * mask)
     if cfg.kl_coef > 0:
-        ref_logp, _ = _model_logprobs(cfg, model_cfg, jax.lax.stop_gradient(ref_params), mb, False)
+        ref_logp, _ = _model_logprobs(cfg, model_cfg, jax.lax.stop_gradient(ref_params), mb, False, mesh)
         kl_BxT = kl_estimate(cfg.kl_estimator, logp, ref_logp)
         kl_sum, _ = aggregate(kl_BxT, Segments.make(mask, seg), LossHParams(**hp))
         loss_sum = loss_sum + cfg.kl_coef * kl_sum
@@ -235,7 +251,7 @@ def _compile(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh | None) -> _Co
         return grads if param_sh is None else jax.lax.with_sharding_constraint(grads, param_sh)
 
     def grads_of(params, ref_params, mb, prox_BxT, prox_version):
-        loss_fn = functools.partial(_micro_loss, cfg, model_cfg)
+        loss_fn = functools.partial(_micro_loss, cfg, model_cfg, mesh)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (loss_sum, (count, m)), grads = grad_fn(params, ref_params, mb, prox_BxT, prox_version)
         return {"grads": constrain(grads), "loss_sum": loss_sum, "count": count, "metrics": m}
@@ -269,32 +285,82 @@ def _compile(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh | None) -> _Co
 
     zero_fns = {}
 
+    def acc_layout(params, ref_params, mb, prox_version):
+        """(shapes, shardings) of the gradient accumulator for this micro-batch shape."""
+        shapes = jax.eval_shape(grads_of, params, ref_params, mb, None, prox_version)
+        rep = lambda tree: jax.tree.map(lambda _: replicated, tree)
+        grad_sh = rep(shapes["grads"]) if param_sh is None else param_sh
+        out_sh = {
+            "grads": grad_sh,
+            "loss_sum": replicated,
+            "count": replicated,
+            "metrics": rep(shapes["metrics"]),
+        }
+        return shapes, out_sh
+
     def zero_acc(params, ref_params, mb, prox_version):
         """A zero accumulator with every leaf committed where `accumulate` returns it (no recompiles)."""
         key = jax.tree.map(lambda x: (x.shape, x.dtype), mb)
         key = tuple(jax.tree.leaves(key))
         if key not in zero_fns:
-            shapes = jax.eval_shape(grads_of, params, ref_params, mb, None, prox_version)
-            rep = lambda tree: jax.tree.map(lambda _: replicated, tree)
-            grad_sh = rep(shapes["grads"]) if param_sh is None else param_sh
-            out_sh = {
-                "grads": grad_sh,
-                "loss_sum": replicated,
-                "count": replicated,
-                "metrics": rep(shapes["metrics"]),
-            }
+            shapes, out_sh = acc_layout(params, ref_params, mb, prox_version)
             zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
             zero_fns[key] = jax.jit(zeros, out_shardings=out_sh)
         return zero_fns[key]()
 
-    logprobs = lambda params, mb: _model_logprobs(cfg, model_cfg, params, mb, False)[0]
+    logprobs = lambda params, mb: _model_logprobs(cfg, model_cfg, params, mb, False, mesh)[0]
     return _Compiled(
         logprobs=jax.jit(logprobs),
         accumulate=jax.jit(accumulate, donate_argnums=(2,)),
         apply=jax.jit(apply, donate_argnums=(0,)),
         zero_acc=zero_acc,
+        acc_layout=acc_layout,
         batch_sharding=batch_sh,
     )
+
+
+def compile_abstract(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> dict:
+    """The train step's programs compiled for `mesh` on abstract arrays (nothing is allocated).
+
+    Returns:
+      {"state": the abstract TrainState (ShapeDtypeStructs with their shardings), "accumulate": one
+      micro-batch's forward/backward into the gradient accumulator, "apply": the
+      optimizer update, "logprobs": the pi_prox forward (None unless minibatches > 1 recomputes it),
+      "optimizer_state_bytes": per-device bytes of the optimizer state, which stays live (but is not an
+      argument) while `accumulate` runs}.
+    """
+    model_cfg = _with_compute_dtype(cfg, model_cfg)
+    fns = _compile(cfg, model_cfg, mesh)
+    shardings = jax.tree.map(lambda x: x.sharding, abstract_params(model_cfg, mesh, TRAINER_RULES))
+    spec_of = lambda tree, sh: jax.tree.map(
+        lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x), tree, sh
+    )
+    params = abstract_params(model_cfg, mesh, TRAINER_RULES)
+    tx = make_optimizer(cfg)
+    replicated = _replicated(mesh)
+    opt_shapes = jax.eval_shape(tx.init, params)
+    opt_sh = optax.tree_utils.tree_map_params(
+        tx, lambda _, sh: sh, opt_shapes, shardings, transform_non_params=lambda _: replicated
+    )
+    opt_state = spec_of(opt_shapes, opt_sh)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    shape = (cfg.rows_per_micro, cfg.token_budget)
+    mb = {k: jax.ShapeDtypeStruct(shape, dt, sharding=fns.batch_sharding) for k, dt in FIELD_DTYPES.items()}
+    ref = params if cfg.kl_coef > 0 else None
+    acc = spec_of(*fns.acc_layout(params, ref, mb, scalar))
+    recompute = cfg.loss not in _NO_PROX_LOSSES and cfg.prox_mode == "recompute" and cfg.minibatches > 1
+    prox = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=fns.batch_sharding) if recompute else None
+    state = TrainState(params, opt_state, scalar, scalar, scalar, ref, cfg, model_cfg, mesh)
+    per_device = lambda tree: sum(
+        int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+    )
+    return {
+        "state": state,
+        "accumulate": fns.accumulate.lower(params, ref, acc, mb, prox, scalar).compile(),
+        "apply": fns.apply.lower(state, acc).compile(),
+        "logprobs": fns.logprobs.lower(params, mb).compile() if recompute else None,
+        "optimizer_state_bytes": per_device(opt_state),
+    }
 
 
 def _device_batch(fns: _Compiled, batch: PackedBatch) -> list[dict]:

@@ -1,0 +1,101 @@
+"""Weight-sync speed in one process: fp32 masters -> the sampler copy (cast, transfer) -> the engine layout.
+
+  python tools/bench_sync_one_process.py --preset qwen2.5-1.5b --dtype bfloat16 [--json-out FILE]
+
+Times, per layout, the median over `--reps` syncs of
+  - `WeightSync`: the cast of float32 masters to `--dtype` on the trainer's devices and the
+    `jax.device_put` into the sampler's sharding (what the trainer thread pays per policy version);
+  - `Engine.update_params`: validation and the conversion into the decode layout on the sampler's devices.
+Layouts: "colocated" (trainer and sampler meshes on the same first device, as on one GPU) and, with two or
+more devices, "two_meshes" (trainer on device 0, sampler on device 1). GB/s counts the bytes of the
+sampler's copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+
+from jaxrl_async.model import init_params, presets  # noqa: E402
+from jaxrl_async.sampler import Engine, SamplerConfig  # noqa: E402
+from jaxrl_async.sharding import TRAINER_RULES, make_mesh  # noqa: E402
+from jaxrl_async.weight_sync import WeightSync  # noqa: E402
+
+
+def _median_seconds(fn, reps: int) -> float:
+    fn()  # compiles
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_layout(model_cfg, trainer_dev, sampler_dev, dtype: str, reps: int) -> dict:
+    trainer = make_mesh((1, 1), ("fsdp", "tensor"), [trainer_dev])
+    sampler = make_mesh((1, 1), ("data", "tensor"), [sampler_dev])
+    masters = init_params(model_cfg, jax.random.key(0), trainer, TRAINER_RULES)
+    sync = WeightSync(model_cfg, sampler, dtype=dtype)
+    copy = sync(masters)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(copy))
+    sync_s = _median_seconds(lambda: sync(masters), reps)
+    engine = Engine(sync.sampler_cfg, copy, sampler, SamplerConfig(num_slots=1, max_prompt_len=16))
+
+    def update():
+        engine.update_params(copy, 1)
+        jax.block_until_ready(engine._dparams)
+
+    update_s = _median_seconds(update, reps)
+    return {
+        "bytes": nbytes,
+        "sync_s": sync_s,
+        "sync_GBps": nbytes / sync_s / 1e9,
+        "engine_update_s": update_s,
+        "total_s": sync_s + update_s,
+    }
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="qwen2.5-1.5b", help="model shape (jaxrl_async.model.presets)")
+    ap.add_argument("--dtype", default="bfloat16", help="the sampler's weight dtype (masters: float32)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json-out", default="")
+    args = ap.parse_args(argv)
+
+    model_cfg = presets.get(args.preset, dtype=args.dtype, param_dtype="float32")
+    devices = jax.devices()
+    res = {
+        "preset": args.preset,
+        "params": model_cfg.num_params,
+        "dtype": args.dtype,
+        "device_kind": devices[0].device_kind,
+        "colocated": bench_layout(model_cfg, devices[0], devices[0], args.dtype, args.reps),
+    }
+    if len(devices) > 1:
+        res["two_meshes"] = bench_layout(model_cfg, devices[0], devices[1], args.dtype, args.reps)
+    print(json.dumps(res, indent=1))
+    for name in ("colocated", "two_meshes"):
+        if name in res:
+            r = res[name]
+            print(
+                f"{name}: {r['bytes'] / 1e9:.2f} GB in {r['sync_s'] * 1e3:.1f} ms "
+                f"({r['sync_GBps']:.1f} GB/s), engine update {r['engine_update_s'] * 1e3:.1f} ms"
+            )
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()
