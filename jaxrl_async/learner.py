@@ -37,6 +37,9 @@ from jaxrl_async.transport import (
 
 log = logging.getLogger(__name__)
 
+RATE_WINDOW = 10  # steps over which perf/* rates are taken (perf/*_avg: since the start)
+_RATE_KEYS = ("train_tokens_per_s", "sample_tokens_per_s", "sampler_idle_frac", "trainer_idle_frac")
+
 SUMMARY_KEYS = (
     "reward/mean",
     "eval/accuracy",
@@ -152,6 +155,7 @@ class Learner:
         self.data_exhausted = False
         self.preempting = False
         self.checkpoint_stall_s: list[float] = []
+        self._totals: list[tuple[float, dict]] = [(0.0, {k: 0.0 for k in _RATE_KEYS})]
         self._saved_at = time.monotonic()
         self._save_after_eval: int | None = None
         self._stop_sent = False
@@ -323,6 +327,25 @@ class Learner:
     def _actor_sum(self, key: str) -> float:
         return float(sum(s.get(key, 0.0) for s in self.actor_stats.values()))
 
+    def _rates(self, elapsed: float, n_actors: int) -> dict[str, float]:
+        """perf/* rates over the last RATE_WINDOW steps (what the run does now), and since the start as
+        perf/*_avg (the run average climbs for a while after compilation and hides later slowdowns)."""
+        totals = {
+            "train_tokens_per_s": float(self.trained_tokens),
+            "sample_tokens_per_s": self._actor_sum("sample_tokens"),
+            "sampler_idle_frac": self._actor_sum("idle_s") / n_actors,
+            "trainer_idle_frac": self.trainer_idle_s,
+        }
+        self._totals.append((elapsed, totals))
+        t0, start = self._totals[max(0, len(self._totals) - 1 - RATE_WINDOW)]
+        out = {}
+        for k, v in totals.items():
+            out[f"perf/{k}"] = (
+                (v - start[k]) / max(elapsed - t0, 1e-9) if len(self._totals) > 1 else v / elapsed
+            )
+            out[f"perf/{k}_avg"] = v / elapsed
+        return out
+
     def _log_step(self, groups, m: dict, step_s: float, sync_s: float) -> dict[str, float]:
         st = staleness_stats(groups, self.version - 1)  # against the policy the batch was trained from
         rollouts = [r for g in groups for r in g]
@@ -346,10 +369,7 @@ class Learner:
             "staleness/dropped_groups": float(self.queue.dropped_groups),
             "completion/length_mean": float(np.mean(lengths)),
             "completion/length_max": float(np.max(lengths)),
-            "perf/train_tokens_per_s": self.trained_tokens / elapsed,
-            "perf/sample_tokens_per_s": self._actor_sum("sample_tokens") / elapsed,
-            "perf/sampler_idle_frac": self._actor_sum("idle_s") / n_actors / elapsed,
-            "perf/trainer_idle_frac": self.trainer_idle_s / elapsed,
+            **self._rates(elapsed, n_actors),
             "perf/slot_occupancy": self._actor_sum("occupancy") / n_actors,
             "perf/weight_sync_s": sync_s,
             "perf/train_step_s": step_s,

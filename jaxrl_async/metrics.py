@@ -15,6 +15,7 @@ SCALAR_TAGS = (
     "staleness/max",
     "staleness/token_mean",
     "perf/train_tokens_per_s",
+    "perf/train_tokens_per_s_avg",
     "perf/sample_tokens_per_s",
     "perf/sampler_idle_frac",
     "perf/trainer_idle_frac",

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_async.cluster import PeerFailure
+
 # ----- messages ------------------------------------------------------------------------------------------
 
 
@@ -197,7 +199,13 @@ class ZmqTransport:
         if self.lead:
             if endpoint not in self._routes:
                 raise KeyError(f"no process hosts endpoint {endpoint!r}")
-            self._sock.send_multipart([self._routes[endpoint], payload])
+            try:
+                self._sock.send_multipart([self._routes[endpoint], payload])
+            except self._zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer's connection is gone
+                pid = self._routes[endpoint].decode()
+                raise PeerFailure(
+                    f"process {pid} ({endpoint}) is unreachable: it has stopped ({e})"
+                ) from None
         else:
             self._sock.send(payload)
 
