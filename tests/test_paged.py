@@ -209,12 +209,17 @@ def test_paged_config_errors(params):
 
 def test_plan_sizes_paged_kv():
     from jaxrl_async.perf.plan_check import paged_kv_plan
+    from jaxrl_async.perf.system import kv_tokens_per_sequence
+    from jaxrl_async.perf.workload import LogNormalLengths, Workload
 
     cfg = presets.tiny(vocab_size=256, n_layers=2)
     s = SamplerConfig(num_slots=64, max_prompt_len=16, max_new_tokens=48, page_size=8)
-    plan = paged_kv_plan(cfg, s, (2, 1), free_bytes=2**20, median_len=10, p99_len=40, group=4)
-    page_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 8 * 4
-    assert plan["page_bytes"] == page_bytes and plan["pages_per_device"] == 2**20 // page_bytes
-    assert plan["sequences_at_max_len"] == 2 * (plan["pages_per_device"] // 8)
-    assert plan["sequences_long_tail"] > 2 * plan["sequences_at_max_len"]
-    assert plan["sequences_slotted"] == 2 * (2**20 // (page_bytes // 8 * 64))
+    plan = paged_kv_plan(cfg, s, (2, 1), 2**20, median_len=6, p99_len=48, group=4, prompt_len=12)
+    per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4  # f32 K and V of one position
+    assert plan["page_bytes"] == 8 * per_token and plan["pages_per_device"] == 2**20 // (8 * per_token)
+    assert plan["sequences_at_max_len"] == 2 * (plan["pages_per_device"] // 8)  # 64 positions: 8 pages
+    assert plan["sequences_slotted"] == 2 * (2**20 // (per_token * 64))
+    tokens = kv_tokens_per_sequence(Workload(1, 4, 12, LogNormalLengths(6, 48, 48)), "paged", 8, 8)
+    assert 8 < tokens < 64 and plan["sequences_long_tail"] == 2 * int(plan["pages_per_device"] * 8 // tokens)
+    assert plan["sequences_long_tail"] > plan["sequences_at_max_len"]
+    assert plan["decode_batch_long_tail"] == 64  # capped by num_slots
