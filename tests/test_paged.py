@@ -149,8 +149,20 @@ def test_group_samples_share_prompt_pages(params):
     assert len({p for r in rows for p in r[3:]}) == sum(len(r) - 3 for r in rows)  # private pages differ
     assert all(pt.refcount(0, p) == 4 for p in rows[0][:3])
     assert pt.capacity - pt.num_free(0) == 3 + 4 * 1  # unshared it would be 4 x 4 pages
+    loop.update_params(_params(seed=1), version=1, mode="keep_kv")  # the running samples keep their pages
     out = loop.run()
     assert len(out) == 4 and len({tuple(c.tokens) for c in out}) > 1 and _all_free(loop)
+    assert all(c.versions[0] == 0 and c.versions[-1] == 1 for c in out)
+    # Six samples on four slots: two wait in their group, which holds the prompt pages. A "finish" update
+    # drops those pages (they hold the old weights' keys) and the two samples start under the new weights.
+    loop.add_request(Request("h", prompt, n_samples=6, seed=6, max_new_tokens=8))
+    loop.step()
+    assert loop._groups and loop._groups[0].shared
+    loop.update_params(params, version=2, mode="finish")
+    out = _by_uid(loop.run())
+    versions = sorted(tuple(set(c.versions.tolist())) for c in out.values())
+    assert versions == [(1,)] * 4 + [(2,)] * 2 and _all_free(loop)
+    loop._pages.check()
 
 
 def test_preemption_requeues_and_loses_no_request(params):
