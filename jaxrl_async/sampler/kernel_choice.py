@@ -17,6 +17,7 @@ The decision is cached per process (model config, sampler config, device), so en
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import time
 from collections.abc import Callable
@@ -129,4 +130,8 @@ def time_candidates(cfg: SamplerConfig, candidates, make_runner, rounds: int) ->
             t0 = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - t0)
+    # The candidate engines (weights, caches) sit in reference cycles (jitted bound methods): free them now
+    # rather than at some later collection, before the chosen engine allocates its own.
+    runners.clear()
+    gc.collect()
     return {name: 1e3 * float(np.median(t)) / cfg.steps_per_call for name, t in times.items()}
