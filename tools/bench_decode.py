@@ -188,10 +188,15 @@ def auto_vs_xla(cfg, params, mesh, prompt_len, new_tokens, k, batches, rounds, *
 
 
 def paged_comparison(cfg, params, mesh, quick: bool, bandwidth: float) -> dict:
-    """Paged cache vs slotted cache (see the module doc): parity, capacity, decode speed."""
+    """Paged cache vs slotted cache (see the module doc): parity, capacity, decode speed.
+
+    Shapes: `quick` a smoke test; on CPU (Pallas interpret mode) small ones; else prompt 64, 512 new tokens.
+    """
     platform = mesh.devices.flat[0].platform
-    prompt_len, new_tokens, k = (16, 16, 4) if quick else (64, 128, 8)
-    res = {"platform": platform, "interpret": platform == "cpu"}
+    interpret = platform == "cpu"
+    small = quick or interpret
+    prompt_len, new_tokens, k = (16, 16, 4) if small else (64, 128, 8)
+    res = {"platform": platform, "interpret": interpret}
     # Parity: greedy tokens and logprobs, group samples sharing prompt pages.
     rng = np.random.default_rng(3)
     prompts = [
@@ -210,12 +215,10 @@ def paged_comparison(cfg, params, mesh, quick: bool, bandwidth: float) -> dict:
     )
     res["parity"] = {"sequences": len(same), "identical": float(np.mean(same)), "max_logprob_diff": diff}
     # Capacity: the same KV memory, a long-tailed mix (p99 / median = 8).
-    max_new = 64 if quick else 512
-    median, n_req = max_new / 16, 48 if quick else 256  # p99 = 8 x median = max_new / 2
-    lengths = np.clip(np.round(rng.lognormal(np.log(median), np.log(8) / 2.326, n_req)), 1, max_new).astype(
-        int
-    )
-    budget_slots = 8 if quick else 16
+    max_new, n_req, budget_slots = (64, 48, 8) if quick else (256, 256, 8) if interpret else (512, 512, 16)
+    median = max_new / 16  # p99 = 8 x median = max_new / 2
+    sigma = np.log(8) / 2.326
+    lengths = np.clip(np.round(rng.lognormal(np.log(median), sigma, n_req)), 1, max_new).astype(int)
     budget = budget_slots * (prompt_len + max_new)
     cap = {}
     for attention, slots in (("xla", budget_slots), ("paged_kernel", 8 * budget_slots)):
@@ -251,9 +254,9 @@ def paged_comparison(cfg, params, mesh, quick: bool, bandwidth: float) -> dict:
         "mean_ratio": cap["paged_kernel"]["mean_live"] / cap["xla"]["mean_live"],
     }
     # Decode step of the paged engine with every slot live, against the bandwidth roofline.
-    batch = 4 if res["interpret"] else 64
+    batch = 4 if interpret else 64
     eng = _engine(cfg, params, mesh, batch, prompt_len, new_tokens, k, attention="paged_kernel", linear="xla")
-    step = engine_step_time(eng, prompt_len, 2 if res["interpret"] else 5)
+    step = engine_step_time(eng, prompt_len, 2 if interpret else 5)
     read = decode_bytes(cfg, prompt_len + new_tokens // 2, batch)
     res["decode"] = {
         "batch": batch,
@@ -515,7 +518,7 @@ def main(argv=None) -> None:
         else:
             pcfg = presets.get(args.paged_model, dtype=args.paged_dtype, param_dtype=args.paged_dtype)
         pparams = params if pcfg == cfg else init_params(pcfg, jax.random.key(0), mesh, SAMPLER_RULES)
-        res["paged"] = paged_comparison(pcfg, pparams, mesh, quick or platform == "cpu", bw)
+        res["paged"] = paged_comparison(pcfg, pparams, mesh, quick, bw)
         res["paged"]["model"] = "tiny" if platform == "cpu" else args.paged_model
     print(json.dumps(res, indent=1))
     if args.json_out:
