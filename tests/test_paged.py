@@ -166,17 +166,18 @@ def test_group_samples_share_prompt_pages(params):
 
 
 def test_preemption_requeues_and_loses_no_request(params):
-    """A pool of 10 usable pages cannot hold four long sequences: the youngest are preempted, restarted
-    from their prompts, and every request still completes with the tokens of an unconstrained run."""
+    """A pool of 7 usable pages holds one full-length sequence: waiting groups give up their prompt pages,
+    the youngest sequences are preempted and restarted from their prompts, and every request still
+    completes with the tokens of an unconstrained run."""
     prompts = _prompts(6, seed=7, lo=5, hi=12)
-    reqs = [Request(i, pr, n_samples=1 + i % 2, seed=i, max_new_tokens=12) for i, pr in enumerate(prompts)]
+    reqs = [Request(i, pr, n_samples=1 + i % 3, seed=i, max_new_tokens=12) for i, pr in enumerate(prompts)]
     runs = {}
-    for budget in (None, 40):
+    for budget in (None, 28):
         loop = _loop(params, temperature=1.0, token_budget=budget)
         it = iter(reqs)
         runs[budget] = (_by_uid(loop.run(lambda it=it: next(it, None))), loop)
-    full, small = runs[None][0], runs[40][0]
-    loop = runs[40][1]
+    full, small = runs[None][0], runs[28][0]
+    loop = runs[28][1]
     assert loop.stats.preemptions > 0 and runs[None][1].stats.preemptions == 0
     assert small.keys() == full.keys() and len(small) == sum(r.n_samples for r in reqs)
     for key, c in small.items():

@@ -184,7 +184,7 @@ class SamplerLoop:
         if self._pages is None or not free:
             return bool(free)
         p, k = self.cfg.max_prompt_len, self.cfg.steps_per_call
-        need = pages_for(positions_after(p, 1, 1, k), self.cfg.page_size)
+        need = pages_for(positions_after(p, self.cfg.max_new_tokens, 1, k), self.cfg.page_size)
         return any(self._room(shard) >= need for shard in self._free_by_shard(free))
 
     @property
@@ -425,12 +425,18 @@ class SamplerLoop:
         return None
 
     def _grow(self) -> None:
-        """Gives every running sequence the pages its next call writes, preempting the youngest sequence of a
-        shard while the shard has too few."""
+        """Gives every running sequence the pages its next call writes. While a shard has too few, waiting
+        groups first give up the prompt pages they hold there (a later sample rewrites them), then the
+        youngest running sequence of the shard is preempted."""
         live = sorted((s.order, b) for b, s in enumerate(self._slots) if s is not None)
         for _, b in live:
             while self._slots[b] is not None and not self._pages.grow(b, self._next_pages(b)):
                 shard = self._pages.shard_of(b)
+                holders = [g for g in self._groups if shard in g.shared]
+                if holders:
+                    for g in holders:
+                        self._pages.decref(shard, g.shared.pop(shard))
+                    continue
                 youngest = max(
                     (s for s in self._shard_slots(shard) if self._slots[s] is not None),
                     key=lambda s: self._slots[s].order,

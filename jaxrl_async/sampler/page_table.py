@@ -11,7 +11,8 @@ fed back). The group samples of one prompt share its full pages below position p
 position p - 1 is rewritten by each sample's first decode step, so the page holding it is private); a page
 is returned to its free list when its last reference goes.
 
-Pure Python and numpy (no JAX): the performance model imports the admission arithmetic from here.
+The module itself uses only Python and numpy; the performance model takes its page arithmetic from here
+(`mean_resident_tokens`), so the model's batch cap follows the sampler's rule.
 """
 
 from __future__ import annotations
