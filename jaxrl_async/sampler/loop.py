@@ -10,8 +10,9 @@ With the paged cache (`engine.paged`) the loop also owns the host page tables (`
   - admission by memory: a sample is inserted only when its shard has free pages for its prompt and its
     first call, on top of the pages the running sequences need for their next call;
   - growth: before each call every running sequence gets the pages that call will write;
-  - out of pages: the youngest running sequence of the shard is preempted (its pages freed, its tokens
-    dropped) and re-queued at the front, to restart from its prompt with the same seed. Youngest, because
+  - out of pages: waiting groups give up the prompt pages they hold in the shard, then the youngest
+    running sequence of the shard is preempted (its pages freed, its tokens dropped) and re-queued at the
+    front, to restart from its prompt with the same seed. Youngest, because
     it has done the least work; restart rather than resume, because every token of a completion then
     comes from one uninterrupted decode (its logprobs and versions need no special case), and under
     unchanged weights the restart draws the same tokens again;
