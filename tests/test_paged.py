@@ -217,6 +217,13 @@ def test_paged_config_errors(params):
         loop.engine.check_fits(16, 13)
     with pytest.raises(ValueError, match="pass `page_table`"):
         loop.engine.generate(loop.engine.init_state())
+    # A compile-only paged engine (the plan check's path) holds the page pools as arguments.
+    cfg = SamplerConfig(
+        num_slots=4, max_prompt_len=16, max_new_tokens=12, attention="paged_kernel", page_size=4
+    )
+    mem = Engine(TINY, None, MESH1, cfg).compile_generate().memory_analysis()
+    pool_bytes = 2 * TINY.n_layers * TINY.n_kv_heads * (4 * 28 + 4) * TINY.head_dim * 4  # + scratch page
+    assert mem.argument_size_in_bytes >= pool_bytes
     assert not SCRATCH and paged.table_width(7, "gpu", True) == 8
 
 
