@@ -144,7 +144,7 @@ def build_engines(run: RunConfig, model_cfg: ModelConfig, mesh, sampler_cfg: Sam
     the weights (in the compute dtype), which arrives with the first published version."""
     weights_cfg = model_cfg.compute_copy()
     engine = Engine(weights_cfg, None, mesh, sampler_cfg)
-    eval_cfg = eval_sampler_config(sampler_cfg, mesh.shape["data"], run.eval_slots)
+    eval_cfg = eval_sampler_config(engine.cfg, mesh.shape["data"], run.eval_slots)  # the kernels it chose
     return engine, Engine(weights_cfg, None, mesh, eval_cfg, weights_from=engine)
 
 

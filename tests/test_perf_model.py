@@ -108,8 +108,17 @@ def test_build_system_caps_decode_batch_by_kv_memory():
     per_seq = shape.kv_bytes_per_token * (100 + 900)
     assert system.sampler.max_batch == int((16e9 - 2e9) // per_seq)
     assert system.sampler.devices_per_replica == 1
-    paged = build_system(hw, shape, wl, 8, 2, mem_reserve_frac=0.0, kv_reserve="mean")
-    assert paged.sampler.max_batch > system.sampler.max_batch
+    mean = build_system(hw, shape, wl, 8, 2, mem_reserve_frac=0.0, kv_reserve="mean")
+    assert mean.sampler.max_batch > system.sampler.max_batch
+    # The sampler's paged rule: resident P + E[L^2] / (2 E[L]) (uniform 100..900: 100 + 541.7), full prompt
+    # pages shared by the 4 samples of a prompt (96 of 100 tokens), a call of growth, half a page.
+    paged = build_system(hw, shape, wl, 8, 2, mem_reserve_frac=0.0, kv_reserve="paged", page_size=16)
+    lens = wl.lengths.representative(4000).astype(float)
+    per_seq = 96 / 4 + 4 + np.mean(lens**2) / (2 * np.mean(lens)) + 8 + 8
+    assert paged.sampler.max_batch == int((16e9 - 2e9) // (shape.kv_bytes_per_token * per_seq))
+    assert system.sampler.max_batch < paged.sampler.max_batch
+    with pytest.raises(ValueError, match="kv_reserve must be"):
+        build_system(hw, shape, wl, 8, 2, kv_reserve="paged_kv")
 
 
 # Regimes covered: η = 0 (sync on the split), window-limited (η = 1, 2), trainer-bound, sampler-bound,

@@ -209,8 +209,13 @@ def test_requests_that_cannot_fit_and_bad_configs(params):
         SamplerConfig(top_p=0.0)
     with pytest.raises(ValueError, match="must end with max_prompt_len"):
         SamplerConfig(max_prompt_len=32, prompt_buckets=(8, 16))
-    with pytest.raises(ValueError, match="token_budget"):
-        SamplerConfig(num_slots=4, max_prompt_len=32, token_budget=100)
+    with pytest.raises(ValueError, match="token_budget=100 gives 25 positions per slot"):
+        SamplerConfig(num_slots=4, max_prompt_len=32, token_budget=100, attention="xla")
+    auto = SamplerConfig(num_slots=4, max_prompt_len=32, token_budget=100)  # the layout is not known yet
+    with pytest.raises(ValueError, match="token_budget=100 gives 25 positions per slot"):
+        Engine(TINY, params, MESH1, auto)  # on CPU "auto" is a slotted cache
+    with pytest.raises(ValueError, match="cannot hold one prompt"):
+        SamplerConfig(num_slots=4, max_prompt_len=32, token_budget=32)
 
 
 def test_steady_stream_in_one_bucket_compiles_nothing(params):
@@ -361,10 +366,10 @@ def test_cpu_kernels_match_the_trainer(params):
     assert sum(x.ndim == 3 for x in packed) == 1 + 7 * TINY.n_layers  # lm head, q, k, v, o, gate, up, down
     mesh2 = make_mesh((2, 1), ("data", "tensor"), jax.devices()[:2])
     for name in ("attention", "linear"):
-        with pytest.raises(ValueError, match=f"SamplerConfig.{name}='cpu_kernel' runs on one CPU device"):
+        with pytest.raises(ValueError, match=f"SamplerConfig.{name}='cpu_kernel' cannot run: .*one CPU"):
             _loop(_params(mesh=mesh2), mesh=mesh2, **{name: "cpu_kernel"})
     bf16 = presets.tiny(vocab_size=64, n_layers=1, max_seq_len=64, dtype="bfloat16")
-    with pytest.raises(ValueError, match="needs a float32 model"):
+    with pytest.raises(ValueError, match="computes in bfloat16; the CPU kernels need float32"):
         _loop(_params(cfg=bf16), cfg=bf16, linear="cpu_kernel")
     with pytest.raises(ValueError, match="SamplerConfig.attention"):
         SamplerConfig(attention="flash")

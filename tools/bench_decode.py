@@ -1,7 +1,7 @@
-"""Decode benchmark of the sampler engine (prints JSON and a table; figures go in docs/sampler.md).
+"""Decode benchmark of the sampler engine (prints JSON and a table; figures go in docs/benchmarks.md).
 
-  JAX_PLATFORMS=cpu python tools/bench_decode.py [--attention cpu_kernel] [--linear cpu_kernel]
-      [--latency-out FILE] [--json-out FILE] [--quick]
+  JAX_PLATFORMS=cpu python tools/bench_decode.py [--attention auto] [--linear auto] [--sections ...]
+      [--paged] [--latency-out FILE] [--json-out FILE] [--quick]
   python tools/bench_decode.py --preset qwen2.5-1.5b --dtype bfloat16 --batches 1,max --hardware h200 \
       --latency-only --json-out decode.json      # an accelerator: tokens/s vs the HBM roofline
 
@@ -12,7 +12,14 @@ Measures, in one run on one device:
     without / with fused projections;
   - end-to-end greedy generation (prefill + decode) vs Hugging Face transformers `generate` on the same
     weights (exported with save_hf), batch 1 and the largest batch;
-  - static vs continuous batching on a long-tailed (lognormal) length distribution.
+  - static vs continuous batching on a long-tailed (lognormal) length distribution;
+  - `auto`: the engine with the requested kernels (default "auto") against the all-XLA engine at batch 1
+    and 32, end to end (prefill + 128 tokens) and per decode step, alternating; which kernels "auto" chose
+    and the step times it measured to choose;
+  - `--paged` (section `paged`): the paged cache against the slotted one: identical greedy tokens and
+    logprobs; the most sequences that run at once on a long-tailed length mix in the same KV memory; the
+    paged decode step against the bandwidth roofline. On CPU the Pallas kernel runs in interpret mode:
+    correctness and capacity only, its speed means nothing.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxrl_async.model import forward, init_cache, init_params, presets, save_hf  # noqa: E402
-from jaxrl_async.sampler import Engine, Request, SamplerConfig, SamplerLoop  # noqa: E402
+from jaxrl_async.sampler import Engine, Request, SamplerConfig, SamplerLoop, cpu_kernels  # noqa: E402
+from jaxrl_async.sampler.page_table import pages_for  # noqa: E402
 from jaxrl_async.sharding import SAMPLER_RULES, make_mesh  # noqa: E402
 
 
@@ -98,16 +106,30 @@ def _engine(cfg, params, mesh, batch, prompt_len, new_tokens, k, fuse=True, **kw
     return Engine(cfg, params, mesh, scfg)
 
 
-def engine_step_time(eng: Engine, prompt_len: int, reps: int) -> float:
-    """Seconds per decode step with every slot live (generate calls of k steps, mid-sequence)."""
+def fill_slots(eng: Engine, prompt_len: int) -> tuple[dict, tuple]:
+    """A decode state with every slot holding the same prompt, and the extra `generate` arguments (the page
+    table of a paged cache, whose slots get pages for their whole sequence up front)."""
     state = eng.init_state()
     prefix = eng.prefill(np.arange(1, prompt_len + 1) % eng.model_cfg.vocab_size)
+    table = eng.new_page_table() if eng.paged else None
     for b in range(eng.cfg.num_slots):
-        state = eng.insert(state, prefix, b, seed=b, sample_index=0, max_new_tokens=eng.cfg.max_new_tokens)
+        dest = None
+        if table is not None:
+            table.assign(b, [], pages_for(prompt_len + eng.cfg.max_new_tokens, eng.cfg.page_size))
+            dest = eng.insert_pages(b, prompt_len, table.slot_pages(b), 0)
+        state = eng.insert(
+            state, prefix, b, seed=b, sample_index=0, max_new_tokens=eng.cfg.max_new_tokens, dest=dest
+        )
+    return state, () if table is None else (table.table.copy(),)
+
+
+def engine_step_time(eng: Engine, prompt_len: int, reps: int) -> float:
+    """Seconds per decode step with every slot live (generate calls of k steps, mid-sequence)."""
+    state, extra = fill_slots(eng, prompt_len)
     box = [state]
 
     def call():
-        box[0], rnd = eng.generate(box[0])
+        box[0], rnd = eng.generate(box[0], *extra)
         rnd.tokens.block_until_ready()
 
     return _median_time(call, reps, warmup=2) / eng.cfg.steps_per_call
@@ -131,17 +153,141 @@ def model_forward_step_time(cfg, params, batch: int, cache_len: int, pos: int, r
     return _median_time(call, reps, warmup=2)
 
 
+def _run_once(eng: Engine, prompts, new_tokens: int) -> tuple[float, list]:
+    loop = SamplerLoop(eng)
+    for i, p in enumerate(prompts):
+        loop.add_request(Request(i, p, max_new_tokens=new_tokens))
+    t0 = time.perf_counter()
+    out = loop.run()
+    return time.perf_counter() - t0, sorted(out, key=lambda c: c.uid)
+
+
 def engine_end_to_end(eng: Engine, prompts, new_tokens: int) -> tuple[float, list]:
     """Seconds to generate `new_tokens` for every prompt (prefill + decode), after a warm-up pass."""
-    times, out = [], None
-    for _ in range(2):
+    _run_once(eng, prompts, new_tokens)
+    return _run_once(eng, prompts, new_tokens)
+
+
+def auto_vs_xla(cfg, params, mesh, prompt_len, new_tokens, k, batches, rounds, **engine_kw) -> dict:
+    """The engine with `engine_kw` kernels against the all-XLA engine: end to end (prefill + new_tokens,
+    median of `rounds` alternating runs after a warm-up each) and per decode step, at each batch size."""
+    rng = np.random.default_rng(2)
+    out = {}
+    for b in batches:
+        prompts = rng.integers(3, cfg.vocab_size, size=(b, prompt_len)).tolist()
+        t0 = time.perf_counter()
+        engines = {"chosen": _engine(cfg, params, mesh, b, prompt_len, new_tokens, k, **engine_kw)}
+        build_s = time.perf_counter() - t0
+        engines["xla"] = _engine(
+            cfg, params, mesh, b, prompt_len, new_tokens, k, attention="xla", linear="xla"
+        )
+        times = {name: [] for name in engines}
+        tokens = {}
+        for name, eng in engines.items():
+            tokens[name] = [c.tokens.tolist() for c in _run_once(eng, prompts, new_tokens)[1]]
+        for _ in range(rounds):
+            for name, eng in engines.items():
+                times[name].append(_run_once(eng, prompts, new_tokens)[0])
+        steps = {
+            name: min(engine_step_time(e, prompt_len, 5) for _ in range(2)) for name, e in engines.items()
+        }
+        choice = engines["chosen"].kernel_choice
+        e2e = {name: b * new_tokens / float(np.median(t)) for name, t in times.items()}
+        out[b] = {
+            "chosen_attention": choice.attention,
+            "chosen_linear": choice.linear,
+            "how": choice.how,
+            "reason": choice.reason,
+            "timed_step_ms": choice.step_ms,
+            "engine_build_s": build_s,
+            "end_to_end_tok_s": e2e,
+            "end_to_end_ratio": e2e["chosen"] / e2e["xla"],
+            "decode_step_ms": {name: 1e3 * t for name, t in steps.items()},
+            "decode_ratio": steps["xla"] / steps["chosen"],
+            "greedy_sequences_identical": tokens["chosen"] == tokens["xla"],
+        }
+    return out
+
+
+def paged_comparison(cfg, params, mesh, quick: bool, bandwidth: float) -> dict:
+    """Paged cache vs slotted cache (see the module doc): parity, capacity, decode speed.
+
+    Shapes: `quick` a smoke test; on CPU (Pallas interpret mode) small ones; else prompt 64, 512 new tokens.
+    """
+    platform = mesh.devices.flat[0].platform
+    interpret = platform == "cpu"
+    small = quick or interpret
+    prompt_len, new_tokens, k = (16, 16, 4) if small else (64, 128, 8)
+    res = {"platform": platform, "interpret": interpret}
+    # Parity: greedy tokens and logprobs, group samples sharing prompt pages.
+    rng = np.random.default_rng(3)
+    prompts = [
+        rng.integers(3, cfg.vocab_size, size=rng.integers(4, prompt_len + 1)).tolist() for _ in range(6)
+    ]
+    outs = {}
+    for attention in ("xla", "paged_kernel"):
+        eng = _engine(cfg, params, mesh, 4, prompt_len, new_tokens, k, attention=attention, linear="xla")
         loop = SamplerLoop(eng)
         for i, p in enumerate(prompts):
-            loop.add_request(Request(i, p, max_new_tokens=new_tokens))
+            loop.add_request(Request(i, p, n_samples=2, max_new_tokens=new_tokens // 2 + i))
+        outs[attention] = {(c.uid, c.sample_index): c for c in loop.run()}
+    same = [np.array_equal(c.tokens, outs["xla"][key].tokens) for key, c in outs["paged_kernel"].items()]
+    diff = max(
+        float(np.abs(c.logprobs - outs["xla"][key].logprobs).max()) for key, c in outs["paged_kernel"].items()
+    )
+    res["parity"] = {"sequences": len(same), "identical": float(np.mean(same)), "max_logprob_diff": diff}
+    # Capacity: the same KV memory, a long-tailed mix (p99 / median = 8).
+    max_new, n_req, budget_slots = (64, 48, 8) if quick else (256, 256, 8) if interpret else (512, 512, 16)
+    median = max_new / 16  # p99 = 8 x median = max_new / 2
+    sigma = np.log(8) / 2.326
+    lengths = np.clip(np.round(rng.lognormal(np.log(median), sigma, n_req)), 1, max_new).astype(int)
+    budget = budget_slots * (prompt_len + max_new)
+    cap = {}
+    for attention, slots in (("xla", budget_slots), ("paged_kernel", 8 * budget_slots)):
+        scfg = SamplerConfig(
+            num_slots=slots, max_prompt_len=prompt_len, prompt_buckets=(prompt_len,), max_new_tokens=max_new,
+            steps_per_call=k, temperature=1.0, token_budget=budget, attention=attention, linear="xla",
+        )  # fmt: skip
+        loop = SamplerLoop(Engine(cfg, params, mesh, scfg))
+        reqs = iter(
+            Request(
+                i, rng.integers(3, cfg.vocab_size, size=prompt_len).tolist(), seed=i, max_new_tokens=int(n)
+            )
+            for i, n in enumerate(lengths)
+        )
         t0 = time.perf_counter()
-        out = loop.run()
-        times.append(time.perf_counter() - t0)
-    return times[-1], sorted(out, key=lambda c: c.uid)
+        done = loop.run(lambda reqs=reqs: next(reqs, None))
+        st = loop.stats
+        cap[attention] = {
+            "num_slots": slots,
+            "completions": len(done),
+            "peak_live": st.peak_live,
+            "mean_live": st.tokens_generated / max(st.decode_steps, 1),
+            "preemptions": st.preemptions,
+            "seconds": time.perf_counter() - t0,
+        }
+    res["capacity"] = {
+        "token_budget": budget,
+        "lengths_p50": float(np.percentile(lengths, 50)),
+        "lengths_p99": float(np.percentile(lengths, 99)),
+        "slotted": cap["xla"],
+        "paged": cap["paged_kernel"],
+        "peak_ratio": cap["paged_kernel"]["peak_live"] / cap["xla"]["peak_live"],
+        "mean_ratio": cap["paged_kernel"]["mean_live"] / cap["xla"]["mean_live"],
+    }
+    # Decode step of the paged engine with every slot live, against the bandwidth roofline.
+    batch = 4 if interpret else 64
+    eng = _engine(cfg, params, mesh, batch, prompt_len, new_tokens, k, attention="paged_kernel", linear="xla")
+    step = engine_step_time(eng, prompt_len, 2 if interpret else 5)
+    read = decode_bytes(cfg, prompt_len + new_tokens // 2, batch)
+    res["decode"] = {
+        "batch": batch,
+        "step_ms": 1e3 * step,
+        "tok_s": batch / step,
+        "bytes_per_step": read,
+        "fraction_of_bandwidth": read / step / bandwidth,
+    }
+    return res
 
 
 def hf_generate(path: str, prompts, new_tokens: int, threads: int) -> tuple[float, float, np.ndarray]:
@@ -232,23 +378,38 @@ def batching_comparison(cfg, params, mesh, slots, n_requests, median, sigma, cap
     return out
 
 
+SECTIONS = ("latency", "ablation", "hf", "batching", "auto", "paged")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--latency-out", help="write {'points': [{'batch', 'step_s'}, ...]} here")
     ap.add_argument("--json-out", help="write the full results here")
     ap.add_argument("--quick", action="store_true", help="tiny model, few reps (a smoke test)")
-    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-hf", action="store_true", help="leave out the section 'hf'")
+    ap.add_argument(
+        "--sections",
+        default="latency,ablation,hf,batching,auto",
+        help=f"comma-separated sections to run, of {SECTIONS}",
+    )
+    ap.add_argument("--paged", action="store_true", help="add the section 'paged'")
+    ap.add_argument(
+        "--paged-model",
+        default="llama_100m",
+        help="model preset of the paged section on an accelerator (random weights; on CPU: the tiny model)",
+    )
+    ap.add_argument("--paged-dtype", default="bfloat16", help="dtype of the paged section on an accelerator")
     ap.add_argument(
         "--attention",
-        default="xla",
-        choices=("xla", "cpu_kernel"),
-        help="the engine's decode attention (SamplerConfig.attention); with a cpu_kernel the transformers "
-        "comparison also times the all-xla engine in the same place",
+        default="auto",
+        choices=("auto", "xla", "cpu_kernel", "paged_kernel"),
+        help="the engine's decode attention (SamplerConfig.attention); section 'auto' compares it with the "
+        "all-xla engine",
     )
     ap.add_argument(
         "--linear",
-        default="xla",
-        choices=("xla", "cpu_kernel"),
+        default="auto",
+        choices=("auto", "xla", "cpu_kernel"),
         help="the engine's decode-step matmuls (SamplerConfig.linear)",
     )
     ap.add_argument("--preset", default="", help="model shape (default: llama_100m, or tiny with --quick)")
@@ -263,11 +424,14 @@ def main(argv=None) -> None:
         "--hardware", default="", help="a jaxrl_async.perf preset (h100, h200, ...): spec rooflines"
     )
     ap.add_argument(
-        "--latency-only",
-        action="store_true",
-        help="only the decode latency curve and its rooflines (no ablation, transformers or batching)",
+        "--latency-only", action="store_true", help="only the section 'latency' (the decode latency curve)"
     )
     args = ap.parse_args(argv)
+    sections = set(args.sections.split(",")) | ({"paged"} if args.paged else set())
+    sections = {"latency"} if args.latency_only else sections
+    sections -= {"hf"} if args.skip_hf else set()
+    if sections - set(SECTIONS):
+        ap.error(f"--sections: unknown {sorted(sections - set(SECTIONS))}; choose from {SECTIONS}")
 
     quick = args.quick
     name = args.preset or ("tiny" if quick else "llama_100m")
@@ -282,10 +446,12 @@ def main(argv=None) -> None:
     ]
     mesh = make_mesh((1, 1), ("data", "tensor"), jax.devices()[:1])
     params = init_params(cfg, jax.random.key(0), mesh, SAMPLER_RULES)
+    platform = mesh.devices.flat[0].platform
     res = {
         "model": name,
         "num_params": cfg.num_params,
         "dtype": cfg.dtype,
+        "platform": platform,
         "device_kind": jax.devices()[0].device_kind,
         "devices": len(jax.devices()),
         "prompt_len": prompt_len,
@@ -293,7 +459,10 @@ def main(argv=None) -> None:
         "steps_per_call": k,
         "attention": args.attention,
         "linear": args.linear,
+        "sections": sorted(sections),
     }
+    if platform == "cpu" and cpu_kernels.compiler_available():
+        res["cpu_kernel_build"] = cpu_kernels.kernel_info()
     engine_kw = {"attention": args.attention, "linear": args.linear}
     kernels = args.attention != "xla" or args.linear != "xla"
 
@@ -302,59 +471,57 @@ def main(argv=None) -> None:
     res["bandwidth_GBps"] = bw / 1e9
     res["roofline_b1_tok_s"] = bw / decode_bytes(cfg, ctx)
 
-    points = []
-    for b in batches:
-        eng = _engine(cfg, params, mesh, b, prompt_len, new_tokens, k, **engine_kw)
-        points.append({"batch": b, "step_s": engine_step_time(eng, prompt_len, reps)})
-        del eng
-    hw = None
-    if args.hardware:
-        from jaxrl_async.perf.hardware import get_hardware
+    if "latency" in sections:
+        points = []
+        for b in batches:
+            eng = _engine(cfg, params, mesh, b, prompt_len, new_tokens, k, **engine_kw)
+            points.append({"batch": b, "step_s": engine_step_time(eng, prompt_len, reps)})
+            del eng
+        hw = None
+        if args.hardware:
+            from jaxrl_async.perf.hardware import get_hardware
 
-        hw = get_hardware(args.hardware)
-        res["hardware"] = {"name": hw.name, "mem_bw": hw.mem_bw, "peak_flops": hw.peak_flops}
-        res["roofline_b1_tok_s_spec"] = hw.mem_bw / decode_bytes(cfg, ctx)
-    for p in points:
-        b = p["batch"]
-        p["tok_s"] = b / p["step_s"]
-        p["memory_roofline_tok_s"] = b * bw / decode_bytes(cfg, ctx, b)
+            hw = get_hardware(args.hardware)
+            res["hardware"] = {"name": hw.name, "mem_bw": hw.mem_bw, "peak_flops": hw.peak_flops}
+            res["roofline_b1_tok_s_spec"] = hw.mem_bw / decode_bytes(cfg, ctx)
+        for p in points:
+            b = p["batch"]
+            p["tok_s"] = b / p["step_s"]
+            p["memory_roofline_tok_s"] = b * bw / decode_bytes(cfg, ctx, b)
+            if hw is not None:
+                step = max(decode_bytes(cfg, ctx, b) / hw.mem_bw, decode_flops(cfg, ctx, b) / hw.peak_flops)
+                p["spec_roofline_tok_s"] = b / step
+                p["fraction_of_spec_roofline"] = p["tok_s"] / p["spec_roofline_tok_s"]
+        res["latency"] = points
+        res["b1_tok_s"] = 1.0 / points[0]["step_s"]
+        res["b1_fraction_of_roofline"] = res["b1_tok_s"] / res["roofline_b1_tok_s"]
         if hw is not None:
-            step = max(decode_bytes(cfg, ctx, b) / hw.mem_bw, decode_flops(cfg, ctx, b) / hw.peak_flops)
-            p["spec_roofline_tok_s"] = b / step
-            p["fraction_of_spec_roofline"] = p["tok_s"] / p["spec_roofline_tok_s"]
-    res["latency"] = points
-    step1 = points[0]["step_s"]
-    res["b1_tok_s"] = 1.0 / step1
-    res["b1_fraction_of_roofline"] = res["b1_tok_s"] / res["roofline_b1_tok_s"]
-    if hw is not None:
-        res["b1_fraction_of_spec_roofline"] = res["b1_tok_s"] / res["roofline_b1_tok_s_spec"]
-    if args.latency_out:
-        with open(args.latency_out, "w") as f:
-            json.dump({"points": points, "model": res["model"], "steps_per_call": k}, f, indent=1)
-    if args.latency_only:
-        _finish(res, args)
-        return
+            res["b1_fraction_of_spec_roofline"] = res["b1_tok_s"] / res["roofline_b1_tok_s_spec"]
+        if args.latency_out:
+            with open(args.latency_out, "w") as f:
+                json.dump({"points": points, "model": res["model"], "steps_per_call": k}, f, indent=1)
 
     bmax = batches[-1]
-    # Side by side, alternating, best of two: the machine may be shared.
-    variants = {
-        f: _engine(cfg, params, mesh, bmax, prompt_len, new_tokens, k, fuse=f, **engine_kw)
-        for f in (False, True)
-    }
-    ablation = {"model_forward_scan": [], "decode_unfused": [], "decode_fused": []}
-    for _ in range(2):
-        ablation["model_forward_scan"].append(
-            model_forward_step_time(cfg, params, bmax, prompt_len + new_tokens, ctx, reps)
-        )
-        for fuse, eng in variants.items():
-            ablation["decode_fused" if fuse else "decode_unfused"].append(
-                engine_step_time(eng, prompt_len, reps)
+    if "ablation" in sections:
+        # Side by side, alternating, best of two: the machine may be shared.
+        variants = {
+            f: _engine(cfg, params, mesh, bmax, prompt_len, new_tokens, k, fuse=f, **engine_kw)
+            for f in (False, True)
+        }
+        ablation = {"model_forward_scan": [], "decode_unfused": [], "decode_fused": []}
+        for _ in range(2):
+            ablation["model_forward_scan"].append(
+                model_forward_step_time(cfg, params, bmax, prompt_len + new_tokens, ctx, reps)
             )
-    res["ablation_step_s"] = {name: min(ts) for name, ts in ablation.items()}
-    del variants
+            for fuse, eng in variants.items():
+                ablation["decode_fused" if fuse else "decode_unfused"].append(
+                    engine_step_time(eng, prompt_len, reps)
+                )
+        res["ablation_step_s"] = {name: min(ts) for name, ts in ablation.items()}
+        del variants
 
     rng = np.random.default_rng(1)
-    if not args.skip_hf:
+    if "hf" in sections:
         with tempfile.TemporaryDirectory() as tmp:
             save_hf(cfg, params, tmp)
             res["vs_hf"] = {}
@@ -365,7 +532,9 @@ def main(argv=None) -> None:
                 ours_step = engine_step_time(eng, prompt_len, reps)  # measured next to the HF run
                 xla_step = ours_step
                 if kernels:
-                    xla_eng = _engine(cfg, params, mesh, b, prompt_len, new_tokens, k)
+                    xla_eng = _engine(
+                        cfg, params, mesh, b, prompt_len, new_tokens, k, attention="xla", linear="xla"
+                    )
                     xla_step = engine_step_time(xla_eng, prompt_len, reps)
                     del xla_eng
                 hf_runs = {
@@ -388,22 +557,31 @@ def main(argv=None) -> None:
                     "hf_tok_s_by_threads": {t: b * new_tokens / r[0] for t, r in hf_runs.items()},
                 }
 
-    res["batching"] = batching_comparison(
-        cfg,
-        params,
-        mesh,
-        slots=8 if quick else 16,
-        n_requests=24 if quick else 128,
-        median=6 if quick else 12,
-        sigma=1.0,
-        cap=32 if quick else 96,
-        k=4,
-        **engine_kw,
-    )
-    _finish(res, args)
-
-
-def _finish(res: dict, args) -> None:
+    if "batching" in sections:
+        res["batching"] = batching_comparison(
+            cfg,
+            params,
+            mesh,
+            slots=8 if quick else 16,
+            n_requests=24 if quick else 128,
+            median=6 if quick else 12,
+            sigma=1.0,
+            cap=32 if quick else 96,
+            k=4,
+            **engine_kw,
+        )
+    if "auto" in sections:
+        res["auto_vs_xla"] = auto_vs_xla(
+            cfg, params, mesh, prompt_len, new_tokens, k, (1, bmax), 2 if quick else 3, **engine_kw
+        )
+    if "paged" in sections:
+        if platform == "cpu":  # interpret mode: small shapes
+            pcfg = presets.tiny(vocab_size=512, max_seq_len=1024)
+        else:
+            pcfg = presets.get(args.paged_model, dtype=args.paged_dtype, param_dtype=args.paged_dtype)
+        pparams = params if pcfg == cfg else init_params(pcfg, jax.random.key(0), mesh, SAMPLER_RULES)
+        res["paged"] = paged_comparison(pcfg, pparams, mesh, quick, bw)
+        res["paged"]["model"] = "tiny" if platform == "cpu" else args.paged_model
     print(json.dumps(res, indent=1))
     if args.json_out:
         with open(args.json_out, "w") as f:
@@ -413,25 +591,26 @@ def _finish(res: dict, args) -> None:
 
 def _print_table(res: dict) -> None:
     print(
-        f"\nmodel {res['model']} ({res['num_params'] / 1e6:.0f}M params, {res['dtype']}), "
+        f"\nmodel {res['model']} ({res['num_params'] / 1e6:.0f}M params, {res['dtype']}) on {res['platform']}"
+        f"{', CPU kernels built as ' + res['cpu_kernel_build'] if 'cpu_kernel_build' in res else ''}, "
         f"bandwidth {res['bandwidth_GBps']:.1f} GB/s, roofline b=1 {res['roofline_b1_tok_s']:.1f} tok/s"
     )
-    print(f"{'batch':>6} {'step ms':>9} {'tok/s':>9}")
-    for p in res["latency"]:
-        print(f"{p['batch']:>6} {p['step_s'] * 1e3:>9.1f} {p['batch'] / p['step_s']:>9.1f}")
-    print(f"batch 1: {res['b1_fraction_of_roofline'] * 100:.0f}% of the measured-bandwidth roofline")
-    if "b1_fraction_of_spec_roofline" in res:
+    if "latency" in res:
+        print(f"{'batch':>6} {'step ms':>9} {'tok/s':>9}")
+        for p in res["latency"]:
+            print(f"{p['batch']:>6} {p['step_s'] * 1e3:>9.1f} {p['batch'] / p['step_s']:>9.1f}")
+        print(f"batch 1: {res['b1_fraction_of_roofline'] * 100:.0f}% of the measured-bandwidth roofline")
+        if "b1_fraction_of_spec_roofline" in res:
+            print(
+                f"batch 1: {res['b1_fraction_of_spec_roofline'] * 100:.0f}% of {res['hardware']['name']}'s "
+                f"HBM roofline; largest batch {res['latency'][-1]['batch']}: "
+                f"{res['latency'][-1]['fraction_of_spec_roofline'] * 100:.0f}% of its roofline"
+            )
+    if "ablation_step_s" in res:
         print(
-            f"batch 1: {res['b1_fraction_of_spec_roofline'] * 100:.0f}% of {res['hardware']['name']}'s "
-            f"HBM roofline; largest batch {res['latency'][-1]['batch']}: "
-            f"{res['latency'][-1]['fraction_of_spec_roofline'] * 100:.0f}% of its roofline"
+            "ablation at the largest batch (ms/step): "
+            + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in res["ablation_step_s"].items())
         )
-    if "ablation_step_s" not in res:
-        return
-    print(
-        "ablation at the largest batch (ms/step): "
-        + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in res["ablation_step_s"].items())
-    )
     for b, r in res.get("vs_hf", {}).items():
         print(
             f"vs transformers, batch {b}: end-to-end {r['ours_tok_s']:.1f} vs {r['hf_tok_s']:.1f} tok/s "
@@ -444,14 +623,45 @@ def _print_table(res: dict) -> None:
                 else ""
             )
         )
-    bt = res["batching"]
-    print(
-        f"batching (lognormal lengths p50 {bt['lengths_p50']:.0f}, p99 {bt['lengths_p99']:.0f}): static "
-        f"{bt['static']['tokens_per_s']:.1f} tok/s, continuous {bt['continuous']['tokens_per_s']:.1f} tok/s "
-        f"({bt['continuous_over_static']:.2f}x); without host overlap "
-        f"{bt['continuous_no_overlap']['tokens_per_s']:.1f} tok/s "
-        f"({bt['continuous_no_overlap_over_static']:.2f}x)"
-    )
+    if "batching" in res:
+        bt = res["batching"]
+        print(
+            f"batching (lognormal lengths p50 {bt['lengths_p50']:.0f}, p99 {bt['lengths_p99']:.0f}): static "
+            f"{bt['static']['tokens_per_s']:.1f} tok/s, continuous {bt['continuous']['tokens_per_s']:.1f} "
+            f"tok/s ({bt['continuous_over_static']:.2f}x); without host overlap "
+            f"{bt['continuous_no_overlap']['tokens_per_s']:.1f} tok/s "
+            f"({bt['continuous_no_overlap_over_static']:.2f}x)"
+        )
+    for b, r in res.get("auto_vs_xla", {}).items():
+        timed = ", ".join(f"{k} {v:.1f}" for k, v in (r["timed_step_ms"] or {}).items())
+        e2e, step = r["end_to_end_tok_s"], r["decode_step_ms"]
+        print(
+            f"{res['attention']}/{res['linear']} vs all-xla, batch {b}: chose {r['chosen_attention']}/"
+            f"{r['chosen_linear']} ({r['how']}: {timed or r['reason']}; engine built in "
+            f"{r['engine_build_s']:.1f} s); end to end {e2e['chosen']:.1f} vs {e2e['xla']:.1f} tok/s "
+            f"({r['end_to_end_ratio']:.2f}x); decode step {step['chosen']:.1f} vs {step['xla']:.1f} ms "
+            f"({r['decode_ratio']:.2f}x); identical greedy sequences {r['greedy_sequences_identical']}"
+        )
+    if "paged" in res:
+        pg = res["paged"]
+        par, cap, dec = pg["parity"], pg["capacity"], pg["decode"]
+        mode = " (Pallas interpret mode: correctness and capacity only)" if pg["interpret"] else ""
+        print(f"paged cache, {pg['model']} on {pg['platform']}{mode}:")
+        print(
+            f"  parity vs slotted: {par['identical']:.2f} of {par['sequences']} greedy sequences identical, "
+            f"max |logprob diff| {par['max_logprob_diff']:.1e}"
+        )
+        print(
+            f"  same KV memory ({cap['token_budget']} tokens), lengths p50 {cap['lengths_p50']:.0f} p99 "
+            f"{cap['lengths_p99']:.0f}: concurrent sequences peak {cap['paged']['peak_live']} vs "
+            f"{cap['slotted']['peak_live']} ({cap['peak_ratio']:.2f}x), mean {cap['paged']['mean_live']:.1f} "
+            f"vs {cap['slotted']['mean_live']:.1f} ({cap['mean_ratio']:.2f}x); preemptions "
+            f"{cap['paged']['preemptions']}"
+        )
+        print(
+            f"  decode batch {dec['batch']}: {dec['step_ms']:.2f} ms/step, {dec['tok_s']:.0f} tok/s, "
+            f"{dec['fraction_of_bandwidth'] * 100:.0f}% of the measured bandwidth"
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Ablation of the sampler's CPU kernels (prints JSON and a table; figures go in docs/sampler.md).
 
   JAX_PLATFORMS=cpu python tools/bench_kernels.py [--rows 1,4,16,32,64] [--batches 1,8,32] [--json-out F]
+      [--march x86-64-v3]
 
 Measures, in one run on one device (llama_100m shapes, float32):
   - read bandwidth (jitted sum over 1 GiB);
@@ -8,6 +9,8 @@ Measures, in one run on one device (llama_100m shapes, float32):
     rows: XLA's dots on output-major weights vs `cpu_kernels.linear` on packed weights;
   - 12 layers of decode attention at batch 32 (121 of 192 positions valid): XLA einsums vs the kernel;
   - the engine's decode step for every (attention, linear) combination at a few batch sizes.
+`--march` builds the kernels for another instruction set than this CPU's (e.g. x86-64-v3: AVX2 without
+AVX-512), to see on one machine the blocking another machine gets; it sets JAXRL_ASYNC_KERNEL_MARCH.
 """
 
 from __future__ import annotations
@@ -123,9 +126,12 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", default="1,4,16,32,64", help="input rows of the matmul chain")
     ap.add_argument("--batches", default="1,8,32", help="engine batch sizes (empty: skip)")
     ap.add_argument("--json-out")
+    ap.add_argument("--march", help="build the kernels with this -march instead of native")
     args = ap.parse_args(argv)
+    if args.march:
+        os.environ[cpu_kernels.MARCH_ENV] = args.march
     cfg = presets.llama_100m()
-    res = {"bandwidth_GBps": measure_bandwidth(1.0) / 1e9}
+    res = {"kernel_build": cpu_kernels.kernel_info(), "bandwidth_GBps": measure_bandwidth(1.0) / 1e9}
     res["chain"] = matmul_chain(cfg, [int(m) for m in args.rows.split(",")])
     res["attention"] = attention_layers(cfg)
     res["engine_step_s"] = engine_steps(cfg, [int(b) for b in args.batches.split(",") if b])
@@ -133,7 +139,7 @@ def main(argv=None) -> None:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(res, f, indent=1)
-    print(f"\nbandwidth {res['bandwidth_GBps']:.1f} GB/s")
+    print(f"\nkernels built as {res['kernel_build']}, bandwidth {res['bandwidth_GBps']:.1f} GB/s")
     print("matmul chain (12 layers): rows, xla ms, kernel ms, speedup, kernel GB/s, GFLOP/s kernel, xla")
     for c in res["chain"]:
         print(

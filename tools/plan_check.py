@@ -6,6 +6,10 @@
 The model shape comes from `--preset` or from `--hf-config PATH/config.json` (no weights are read); its
 numerics (compute dtype, master-weight dtype, attention) from the config's `model` section. Prints JSON
 with per-device bytes, the trainer state and sampler weight dtypes, and whether each role fits.
+Also the paged KV cache an accelerator sampler gets in the memory left beside the weights, the eval
+engine's cache and the decode temporaries: pages per device and the sequences that run at once (full
+length, and a long-tailed length mix: --median-len, --p99-len, --prompt-len; the group size is the
+config's samples_per_prompt).
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ def main():
     p.add_argument("--token-budget", type=int, default=0, help="override trainer.token_budget (row length)")
     p.add_argument("--attention", default="", help="override model.attention (e.g. reference, to compare)")
     p.add_argument("--out", default="")
+    p.add_argument("--median-len", type=float, default=512, help="paged KV plan: median response length")
+    p.add_argument("--p99-len", type=float, default=4096, help="paged KV plan: 99th percentile length")
+    p.add_argument("--prompt-len", type=int, default=256, help="paged KV plan: typical prompt length")
     args = p.parse_args()
 
     config = load_config(args.config)
@@ -47,7 +54,7 @@ def main():
 
     from jaxrl_async.model import from_hf_config, presets
     from jaxrl_async.perf.hardware import get_hardware
-    from jaxrl_async.perf.plan_check import plan_check, target_platform
+    from jaxrl_async.perf.plan_check import paged_kv_plan, plan_check, target_platform
     from jaxrl_async.run_config import SECTIONS, _section
 
     m = config.model
@@ -69,8 +76,25 @@ def main():
         "trainer": report["trainer"]["peak_estimate"] <= hw.mem_bytes,
         "sampler": report["sampler"]["peak"] <= hw.mem_bytes,
     }
+    sa = report["sampler"]
+    not_kv = sa["peak"] - sa["decode_state"]  # weights, the eval cache, decode temporaries
+    group = int(config.get("samples_per_prompt", 1))
+    report["paged_kv"] = paged_kv_plan(
+        model_cfg, sampler_cfg, tuple(config.mesh.sampler), hw.mem_bytes - not_kv,
+        args.median_len, args.p99_len, group, args.prompt_len,
+    )  # fmt: skip
     print(json.dumps(report, indent=2))
     print(summary(report, config, train_cfg, sampler_cfg))
+    pk = report["paged_kv"]
+    print(
+        f"  paged KV ({pk['page_size']}-position pages of {pk['page_bytes'] / 2**20:.2f} MiB per device, in "
+        f"the {pk['free_bytes'] / 2**30:.2f} GiB left beside weights, eval cache and decode temporaries): "
+        f"{pk['pages_per_device']} pages per device; concurrent sequences: {pk['sequences_at_max_len']} at "
+        f"max_prompt_len + max_new_tokens = {sampler_cfg.max_seq_len}, {pk['sequences_long_tail']} on a "
+        f"long tail (prompt {args.prompt_len}, median {args.median_len:.0f}, p99 {args.p99_len:.0f}, group "
+        f"{group}) vs {pk['sequences_slotted']} for the slotted cache; num_slots={sampler_cfg.num_slots} "
+        f"caps the decode batch at {pk['decode_batch_long_tail']}"
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

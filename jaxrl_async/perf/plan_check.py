@@ -21,6 +21,9 @@ shares its weights, `Engine(weights_from=...)`) are both compiled: their argumen
 holds one more weight copy (the incoming sampler-layout copy while the decode layout is built; the old
 layout is released first). An analytic count (weights + slots x slot length x layers x 2 x KV heads x
 head dim) is reported beside the compiled one as a cross-check.
+`paged_kv_plan` sizes the paged KV cache an accelerator sampler uses (SamplerConfig.attention "auto" /
+"paged_kernel") in the memory the compiled program leaves free: pages per device and the sequences that
+run at once, at full length and on a long-tailed length mix under the sampler's admission rule.
 """
 
 from __future__ import annotations
@@ -208,6 +211,58 @@ def sampler_memory(
             "eval_kv_cache": an_ev,
             "total": an_w + an_kv + an_ev,
         },
+    }
+
+
+def paged_kv_plan(
+    model_cfg: ModelConfig,
+    sampler_cfg: Any,
+    sampler_shape: tuple[int, int],
+    free_bytes: float,
+    median_len: float,
+    p99_len: float,
+    group: int,
+    prompt_len: int,
+) -> dict:
+    """Paged KV sizing: what `free_bytes` per device holds.
+
+    A data shard's pages live on its `tensor` devices, each holding its KV heads' slice of every page, so
+    a device holds `free_bytes // page_bytes` pages and the sampler runs `data` times as many sequences as
+    one shard. "long tail": a lognormal length mix (median, p99, capped at max_new_tokens) under the
+    sampler's admission rule (`kv_tokens_per_sequence(..., "paged")`, shared prompt pages for `group`).
+    "slotted": the slotted cache in the same memory (every slot max_prompt_len + max_new_tokens).
+    """
+    from jaxrl_async.perf.system import kv_tokens_per_sequence
+    from jaxrl_async.perf.workload import LogNormalLengths, Workload
+    from jaxrl_async.sampler.page_table import pages_for
+
+    data, tensor = sampler_shape
+    dtype_bytes = jnp.dtype(model_cfg.dtype).itemsize
+    per_token = kv_cache_bytes(model_cfg, 1, 1, (1, tensor), dtype_bytes)  # one position, K and V, per device
+    ps = sampler_cfg.page_size
+    pages = int(max(free_bytes, 0) // (per_token * ps))
+    per_seq = pages_for(sampler_cfg.max_seq_len, ps)
+    lengths = LogNormalLengths(median_len, p99_len, max_len=sampler_cfg.max_new_tokens)
+    workload = Workload(1, group, prompt_len, lengths)
+    tokens = kv_tokens_per_sequence(workload, "paged", ps, sampler_cfg.steps_per_call)
+    long_tail = data * int(pages * ps // tokens)
+    return {
+        "page_size": ps,
+        "page_bytes": per_token * ps,
+        "free_bytes": int(free_bytes),
+        "pages_per_device": pages,
+        "sequences_at_max_len": data * (pages // per_seq),
+        "sequences_long_tail": long_tail,
+        "long_tail": {
+            "median": median_len,
+            "p99": p99_len,
+            "prompt_len": prompt_len,
+            "group": group,
+            "kv_tokens_per_sequence": tokens,
+        },  # fmt: skip
+        "sequences_slotted": data * int(free_bytes // (per_token * sampler_cfg.max_seq_len)),
+        "num_slots": sampler_cfg.num_slots,
+        "decode_batch_long_tail": min(long_tail, sampler_cfg.num_slots),
     }
 
 

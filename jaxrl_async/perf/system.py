@@ -109,6 +109,34 @@ def mean_decode_context(workload: Workload) -> float:
     return workload.prompt_len + float(np.mean(lens**2) / (2 * np.mean(lens)))
 
 
+def kv_tokens_per_sequence(
+    workload: Workload,
+    kv_reserve: str,
+    page_size: int = 16,
+    steps_per_call: int = 8,
+    share_prefix: bool = True,
+) -> float:
+    """KV tokens one decode slot costs under a reservation rule.
+
+    "max": a slotted cache (every slot reserves prompt + the longest length). "mean": prompt + mean length
+    (an idealised paged cache). "paged": the sampler's paged cache and admission rule
+    (`jaxrl_async.sampler.page_table.mean_resident_tokens`): running sequences hold prompt + E[L^2] / (2 E[L])
+    positions on average, rounded to pages, one call of growth ahead, full prompt pages shared by a group.
+    """
+    if kv_reserve == "max":
+        return workload.max_context
+    if kv_reserve == "mean":
+        return workload.prompt_len + workload.lengths.mean()
+    if kv_reserve == "paged":
+        from jaxrl_async.sampler.page_table import mean_resident_tokens
+
+        lens = workload.lengths.representative(4000).astype(float)
+        group = workload.samples_per_prompt if share_prefix else 1
+        mean, mean_sq = float(np.mean(lens)), float(np.mean(lens**2))
+        return mean_resident_tokens(workload.prompt_len, mean, mean_sq, page_size, group, steps_per_call)
+    raise ValueError(f"kv_reserve must be 'max', 'mean' or 'paged', got {kv_reserve!r}")
+
+
 def _default_tp(shape: ModelShape, hw: Hardware, max_weight_frac: float = 0.5) -> int:
     """Smallest power-of-two replica whose weights take at most `max_weight_frac` of its memory."""
     tp = 1
@@ -129,6 +157,8 @@ def build_system(
     devices_per_replica: int | None = None,
     max_decode_batch: int | None = None,
     kv_reserve: str = "max",
+    page_size: int = 16,
+    steps_per_call: int = 8,
     mem_reserve_frac: float = 0.1,
     decode_mem_efficiency: float = 0.7,
     decode_compute_efficiency: float = 0.5,
@@ -154,7 +184,9 @@ def build_system(
       train_bench: (train_tokens_per_s, devices) measured; scaled linearly per device.
       devices_per_replica: sampler tensor-parallel degree (default: smallest power of two fitting 2x weights).
       max_decode_batch: optional cap on decode slots per replica (engine limit).
-      kv_reserve: "max" (each slot reserves prompt + max length: a static cache) or "mean" (paged cache).
+      kv_reserve: "max" (each slot reserves prompt + max length: a slotted cache), "mean" (prompt + mean
+        length) or "paged" (the sampler's paged cache: see `kv_tokens_per_sequence`).
+      page_size, steps_per_call: the sampler's, for kv_reserve="paged".
       mem_reserve_frac: fraction of replica memory kept for activations and fragmentation.
       decode_mem_efficiency, decode_compute_efficiency: achieved fractions of bandwidth / peak in decode.
       decode_overhead_s: fixed seconds per decode step.
@@ -187,11 +219,7 @@ def build_system(
         raise ValueError(
             f"devices_per_replica={devices_per_replica} but the decode bench ran on {tp} devices"
         )
-    per_seq_tokens = (
-        workload.max_context if kv_reserve == "max" else workload.prompt_len + workload.lengths.mean()
-    )
-    if kv_reserve not in ("max", "mean"):
-        raise ValueError(f"kv_reserve must be 'max' or 'mean', got {kv_reserve!r}")
+    per_seq_tokens = kv_tokens_per_sequence(workload, kv_reserve, page_size, steps_per_call, share_prefix)
     free = tp * hw.mem_bytes * (1 - mem_reserve_frac) - shape.weight_bytes
     slots = int(free // (shape.kv_bytes_per_token * per_seq_tokens))
     if max_decode_batch is not None:

@@ -1,10 +1,11 @@
-"""Sampler configuration: slots, KV budget, buckets, sampling method and the weight-update mode."""
+"""Sampler configuration: slots, KV budget, buckets, sampling method, kernels and the weight-update mode."""
 
 from __future__ import annotations
 
 import dataclasses
 
-KERNELS = ("xla", "cpu_kernel")  # values of SamplerConfig.attention and .linear
+ATTENTION = ("auto", "xla", "paged_kernel", "cpu_kernel")  # values of SamplerConfig.attention
+LINEAR = ("auto", "xla", "cpu_kernel")  # values of SamplerConfig.linear
 UPDATE_MODES = ("keep_kv", "recompute_kv", "finish")
 
 
@@ -22,11 +23,14 @@ class SamplerConfig:
     """Static settings of one sampler engine; every field is static (changing one recompiles).
 
     Attributes:
-      num_slots: decode batch size (sequences decoded together); a multiple of the mesh's data axis.
+      num_slots: decode batch size (sequences decoded together); a multiple of the mesh's data axis. With
+        the paged cache it is the most sequences that may run at once; free pages decide how many do.
       max_prompt_len: longest prompt accepted (the largest prompt bucket).
       max_new_tokens: most tokens generated per sequence (a request may ask for fewer).
-      token_budget: KV-cache capacity in tokens over all slots; each slot holds token_budget // num_slots
-        positions. None = num_slots * (max_prompt_len + max_new_tokens), so every request fits.
+      token_budget: KV-cache capacity in tokens over all slots. Slotted cache: each slot holds
+        token_budget // num_slots positions. Paged cache: the page pool, split evenly over the data axis
+        (each data shard also keeps one scratch page). None = num_slots * (max_prompt_len + max_new_tokens),
+        so every request fits (and the paged cache never runs out of pages).
       prompt_buckets: prompt lengths are padded up to one of these (one prefill compilation each).
       prefill_batch: at most this many prompts (of one bucket) are prefilled in one call when several
         are admitted at once; batches are padded to a power of two (all compiled on a bucket's first use).
@@ -44,10 +48,17 @@ class SamplerConfig:
         full before the next is dispatched.
       fuse_projections: decode with fused q|k|v and gate|up weights (fewer, larger matmuls; not with
         linear="cpu_kernel", where separate matrices measured faster).
-      attention: decode attention: "xla" (einsums, any backend) or "cpu_kernel" (a C++ custom call for
-        XLA:CPU that reads only valid positions on all cores; one sampler device; needs a C++ compiler).
-      linear: sampler matmuls: "xla" (dots) or "cpu_kernel" (a C++ custom call for XLA:CPU over weights
-        packed in 16-row panels at each weight update; all cores; same limits as attention).
+      attention: decode attention. "xla": einsums over a slotted cache (any backend). "cpu_kernel": a C++
+        custom call for XLA:CPU that reads only valid positions on all cores (one sampler device, float32,
+        needs a C++ compiler). "paged_kernel": a paged KV cache (`page_size` positions per page, page tables
+        per slot, shared prompt pages) read by the JAX Pallas paged-attention kernel of the platform (TPU and
+        GPU; on CPU the GPU kernel in Pallas interpret mode, for tests only: slow). "auto": paged_kernel on
+        TPU and GPU; on one float32 CPU device whichever of xla and cpu_kernel (with `linear`) decoded
+        fastest when the engine was built (timed, see docs/sampler.md); otherwise xla.
+      linear: sampler matmuls: "xla" (dots), "cpu_kernel" (a C++ custom call for XLA:CPU over weights packed
+        in 16-row panels at each weight update; all cores; same limits as attention="cpu_kernel") or "auto"
+        (timed with `attention` on one float32 CPU device, else xla).
+      page_size: KV positions per page of the paged cache (attention="paged_kernel").
     """
 
     num_slots: int = 8
@@ -65,11 +76,13 @@ class SamplerConfig:
     update_mode: str = "keep_kv"
     overlap_host: bool = True
     fuse_projections: bool = True
-    attention: str = "xla"
-    linear: str = "xla"
+    attention: str = "auto"
+    linear: str = "auto"
+    page_size: int = 16
 
     def __post_init__(self):
         positive = ("num_slots", "max_prompt_len", "max_new_tokens", "steps_per_call", "top_p_candidates")
+        positive += ("page_size",)
         for name in (*positive, "prefill_batch"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"SamplerConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -90,10 +103,12 @@ class SamplerConfig:
             object.__setattr__(
                 self, "token_budget", self.num_slots * (self.max_prompt_len + self.max_new_tokens)
             )
-        if self.slot_len < self.max_prompt_len + 1:
+        if self.attention in ("xla", "cpu_kernel"):  # the slotted cache ("auto": checked by the engine)
+            self.check_slotted()
+        if self.token_budget < self.max_prompt_len + 1:
             raise ValueError(
-                f"SamplerConfig.token_budget={self.token_budget} gives {self.slot_len} positions per slot "
-                f"over {self.num_slots} slots; need >= max_prompt_len + 1 = {self.max_prompt_len + 1}"
+                f"SamplerConfig.token_budget={self.token_budget} cannot hold one prompt of max_prompt_len="
+                f"{self.max_prompt_len} (+ 1)"
             )
         if self.temperature < 0:
             raise ValueError(f"SamplerConfig.temperature must be >= 0, got {self.temperature}")
@@ -103,15 +118,28 @@ class SamplerConfig:
             raise ValueError(f"SamplerConfig.top_p must be in (0, 1], got {self.top_p}")
         if self.update_mode not in UPDATE_MODES:
             raise ValueError(f"SamplerConfig.update_mode={self.update_mode!r} not in {UPDATE_MODES}")
-        for name in ("attention", "linear"):
-            if getattr(self, name) not in KERNELS:
-                raise ValueError(f"SamplerConfig.{name}={getattr(self, name)!r} not in {KERNELS}")
+        for name, allowed in (("attention", ATTENTION), ("linear", LINEAR)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"SamplerConfig.{name}={getattr(self, name)!r} not in {allowed}")
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+
+    def check_slotted(self) -> None:
+        """Raises ValueError unless every slot of a slotted cache can hold a prompt of max_prompt_len."""
+        if self.slot_len < self.max_prompt_len + 1:
+            raise ValueError(
+                f"SamplerConfig.token_budget={self.token_budget} gives {self.slot_len} positions per slot "
+                f"over {self.num_slots} slots; need >= max_prompt_len + 1 = {self.max_prompt_len + 1}"
+            )
 
     @property
     def slot_len(self) -> int:
-        """KV positions per slot (prompt + generated tokens must fit)."""
+        """KV positions per slot of the slotted cache (prompt + generated tokens must fit)."""
         return self.token_budget // self.num_slots
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest sequence a request can make: max_prompt_len + max_new_tokens."""
+        return self.max_prompt_len + self.max_new_tokens
 
     @property
     def greedy(self) -> bool:
@@ -133,14 +161,20 @@ class SamplerConfig:
                 return b
         raise ValueError(f"prompt of {prompt_len} tokens exceeds max_prompt_len={self.max_prompt_len}")
 
-    def recompute_bucket(self, length: int) -> int:
-        """Length bucket for re-prefilling every slot after a `recompute_kv` weight update."""
-        for b in (*self.prompt_buckets, *default_buckets(self.slot_len, self.max_prompt_len)):
+    def recompute_bucket(self, length: int, capacity: int | None = None) -> int:
+        """Length bucket for re-prefilling every slot after a `recompute_kv` weight update.
+
+        Args:
+          capacity: the longest sequence the cache holds (default: the slotted cache's slot_len).
+        """
+        capacity = self.slot_len if capacity is None else capacity
+        for b in (*self.prompt_buckets, *default_buckets(capacity, self.max_prompt_len)):
             if length <= b:
                 return b
-        raise ValueError(f"sequence of {length} tokens exceeds the slot length {self.slot_len}")
+        raise ValueError(f"sequence of {length} tokens exceeds the sequence capacity {capacity}")
 
     @property
     def cpu_kernels(self) -> tuple[str, ...]:
-        """Names of the fields that select a CPU kernel (each needs one CPU sampler device, float32)."""
+        """Names of the fields that explicitly select a CPU kernel (each needs one CPU sampler device,
+        float32; "auto" falls back to xla where the kernels are not allowed)."""
         return tuple(n for n in ("attention", "linear") if getattr(self, n) == "cpu_kernel")

@@ -7,7 +7,8 @@ threads.
 Linear: at batch 1 the weight matrix-vector products are the whole step, and XLA:CPU's stream the
 weights at ~80% of the read bandwidth; at batch 4-32 its dots with few rows are far from peak. The kernel
 takes weights packed in panels of 16 output rows (`pack`, done once per weight update), so each panel is
-one sequential stream and every weight load feeds up to 28 multiply-adds.
+one sequential stream and every weight load feeds several multiply-adds (the register blocking follows
+the instruction set the library is compiled for: 14 rows x 2 panels with AVX-512, 6 x 1 with AVX2).
 
 `kernels/decode_kernels.cc` is compiled with the system C++ compiler on first use into a per-user cache
 keyed by the source and jaxlib version, then registered with `jax.ffi`. CPU only, one sampler device (the
@@ -31,6 +32,7 @@ import numpy as np
 _TARGETS = {"DecodeAttention": "jaxrl_async_decode_attention", "Linear": "jaxrl_async_linear"}
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels", "decode_kernels.cc")
 PANEL = 16  # output rows per packed weight panel (the kernel's vector width)
+MARCH_ENV = "JAXRL_ASYNC_KERNEL_MARCH"  # -march for the kernel library (default "native")
 
 
 def _cache_dir() -> str:
@@ -38,7 +40,11 @@ def _cache_dir() -> str:
     return os.path.join(root, "jaxrl_async", "kernels")
 
 
-def _build(source: str, out: str) -> None:
+def _march(march: str | None) -> str:
+    return march or os.environ.get(MARCH_ENV) or "native"
+
+
+def _build(source: str, out: str, march: str) -> None:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise RuntimeError(
@@ -48,7 +54,7 @@ def _build(source: str, out: str) -> None:
     with tempfile.NamedTemporaryFile(suffix=".so", dir=os.path.dirname(out), delete=False) as f:
         tmp = f.name
     cmd = [
-        cxx, "-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared",
+        cxx, "-O3", f"-march={march}", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared",
         "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", source, "-o", tmp, "-lpthread",
     ]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True)
@@ -58,13 +64,17 @@ def _build(source: str, out: str) -> None:
     os.replace(tmp, out)  # atomic: concurrent builders never load a half-written library
 
 
+def compiler_available() -> bool:
+    """Whether a C++ compiler is there to build the kernels ($CXX, g++ or c++)."""
+    return bool(os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++"))
+
+
 @functools.cache
-def load() -> dict[str, str]:
-    """Builds (once per source/jaxlib version) and registers the kernels; returns {symbol: FFI target}."""
+def _library(march: str) -> ctypes.CDLL:
     import jaxlib
 
     with open(_SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read() + jaxlib.__version__.encode()).hexdigest()[:16]
+        digest = hashlib.sha256(f.read() + jaxlib.__version__.encode() + march.encode()).hexdigest()[:16]
     cache = _cache_dir()
     try:
         os.makedirs(cache, exist_ok=True)
@@ -73,11 +83,36 @@ def load() -> dict[str, str]:
         os.makedirs(cache, exist_ok=True)
     path = os.path.join(cache, f"decode_kernels_{digest}.so")
     if not os.path.exists(path):
-        _build(_SOURCE, path)
-    lib = ctypes.cdll.LoadLibrary(path)
-    for symbol, target in _TARGETS.items():
+        _build(_SOURCE, path, march)
+    return ctypes.cdll.LoadLibrary(path)
+
+
+@functools.cache
+def load(march: str | None = None) -> dict[str, str]:
+    """Builds (once per source, jaxlib version and -march) and registers the kernels.
+
+    Args:
+      march: the compiler's -march (default: $JAXRL_ASYNC_KERNEL_MARCH or "native"). Another value builds a
+        second library whose targets carry it in their names, e.g. "x86-64-v3" (AVX2) to check on an
+        AVX-512 machine the blocking an AVX2 machine gets.
+
+    Returns:
+      {symbol: FFI target name}.
+    """
+    march = _march(march)
+    lib = _library(march)
+    suffix = "" if march == "native" else "_" + march.replace("-", "_")
+    targets = {symbol: target + suffix for symbol, target in _TARGETS.items()}
+    for symbol, target in targets.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-    return _TARGETS
+    return targets
+
+
+def kernel_info(march: str | None = None) -> str:
+    """The instruction set and linear-kernel blocking the library was compiled for, e.g. "avx512 14x2"."""
+    fn = _library(_march(march)).KernelInfo
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
 
 
 def default_threads() -> int:
@@ -85,9 +120,13 @@ def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def decode_attention(q_BxGxRxK, k_BxGxSxK, v_BxGxSxK, n_valid_B, threads: int | None = None):
+def decode_attention(
+    q_BxGxRxK, k_BxGxSxK, v_BxGxSxK, n_valid_B, threads: int | None = None, march: str | None = None
+):
     """softmax(q k^T / sqrt(K)) v over positions < n_valid[b] of each slot (float32; see module doc)."""
-    call = jax.ffi.ffi_call(load()["DecodeAttention"], jax.ShapeDtypeStruct(q_BxGxRxK.shape, jnp.float32))
+    call = jax.ffi.ffi_call(
+        load(march)["DecodeAttention"], jax.ShapeDtypeStruct(q_BxGxRxK.shape, jnp.float32)
+    )
     scale = np.float32(q_BxGxRxK.shape[-1] ** -0.5)
     return call(
         q_BxGxRxK.astype(jnp.float32),
@@ -107,9 +146,9 @@ def pack(w_NxD):
     return w_NxD.reshape(n // PANEL, PANEL, d).transpose(0, 2, 1)
 
 
-def linear(x_MxD, w_PxDx16, threads: int | None = None):
+def linear(x_MxD, w_PxDx16, threads: int | None = None, march: str | None = None):
     """x @ w.T in float32 for a weight packed by `pack` (any number of rows M)."""
     out = jax.ShapeDtypeStruct((x_MxD.shape[0], w_PxDx16.shape[0] * PANEL), jnp.float32)
-    call = jax.ffi.ffi_call(load()["Linear"], out)
+    call = jax.ffi.ffi_call(load(march)["Linear"], out)
     threads = np.int64(threads or default_threads())
     return call(x_MxD.astype(jnp.float32), w_PxDx16.astype(jnp.float32), threads=threads)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jaxrl_async.model import ModelConfig, abstract_params, attention, param_specs
 from jaxrl_async.model.transformer import apply_rope, rms_norm, rope_inv_freq
-from jaxrl_async.sampler import cpu_kernels
+from jaxrl_async.sampler import cpu_kernels, paged
 
 _NEG_INF = -1e30
 CACHE_AXES = ("batch", "kv_heads", "seq", "head_dim")  # logical axes of one layer's K or V buffer
@@ -197,24 +197,38 @@ def prefill_kv(cfg: ModelConfig, dparams: dict, tokens_BxT, mesh=None):
 
 
 def decode_step(
-    cfg: ModelConfig, dparams: dict, keys: list, values: list, tokens_B, positions_B, attention: str = "xla"
+    cfg: ModelConfig,
+    dparams: dict,
+    keys: list,
+    values: list,
+    tokens_B,
+    positions_B,
+    attention: str = "xla",
+    page_layout: paged.PagedLayout | None = None,
+    page_table_BxW=None,
+    done_B=None,
 ):
     """One decode step: writes each row's new key/value at its own position, attends to positions <= it.
 
     Args:
-      keys, values: per layer [B, G, S, K] caches (updated in place when donated).
+      keys, values: per layer [B, G, S, K] caches, or with `page_layout` [G, pages, page_size, K] page pools
+        (updated in place when donated).
       tokens_B: int32 input token per row; positions_B: its absolute position (= cache index).
-      attention: "xla" (einsums over the whole row) or "cpu_kernel" (`cpu_kernels`: valid positions only).
+      attention: "xla" (einsums over the whole row), "cpu_kernel" (`cpu_kernels`: valid positions only) or
+        "paged_kernel" (`paged`: the Pallas kernel over the row's pages; needs the next three arguments).
+      page_layout, page_table_BxW, done_B: the paged cache's layout, every row's page table, and which rows
+        are finished (they must not write: their pages may belong to another sequence by now).
 
     Returns:
       (logits_BxV float32, keys, values).
     """
     dt = jnp.dtype(cfg.dtype)
     b = tokens_B.shape[0]
-    s = keys[0].shape[2]
     inv_freq = rope_inv_freq(cfg)
     positions_Bx1 = positions_B[:, None]
-    mask_Bx1xS = (jnp.arange(s)[None, :] <= positions_Bx1)[:, None, :]
+    if page_layout is None:
+        s = keys[0].shape[2]
+        mask_Bx1xS = (jnp.arange(s)[None, :] <= positions_Bx1)[:, None, :]
     rows = jnp.arange(b)
     x_Bx1xD = dparams["embed"].astype(dt)[tokens_B][:, None]
     keys, values = list(keys), list(values)
@@ -222,6 +236,20 @@ def decode_step(
         h_Bx1xD = rms_norm(x_Bx1xD, lp["attn_norm"], cfg.rms_eps)
         q, k, v = _qkv(cfg, lp, h_Bx1xD)
         q, k = apply_rope(q, positions_Bx1, inv_freq), apply_rope(k, positions_Bx1, inv_freq)
+        if page_layout is not None:
+            out_BxHxK, keys[i], values[i] = paged.write_and_attend(
+                page_layout,
+                q[:, 0],
+                k[:, 0],
+                v[:, 0],
+                keys[i],
+                values[i],
+                page_table_BxW,
+                positions_B,
+                done_B,
+            )
+            x_Bx1xD = _mlp_residual(cfg, lp, x_Bx1xD, out_BxHxK[:, None].astype(dt))
+            continue
         keys[i] = keys[i].at[rows, :, positions_B].set(k[:, 0].astype(keys[i].dtype))
         values[i] = values[i].at[rows, :, positions_B].set(v[:, 0].astype(values[i].dtype))
         if attention == "cpu_kernel":

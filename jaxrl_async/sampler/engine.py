@@ -1,4 +1,4 @@
-"""The sampler engine on the sampler submesh: prefill / insert / generate over a ragged, slotted KV cache.
+"""The sampler engine on the sampler submesh: prefill / insert / generate over a ragged KV cache.
 
 Contract (after JetStream's engine, with one deliberate difference):
   - `prefill(prompt)` -> `Prefix`: the keys/values of the prompt, padded to a prompt bucket
@@ -11,14 +11,20 @@ Contract (after JetStream's engine, with one deliberate difference):
     first token in prefill instead.
 
 Decode state (a dict pytree, sharded by slot over "data" and by KV head over "tensor"):
-  k, v: per layer [B, G, S, K]; cache index == absolute position; slot b holds valid entries at 0..pos[b]-1.
+  k, v: per layer the cache. Slotted (attention "xla" / "cpu_kernel"): [B, G, S, K], cache index ==
+  absolute position, slot b holds valid entries at 0..pos[b]-1. Paged ("paged_kernel"): page pools
+  [G, pages, page_size, K] (`paged`), addressed through per-slot page tables that the host owns
+  (`page_table.PageTable`, kept by the loop) and passes to insert / generate / recompute_kv.
   next_token [B]: the token at position pos[b], fed by the next step; last_pos [B]: position of the last
   token the slot may generate; done [B]: the slot is free or finished (it is frozen); key [B, 2]: the row
   key (seed, sample index). Attention masks each slot to its own valid positions.
 
+"auto" kernels are resolved when the engine is built (`kernel_choice`); `cfg` holds the concrete ones.
+
 Static (a new shape compiles): prompt bucket x prefill batch size (all batch sizes of a bucket compile on
-its first use), the recompute length bucket, num_slots, steps_per_call, the sampling settings. Dynamic
-(arrays): tokens, positions, slot contents, seeds, weights (same tree, shapes and shardings).
+its first use), the recompute length bucket, num_slots, steps_per_call, the sampling settings, the
+kernels, the page layout. Dynamic (arrays): tokens, positions, slot contents, seeds, page tables, weights
+(same tree, shapes and shardings).
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_async.model import ModelConfig, abstract_params
-from jaxrl_async.sampler import decode, sampling
+from jaxrl_async.sampler import decode, kernel_choice, paged, sampling
 from jaxrl_async.sampler.config import SamplerConfig
+from jaxrl_async.sampler.page_table import SCRATCH, PageTable, pages_for
 from jaxrl_async.sharding import SAMPLER_RULES
 
 
@@ -124,7 +131,8 @@ class Engine:
         version: int = 0,
         weights_from: Engine | None = None,
     ):
-        """Compiles nothing yet; validates and converts `params` (already in the sampler layout on `mesh`).
+        """Validates and converts `params` (already in the sampler layout on `mesh`); resolves "auto" kernels
+        (on one float32 CPU device by timing `generate`, which compiles it; see `kernel_choice`).
 
         With `params=None` nothing is allocated: only `compile_generate` may be called (plan checks).
         With `weights_from` (an engine of the same model and mesh, e.g. the sampler's, for a greedy eval
@@ -132,30 +140,36 @@ class Engine:
         either is seen by both. It still has its own decode state (KV cache).
 
         Raises:
-          ValueError: the slot count does not divide over the data axis, the slot length exceeds the model's
-            max_seq_len, `params` do not match the model's sampler layout, or `weights_from` has another
-            model, mesh or weight layout.
+          ValueError: the slot count does not divide over the data axis, a sequence cannot fit the cache or
+            the model's max_seq_len, a kernel cannot run here, `params` do not match the sampler layout,
+            or `weights_from` has another model, mesh or weight layout.
         """
         if cfg.num_slots % mesh.shape["data"]:
             raise ValueError(
                 f"num_slots={cfg.num_slots} is not a multiple of the data axis ({mesh.shape['data']})"
             )
+        runner = None if params is None else functools.partial(_timing_runner, model_cfg, params, mesh)
+        self.kernel_choice = kernel_choice.resolve(model_cfg, mesh, cfg, runner)
+        cfg = dataclasses.replace(
+            cfg, attention=self.kernel_choice.attention, linear=self.kernel_choice.linear
+        )
         for name in cfg.cpu_kernels:
-            if mesh.devices.size != 1 or mesh.devices.flat[0].platform != "cpu":
+            why_not = kernel_choice.cpu_kernels_unavailable(model_cfg, mesh)
+            if why_not is not None:
                 raise ValueError(
-                    f"SamplerConfig.{name}='cpu_kernel' runs on one CPU device; the sampler mesh has "
-                    f"{mesh.devices.size} {mesh.devices.flat[0].platform} device(s) (use {name}='xla')"
+                    f"SamplerConfig.{name}='cpu_kernel' cannot run: {why_not} (use {name}='xla')"
                 )
-            if jnp.dtype(model_cfg.dtype) != jnp.float32:
-                # The kernels read float32; other weights/caches would be converted in full every step.
-                raise ValueError(
-                    f"SamplerConfig.{name}='cpu_kernel' needs a float32 model, got dtype={model_cfg.dtype}"
-                )
-        if cfg.slot_len > model_cfg.max_seq_len:
-            raise ValueError(
-                f"slot length {cfg.slot_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}"
-            )
         self.model_cfg, self.cfg, self.mesh = model_cfg, cfg, mesh
+        self.paged = cfg.attention == "paged_kernel"
+        self.page_layout = self._page_layout() if self.paged else None
+        if not self.paged:
+            cfg.check_slotted()
+        # Longest sequence (prompt + generated tokens) one slot can hold.
+        self.capacity = cfg.max_seq_len if self.paged else cfg.slot_len
+        if self.capacity > model_cfg.max_seq_len:
+            raise ValueError(
+                f"sequence capacity {self.capacity} exceeds the model's max_seq_len={model_cfg.max_seq_len}"
+            )
         pack = cfg.linear == "cpu_kernel"
         # The kernel gains nothing from fused matrices, and slicing the fused outputs apart cost 8% of a
         # batch-32 step (49.9 vs 53.9 ms; equal at batch 1).
@@ -170,7 +184,10 @@ class Engine:
             lambda axes, x: shard(axes, x.shape), dspecs, dshapes, is_leaf=is_axes
         )
         b, g, s, k = cfg.num_slots, model_cfg.n_kv_heads, cfg.slot_len, model_cfg.head_dim
-        cache_sh = shard(decode.CACHE_AXES, (b, g, s, k))
+        if self.paged:
+            cache_sh = NamedSharding(mesh, self.page_layout.pool_spec)
+        else:
+            cache_sh = shard(decode.CACHE_AXES, (b, g, s, k))
         row_sh = shard(("batch",), (b,))
         self._state_sh = {
             "k": [cache_sh] * model_cfg.n_layers,
@@ -193,6 +210,9 @@ class Engine:
         # Prefilled keys/values: replicated over "data" (any slot may take any row), whatever the batch.
         kv_in = shard((None, "kv_heads", "seq", "head_dim"), (1, g, cfg.max_prompt_len, k))
         self._kv_in_sh = kv_in
+        table_sh = NamedSharding(mesh, PartitionSpec("data", None))  # page tables and per-slot page lists
+        self._table_sh = table_sh
+        paged_args = (table_sh,) if self.paged else ()
         self._executables: dict[int, dict] = {}  # prompt bucket -> batch -> compiled prefill / insert
         self._to_layout = jax.jit(to_layout, out_shardings=self._dparams_sh)
         self._prefill = jax.jit(
@@ -201,19 +221,25 @@ class Engine:
         self._insert = jax.jit(
             self._insert_fn,
             donate_argnums=0,
-            in_shardings=(self._state_sh, kv_in, kv_in, replicated),
+            in_shardings=(self._state_sh, kv_in, kv_in, replicated, *paged_args),
             out_shardings=self._state_sh,
         )
         self._generate = jax.jit(
             self._generate_fn,
             donate_argnums=1,
-            in_shardings=(self._dparams_sh, self._state_sh),
+            in_shardings=(self._dparams_sh, self._state_sh, *paged_args),
             out_shardings=(self._state_sh, round_sh),
         )
         self._recompute = jax.jit(
             self._recompute_fn,
             donate_argnums=1,
-            in_shardings=(self._dparams_sh, self._state_sh, shard(("batch", None))),
+            in_shardings=(self._dparams_sh, self._state_sh, shard(("batch", None)), *paged_args),
+            out_shardings=self._state_sh,
+        )
+        self._release = jax.jit(
+            self._release_fn,
+            donate_argnums=0,
+            in_shardings=(self._state_sh, row_sh),
             out_shardings=self._state_sh,
         )
         self._init_state = jax.jit(self._init_state_fn, out_shardings=self._state_sh)
@@ -229,6 +255,23 @@ class Engine:
             self._weights = weights_from._weights
         if params is not None:
             self.update_params(params, version)
+
+    def _page_layout(self) -> paged.PagedLayout:
+        c, m = self.cfg, self.model_cfg
+        data = self.mesh.shape["data"]
+        impl, interpret = paged.default_impl(self.mesh.devices.flat[0].platform)
+        pages_per_seq = pages_for(c.max_seq_len, c.page_size)
+        usable = c.token_budget // (data * c.page_size)
+        if usable < pages_per_seq:
+            raise ValueError(
+                f"SamplerConfig.token_budget={c.token_budget} gives {usable} pages of {c.page_size} "
+                f"positions per data shard ({data} shards); one sequence of max_prompt_len + "
+                f"max_new_tokens = {c.max_seq_len} needs {pages_per_seq}"
+            )
+        width = paged.table_width(pages_per_seq, impl, interpret)
+        return paged.PagedLayout(
+            self.mesh, m.n_kv_heads, m.head_dim, c.page_size, usable + 1, width, impl, interpret
+        )
 
     # ----- public API -----
 
@@ -264,7 +307,10 @@ class Engine:
         dshapes = jax.eval_shape(to_layout, abstract_params(self.model_cfg))
         dparams = jax.tree.map(abstract, dshapes, self._dparams_sh)
         state = jax.tree.map(abstract, jax.eval_shape(self._init_state_fn), self._state_sh)
-        return self._generate.lower(dparams, state).compile()
+        tables = ()
+        if self.paged:
+            tables = (jax.ShapeDtypeStruct(self._table_shape(), jnp.int32, sharding=self._table_sh),)
+        return self._generate.lower(dparams, state, *tables).compile()
 
     def weight_bytes_per_device(self) -> int:
         """Bytes of the decode-layout weights on each sampler device (shared with `weights_from` engines)."""
@@ -279,7 +325,7 @@ class Engine:
 
     def fits(self, prompt_len: int, max_new_tokens: int) -> bool:
         """Whether a sequence of this prompt length and generation limit fits one slot."""
-        return 1 <= prompt_len <= self.cfg.max_prompt_len and prompt_len + max_new_tokens <= self.cfg.slot_len
+        return 1 <= prompt_len <= self.cfg.max_prompt_len and prompt_len + max_new_tokens <= self.capacity
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         """Raises ValueError saying why a request cannot fit."""
@@ -288,11 +334,22 @@ class Engine:
             raise ValueError("empty prompt: a request needs at least one prompt token")
         if prompt_len > c.max_prompt_len:
             raise ValueError(f"prompt of {prompt_len} tokens exceeds max_prompt_len={c.max_prompt_len}")
-        if prompt_len + max_new_tokens > c.slot_len:
-            raise ValueError(
-                f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds the slot length "
-                f"{c.slot_len} (token_budget={c.token_budget} over {c.num_slots} slots)"
+        if prompt_len + max_new_tokens > self.capacity:
+            where = (
+                f"the longest sequence max_prompt_len + max_new_tokens = {self.capacity}"
+                if self.paged
+                else f"the slot length {c.slot_len} (token_budget={c.token_budget} over {c.num_slots} slots)"
             )
+            raise ValueError(
+                f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds {where}"
+            )
+
+    def new_page_table(self) -> PageTable:
+        """Empty host page tables for this engine's paged cache (the loop keeps one per decode state)."""
+        if not self.paged:
+            raise ValueError("new_page_table: the engine has a slotted cache (attention != 'paged_kernel')")
+        lay = self.page_layout
+        return PageTable(self.cfg.num_slots, lay.data, lay.pages_per_shard, lay.width, lay.page_size)
 
     def prefill(self, prompt_tokens) -> Prefix:
         """Keys/values of a prompt (padded to its bucket), computed with the current weights."""
@@ -334,61 +391,127 @@ class Engine:
                 prefill = self._prefill.lower(self._dparams, tokens).compile()
                 kv = jax.eval_shape(self._prefill_fn, self._dparams, tokens)[0]
                 kv = [abstract(x, self._kv_in_sh) for x in kv]
-                insert = self._insert.lower(state, kv, kv, row).compile()
+                dest = ()
+                if self.paged:
+                    dest_shape = self._dest_shape(bucket)
+                    dest = (jax.ShapeDtypeStruct(dest_shape, jnp.int32, sharding=self._table_sh),)
+                insert = self._insert.lower(state, kv, kv, row, *dest).compile()
                 per_batch[n] = {"prefill": prefill, "insert": insert}
             self._executables[bucket] = per_batch
         return self._executables[bucket]
 
     def insert(
-        self, state: dict, prefix: Prefix, slot: int, seed: int, sample_index: int, max_new_tokens: int
+        self,
+        state: dict,
+        prefix: Prefix,
+        slot: int,
+        seed: int,
+        sample_index: int,
+        max_new_tokens: int,
+        dest=None,
     ) -> dict:
         """Places a prefix into `slot` (donating `state`); the slot then generates up to max_new_tokens.
 
         The slot's random stream depends only on (seed, sample_index) and token positions.
+
+        Args:
+          dest: paged cache only: int32 [data, ceil(bucket / page_size)], the page of data shard d that
+            receives prompt chunk c (`insert_pages` builds it); SCRATCH skips a chunk.
         """
         self.check_fits(prefix.prompt_len, max_new_tokens)
         if not 0 <= slot < self.cfg.num_slots:
             raise ValueError(f"slot {slot} out of range [0, {self.cfg.num_slots})")
+        if self.paged != (dest is not None):
+            raise ValueError("insert: pass `dest` pages exactly when the cache is paged")
         p = prefix.prompt_len
         seed_u32 = np.asarray(seed & 0xFFFFFFFF, np.uint32).view(np.int32)
         row = np.asarray(
             [slot, prefix.last_token, p - 1, p + max_new_tokens - 1, seed_u32, sample_index, prefix.row],
             np.int32,
         )
-        insert = self._compiled(prefix.keys[0].shape[2])[prefix.keys[0].shape[0]]["insert"]
-        return insert(state, prefix.keys, prefix.values, row)
+        bucket = prefix.keys[0].shape[2]
+        insert = self._compiled(bucket)[prefix.keys[0].shape[0]]["insert"]
+        pages = () if dest is None else (np.asarray(dest, np.int32).reshape(self._dest_shape(bucket)),)
+        return insert(state, prefix.keys, prefix.values, row, *pages)
 
-    def generate(self, state: dict) -> tuple[dict, Round]:
-        """`steps_per_call` decode steps for all slots (donating `state`); returns immediately (async)."""
-        state, out = self._generate(self._dparams, state)
+    def insert_pages(self, slot: int, prompt_len: int, pages: list[int], skip: int) -> np.ndarray:
+        """`insert`'s `dest` for a slot whose pages are `pages` (in order), the first `skip` of them shared
+        pages that hold the prompt already."""
+        bucket = self.cfg.prompt_bucket(prompt_len)
+        dest = np.full(self._dest_shape(bucket), SCRATCH, np.int32)
+        n = min(pages_for(prompt_len, self.cfg.page_size), dest.shape[1])
+        shard = slot // (self.cfg.num_slots // self.page_layout.data)
+        dest[shard, skip:n] = pages[skip:n]
+        return dest
+
+    def generate(self, state: dict, page_table=None) -> tuple[dict, Round]:
+        """`steps_per_call` decode steps for all slots (donating `state`); returns immediately (async).
+
+        Args:
+          page_table: paged cache only: int32 [num_slots, width] (`PageTable.table`, or its device copy);
+            every live slot must own pages for the positions this call writes.
+        """
+        state, out = self._generate(self._dparams, state, *self._tables(page_table))
         return state, Round(**out, version=self.version)
 
-    def recompute_kv(self, state: dict, sequences: list) -> dict:
+    def recompute_kv(self, state: dict, sequences: list, page_table=None) -> dict:
         """Rebuilds every live slot's cache with the current weights.
 
         Args:
           sequences: per slot, the tokens whose keys/values the cache holds (prompt + generated tokens,
             without the pending next token), or None for free slots.
+          page_table: paged cache only: as for `generate` (the pages the sequences' positions live in).
         """
         longest = max([len(s) for s in sequences if s is not None] + [1])
-        tokens = np.zeros((self.cfg.num_slots, self.cfg.recompute_bucket(longest)), np.int32)
+        bucket = self.cfg.recompute_bucket(longest, self.capacity)
+        tokens = np.zeros((self.cfg.num_slots, bucket), np.int32)
         for b, seq in enumerate(sequences):
             if seq is not None:
                 tokens[b, : len(seq)] = seq
-        return self._recompute(self._dparams, state, tokens)
+        dest = ()
+        if self.paged:
+            table = np.asarray(page_table)
+            n_chunks = pages_for(bucket, self.cfg.page_size)
+            dest_BxC = np.full((self.cfg.num_slots, n_chunks), SCRATCH, np.int32)
+            for b, seq in enumerate(sequences):
+                if seq is not None:
+                    n = min(pages_for(len(seq), self.cfg.page_size), n_chunks)
+                    dest_BxC[b, :n] = table[b, :n]
+            dest = (dest_BxC,)
+        return self._recompute(self._dparams, state, tokens, *dest)
+
+    def release(self, state: dict, slots: list[int]) -> dict:
+        """Marks `slots` finished on the device (donating `state`): they stop writing their cache (used when
+        the loop takes a sequence's pages away)."""
+        mask = np.zeros((self.cfg.num_slots,), bool)
+        mask[list(slots)] = True
+        return self._release(state, mask)
 
     def cache_sizes(self) -> dict[str, int]:
         """Number of compiled executables per jitted entry point (for recompilation checks)."""
-        fns = {"generate": self._generate, "recompute": self._recompute}
+        fns = {"generate": self._generate, "recompute": self._recompute, "release": self._release}
         compiled = {k: f._cache_size() for k, f in fns.items()}
         n = sum(len(per_batch) for per_batch in self._executables.values())
         return {"prefill": n, "insert": n, **compiled}
+
+    def _table_shape(self) -> tuple[int, int]:
+        return (self.cfg.num_slots, self.page_layout.width)
+
+    def _dest_shape(self, bucket: int) -> tuple[int, int]:
+        return (self.page_layout.data, pages_for(bucket, self.cfg.page_size))
+
+    def _tables(self, page_table) -> tuple:
+        if self.paged != (page_table is not None):
+            raise ValueError("pass `page_table` exactly when the cache is paged")
+        return () if page_table is None else (page_table,)
 
     # ----- jitted bodies -----
 
     def _init_state_fn(self) -> dict:
         m, c = self.model_cfg, self.cfg
-        shape = (c.num_slots, m.n_kv_heads, c.slot_len, m.head_dim)
+        shape = (
+            self.page_layout.pool_shape if self.paged else (c.num_slots, m.n_kv_heads, c.slot_len, m.head_dim)
+        )
         zeros_b = jnp.zeros((c.num_slots,), jnp.int32)
         return {
             "k": [jnp.zeros(shape, m.dtype) for _ in range(m.n_layers)],
@@ -404,7 +527,7 @@ class Engine:
         keys, values = decode.prefill_kv(self.model_cfg, dparams, tokens_1xT, self.mesh)
         return keys, values
 
-    def _insert_fn(self, state, keys, values, row):
+    def _insert_fn(self, state, keys, values, row, dest=None):
         slot, last_token, pos, last_pos, src = row[0], row[1], row[2], row[3], row[6]
         seed, index = jax.lax.bitcast_convert_type(row[4:6], jnp.uint32)
         key = sampling.row_keys(seed[None], index[None])[0]
@@ -413,9 +536,18 @@ class Engine:
             prefix_1xGxTxK = jax.lax.dynamic_slice_in_dim(prefix, src, 1, axis=0)
             return jax.lax.dynamic_update_slice(cache, prefix_1xGxTxK.astype(cache.dtype), (slot, 0, 0, 0))
 
+        if self.paged:
+            pools = [
+                paged.write_prefix(self.page_layout, kp, vp, pk, pv, src, dest)
+                for kp, vp, pk, pv in zip(state["k"], state["v"], keys, values, strict=True)
+            ]
+            new_k, new_v = [k for k, _ in pools], [v for _, v in pools]
+        else:
+            new_k = [put(c, p) for c, p in zip(state["k"], keys, strict=True)]
+            new_v = [put(c, p) for c, p in zip(state["v"], values, strict=True)]
         return {
-            "k": [put(c, p) for c, p in zip(state["k"], keys, strict=True)],
-            "v": [put(c, p) for c, p in zip(state["v"], values, strict=True)],
+            "k": new_k,
+            "v": new_v,
             "next_token": state["next_token"].at[slot].set(last_token),
             "pos": state["pos"].at[slot].set(pos),
             "last_pos": state["last_pos"].at[slot].set(last_pos),
@@ -423,7 +555,17 @@ class Engine:
             "key": state["key"].at[slot].set(key),
         }
 
-    def _generate_fn(self, dparams, state):
+    def _release_fn(self, state, mask_B):
+        return dict(state, done=state["done"] | mask_B)
+
+    def _timing_state_fn(self):
+        """Every slot live at mid-capacity (for timing `generate`; the cache contents do not matter)."""
+        state = self._init_state_fn()
+        b, mid = self.cfg.num_slots, self.capacity // 2
+        full = lambda v: jnp.full((b,), v, jnp.int32)
+        return dict(state, pos=full(mid), last_pos=full(self.capacity - 1), done=jnp.zeros((b,), bool))
+
+    def _generate_fn(self, dparams, state, page_table=None):
         c = self.cfg
         stop = jnp.asarray(c.stop_tokens or (-1,), jnp.int32)
 
@@ -436,6 +578,9 @@ class Engine:
                 state["next_token"],
                 state["pos"],
                 attention=c.attention,
+                page_layout=self.page_layout,
+                page_table_BxW=page_table,
+                done_B=state["done"],
             )
             new_pos = state["pos"] + 1
             tok, logp, slogp = sampling.sample(
@@ -469,11 +614,30 @@ class Engine:
         }
         return state, out
 
-    def _recompute_fn(self, dparams, state, tokens_BxT):
+    def _recompute_fn(self, dparams, state, tokens_BxT, dest_BxC=None):
         keys, values = decode.prefill_kv(self.model_cfg, dparams, tokens_BxT, self.mesh)
+        if self.paged:
+            pools = [
+                paged.write_sequences(self.page_layout, kp, vp, k, v, dest_BxC)
+                for kp, vp, k, v in zip(state["k"], state["v"], keys, values, strict=True)
+            ]
+            return dict(state, k=[k for k, _ in pools], v=[v for _, v in pools])
         put = lambda c, p: jax.lax.dynamic_update_slice(c, p.astype(c.dtype), (0, 0, 0, 0))
         return dict(
             state,
             k=[put(c, p) for c, p in zip(state["k"], keys, strict=True)],
             v=[put(c, p) for c, p in zip(state["v"], values, strict=True)],
         )
+
+
+def _timing_runner(model_cfg: ModelConfig, params: dict, mesh: Mesh, cfg: SamplerConfig):
+    """An engine for a concrete `cfg` and a function that runs one `generate` call on a state with every
+    slot live (what `kernel_choice` times)."""
+    eng = Engine(model_cfg, params, mesh, cfg)
+    box = [jax.jit(eng._timing_state_fn, out_shardings=eng._state_sh)()]
+
+    def run():
+        box[0], rnd = eng.generate(box[0])
+        rnd.done.block_until_ready()
+
+    return run

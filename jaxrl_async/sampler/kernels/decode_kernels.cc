@@ -8,6 +8,10 @@
 //
 // Both split their work over one persistent pool whose workers spin between calls: a decode step makes
 // ~50 small calls, and waking sleeping threads for each cost more than the split gained (measured).
+//
+// The library is compiled with -march=native (or the -march that JAXRL_ASYNC_KERNEL_MARCH names), and the
+// linear kernel's register blocking follows the instruction set it is compiled for (`kMR`, `kNP` below):
+// a blocking sized for AVX-512's 32 vector registers spills on AVX2's 16.
 #include <algorithm>
 #include <atomic>
 #include <cfloat>
@@ -16,6 +20,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -193,8 +198,33 @@ void AttendRows(const void* ctx, int part, int parts) {
 // ---------------------------------------------------------------------------------------------------------
 // Linear over packed weights.
 
-typedef float v16 __attribute__((vector_size(64)));                  // 16 floats (one zmm, or two ymm)
-typedef float v16u __attribute__((vector_size(64), aligned(4)));     // the same, unaligned
+// Registers of the target: how many vector registers, and how many of them one 16-float panel row takes.
+#if defined(__AVX512F__)
+constexpr int kVecRegs = 32, kRegsPerPanel = 1;
+constexpr const char* kIsa = "avx512";
+#elif defined(__AVX__)
+constexpr int kVecRegs = 16, kRegsPerPanel = 2;
+constexpr const char* kIsa = "avx2";
+#elif defined(__aarch64__)
+constexpr int kVecRegs = 32, kRegsPerPanel = 4;
+constexpr const char* kIsa = "neon";
+#else
+constexpr int kVecRegs = 16, kRegsPerPanel = 4;
+constexpr const char* kIsa = "sse";
+#endif
+// A micro-kernel holds kMR x kNP panel accumulators, kNP panel rows of weights and one broadcast input in
+// registers: kMR * kNP * r + kNP * r + 1 <= kVecRegs with r = kRegsPerPanel. Two panels per pass when a
+// panel is one register (AVX-512: 14 x 2 = 28 accumulators), one otherwise (AVX2 and NEON: 6 x 1, SSE: 2 x 1).
+constexpr int kNP = kRegsPerPanel == 1 ? 2 : 1;
+constexpr int kMR = (kVecRegs - 1 - kNP * kRegsPerPanel) / (kNP * kRegsPerPanel);
+static_assert(kMR >= 1 && kMR * kNP * kRegsPerPanel + kNP * kRegsPerPanel + 1 <= kVecRegs, "blocking");
+
+// One vector register of floats. A 16-float panel row is kRegsPerPanel of them: a 64-byte vector type on a
+// target without 512-bit registers is not kept in registers by the compiler (every multiply-add went through
+// the stack: 25x slower than XLA at 32 rows with -march=x86-64-v3), so the kernel never uses wider types.
+constexpr int kLanes = 16 / kRegsPerPanel;
+typedef float vec __attribute__((vector_size(kLanes * 4)));
+typedef float vecu __attribute__((vector_size(kLanes * 4), aligned(4)));  // the same, unaligned
 
 // w is packed in panels of 16 output rows, [P, D, 16] (`cpu_kernels.pack`): for every input position d the
 // 16 weights of a panel are one contiguous vector, so a pass over D streams each panel sequentially and the
@@ -209,38 +239,43 @@ struct LinearArgs {
 // this pass runs (weights come from memory on the first pass over a panel; later passes hit L2).
 template <int MR, int NP>
 inline void Micro(const LinearArgs& a, int64_t p, int64_t m0, const float* pf) {
+  constexpr int R = kRegsPerPanel, NV = NP * R;  // vectors per input row
   const int64_t D = a.D;
-  v16 acc[MR][NP];
+  vec acc[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NP; ++j) acc[i][j] = v16{};
+    for (int v = 0; v < NV; ++v) acc[i][v] = vec{};
   const float* wp = a.w + p * D * 16;
   const float* x = a.x + m0 * D;
   for (int64_t d = 0; d < D; ++d) {
-    v16 wv[NP];
-    for (int j = 0; j < NP; ++j) wv[j] = *reinterpret_cast<const v16*>(wp + (j * D + d) * 16);
-    if (pf)
+    vec wv[NV];
+    for (int j = 0; j < NP; ++j)
+      for (int r = 0; r < R; ++r) wv[j * R + r] = *reinterpret_cast<const vec*>(wp + (j * D + d) * 16 + r * kLanes);
+    if (pf)  // a panel row is 64 bytes: one cache line
       for (int j = 0; j < NP; ++j) __builtin_prefetch(pf + (j * D + d) * 16, 0, 1);
     for (int i = 0; i < MR; ++i) {
       const float xi = x[i * D + d];
-      for (int j = 0; j < NP; ++j) acc[i][j] += xi * wv[j];
+      for (int v = 0; v < NV; ++v) acc[i][v] += xi * wv[v];
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NP; ++j) {
-      *reinterpret_cast<v16u*>(a.y + (m0 + i) * a.N + (p + j) * 16) = acc[i][j];
-    }
+    for (int j = 0; j < NP; ++j)
+      for (int r = 0; r < R; ++r)
+        *reinterpret_cast<vecu*>(a.y + (m0 + i) * a.N + (p + j) * 16 + r * kLanes) = acc[i][j * R + r];
 }
 
-// Panels [p, p + NP) against inputs [mlo, mhi), in blocks of 14 / 8 / 4 / 1 inputs (14 x 2 panels = 28
-// accumulators: as many as the 32 vector registers allow).
+// Panels [p, p + NP) against inputs [mlo, mhi), in blocks of kMR inputs, then smaller blocks for the rest.
 template <int NP>
 inline void Panels(const LinearArgs& a, int64_t p, int64_t mlo, int64_t mhi, int64_t phi) {
   const bool prefetch = mhi - mlo >= 4 && p + 2 * NP <= phi;  // one input: a pure stream, the hardware does it
   const float* pf = prefetch ? a.w + (p + NP) * a.D * 16 : nullptr;
   int64_t m = mlo;
-  for (; m + 14 <= mhi; m += 14, pf = nullptr) Micro<14, NP>(a, p, m, pf);
-  for (; m + 8 <= mhi; m += 8, pf = nullptr) Micro<8, NP>(a, p, m, pf);
-  for (; m + 4 <= mhi; m += 4, pf = nullptr) Micro<4, NP>(a, p, m, pf);
+  for (; m + kMR <= mhi; m += kMR, pf = nullptr) Micro<kMR, NP>(a, p, m, pf);
+  if constexpr (kMR > 8)
+    for (; m + 8 <= mhi; m += 8, pf = nullptr) Micro<8, NP>(a, p, m, pf);
+  if constexpr (kMR > 4)
+    for (; m + 4 <= mhi; m += 4, pf = nullptr) Micro<4, NP>(a, p, m, pf);
+  if constexpr (kMR > 2)
+    for (; m + 2 <= mhi; m += 2, pf = nullptr) Micro<2, NP>(a, p, m, pf);
   for (; m < mhi; ++m, pf = nullptr) Micro<1, NP>(a, p, m, pf);
 }
 
@@ -253,9 +288,11 @@ void LinearRows(const void* ctx, int part, int parts) {
     const int64_t mhi = std::min<int64_t>(a.M, mc + kChunk);
     int64_t p = lo;
     if (mhi - mc == 1) {
-      for (; p + 4 <= hi; p += 4) Panels<4>(a, p, mc, mhi, hi);  // four streams in flight
+      // One input row: memory bound; four panel streams in flight (the FMAs take their weights from memory
+      // operands, so this needs no more registers than one accumulator per panel row).
+      for (; p + 4 <= hi; p += 4) Panels<4>(a, p, mc, mhi, hi);
     }
-    for (; p + 2 <= hi; p += 2) Panels<2>(a, p, mc, mhi, hi);
+    for (; p + kNP <= hi; p += kNP) Panels<kNP>(a, p, mc, mhi, hi);
     for (; p < hi; ++p) Panels<1>(a, p, mc, mhi, hi);
   }
 }
@@ -293,6 +330,12 @@ static ffi::Error LinearImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, f
     GetPool(threads).Run(LinearRows, &args);
   }
   return ffi::Error::Success();
+}
+
+// "<isa> <kMR>x<kNP>": the instruction set and linear blocking this library was compiled for (diagnostics).
+extern "C" const char* KernelInfo() {
+  static const std::string info = std::string(kIsa) + " " + std::to_string(kMR) + "x" + std::to_string(kNP);
+  return info.c_str();
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttention, DecodeAttentionImpl,

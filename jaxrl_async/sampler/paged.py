@@ -1,0 +1,233 @@
+"""Device side of the paged KV cache (SamplerConfig.attention="paged_kernel"): pool layout and shardings, page
+writes, and decode attention through the JAX Pallas paged-attention kernels.
+
+Per layer one K and one V pool [G, data * pages_per_shard, page_size, K]: KV heads over "tensor" (when they
+divide), pages over "data" (each data shard owns a contiguous range of pages and the slots that use them,
+as the slotted cache splits its slots). Page tables hold shard-local page ids (`page_table.PageTable`), so
+every function here runs inside `shard_map` on local blocks.
+
+Kernels (`jax.experimental.pallas.ops`), both reading the [G, pages, page_size, K] pools directly:
+  - TPU: `tpu.paged_attention.paged_attention`. It reads K/V as bfloat16 whatever their dtype (its
+    `MultiPageAsyncCopyDescriptor` casts them), so a float32 model on TPU decodes with rounded K/V.
+  - GPU: `gpu.paged_attention.paged_attention` (Triton), in float32 when the cache is float32.
+  - CPU: the GPU kernel in Pallas interpret mode (slow; tests and correctness checks only). The TPU
+    kernel also runs in interpret mode (`pltpu.force_tpu_interpret_mode`), with its bfloat16 rounding.
+    `tpu.ragged_paged_attention` does not run in interpret mode in jax 0.10.2 (head_dim below 128 fails a
+    block-shape assertion; head_dim 128 fails in the interpreter: "'ReshapeTransform' object has no
+    attribute 'indices'"), and its combined K|V page layout differs, so it is not used.
+Neither kernel scales the scores: queries are multiplied by head_dim ** -0.5 first.
+
+Static (recompiles): the layout (mesh, page_size, pages per shard, table width, kernel). Dynamic: page
+tables, positions, pool contents.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxrl_async.sampler.page_table import SCRATCH
+from jaxrl_async.sharding import SAMPLER_RULES
+
+IMPLS = ("tpu", "gpu")
+
+
+def default_impl(platform: str) -> tuple[str, bool]:
+    """(kernel, interpret) for a platform: the platform's own kernel, or the GPU kernel interpreted on CPU."""
+    if platform == "tpu":
+        return "tpu", False
+    if platform in ("gpu", "cuda", "rocm"):
+        return "gpu", False
+    return "gpu", True
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedLayout:
+    """Static description of a paged cache on a mesh.
+
+    Attributes:
+      mesh: the sampler mesh ("data", "tensor").
+      n_kv_heads, head_dim: of the model.
+      page_size: positions per page.
+      pages_per_shard: pages each data shard owns, its scratch page included.
+      width: page-table columns per slot (pages of the longest sequence, rounded up for the kernel).
+      impl: "tpu" or "gpu" (which Pallas kernel).
+      interpret: run the kernel in Pallas interpret mode (CPU).
+    """
+
+    mesh: Mesh
+    n_kv_heads: int
+    head_dim: int
+    page_size: int
+    pages_per_shard: int
+    width: int
+    impl: str
+    interpret: bool
+
+    def __post_init__(self):
+        if self.impl not in IMPLS:
+            raise ValueError(f"paged kernel {self.impl!r} not in {IMPLS}")
+
+    @property
+    def data(self) -> int:
+        return self.mesh.shape["data"]
+
+    @property
+    def pool_shape(self) -> tuple[int, int, int, int]:
+        return (self.n_kv_heads, self.data * self.pages_per_shard, self.page_size, self.head_dim)
+
+    @property
+    def heads(self) -> str | None:
+        """Mesh axis of the KV heads (None: replicated, when "tensor" does not divide them)."""
+        return SAMPLER_RULES.spec(("kv_heads",), (self.n_kv_heads,), self.mesh)[0]
+
+    @property
+    def pool_spec(self) -> PartitionSpec:
+        return PartitionSpec(self.heads, "data", None, None)
+
+    @property
+    def blocks(self) -> tuple[int, int]:
+        """(k_splits, pages per compute block) of the kernels, both dividing the table width."""
+        splits = 2 if self.interpret else 16  # interpret mode loops over the grid: keep it small
+        while self.width % splits:
+            splits //= 2
+        per_block = 8
+        while (self.width // splits) % per_block:
+            per_block //= 2
+        return splits, per_block
+
+
+def table_width(pages_per_seq: int, impl: str, interpret: bool) -> int:
+    """Page-table columns: pages of the longest sequence, rounded up so the kernels' blocks divide them."""
+    multiple = 2 if interpret else (8 if impl == "tpu" else 16)
+    return -(-pages_per_seq // multiple) * multiple
+
+
+def _attend_local(layout: PagedLayout, q_BxHxK, kpool, vpool, lengths_B, table_BxW):
+    """Paged decode attention on one shard's blocks (the Pallas kernel of `layout.impl`)."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged
+
+    q_BxHxK = (q_BxHxK.astype(jnp.float32) * layout.head_dim**-0.5).astype(kpool.dtype)
+    splits, per_block = layout.blocks
+    if layout.impl == "gpu":
+        out = gpu_paged.paged_attention(
+            q_BxHxK, kpool, vpool, table_BxW, lengths_B, block_h=16, pages_per_compute_block=per_block,
+            k_splits=splits, interpret=layout.interpret,
+        )  # fmt: skip
+    else:
+        from jax.experimental.pallas import tpu as pltpu
+
+        interpret = pltpu.force_tpu_interpret_mode() if layout.interpret else contextlib.nullcontext()
+        with interpret:
+            out = tpu_paged(q_BxHxK, kpool, vpool, lengths_B, table_BxW, pages_per_compute_block=per_block)
+    return out
+
+
+def _specs(layout: PagedLayout):
+    rows = PartitionSpec("data")
+    return rows, PartitionSpec("data", layout.heads, None), layout.pool_spec
+
+
+def write_and_attend(layout: PagedLayout, q_BxHxK, k_BxGxK, v_BxGxK, kpool, vpool, table_BxW, pos_B, done_B):
+    """Writes each live row's key/value at its position's page, then attends to positions <= it.
+
+    Rows that are `done` write to the scratch page (their pages may already belong to another sequence).
+
+    Returns:
+      (attention [B, H, K] in q's dtype, kpool, vpool).
+    """
+    ps = layout.page_size
+
+    def body(q, k, v, kp, vp, table, pos, done):
+        page_B = jnp.take_along_axis(table, (pos // ps)[:, None], axis=1)[:, 0]
+        page_B = jnp.where(done, SCRATCH, page_B)
+        kp = kp.at[:, page_B, pos % ps].set(k.transpose(1, 0, 2).astype(kp.dtype))
+        vp = vp.at[:, page_B, pos % ps].set(v.transpose(1, 0, 2).astype(vp.dtype))
+        out = _attend_local(layout, q, kp, vp, pos + 1, table)
+        return out.astype(q.dtype), kp, vp
+
+    rows, heads3, pool = _specs(layout)
+    table_spec = PartitionSpec("data", None)
+    fn = jax.shard_map(
+        body,
+        mesh=layout.mesh,
+        in_specs=(heads3, heads3, heads3, pool, pool, table_spec, rows, rows),
+        out_specs=(heads3, pool, pool),
+        check_vma=False,
+    )
+    return fn(q_BxHxK, k_BxGxK, v_BxGxK, kpool, vpool, table_BxW, pos_B, done_B)
+
+
+def _chunks(x_NxGxTxK, page_size: int, n_chunks: int):
+    """[N, G, T, K] -> [G, N, n_chunks, page_size, K] (T padded with zeros to n_chunks * page_size)."""
+    n, g, t, k = x_NxGxTxK.shape
+    x = jnp.pad(x_NxGxTxK, ((0, 0), (0, 0), (0, n_chunks * page_size - t), (0, 0)))
+    return x.reshape(n, g, n_chunks, page_size, k).transpose(1, 0, 2, 3, 4)
+
+
+def write_prefix(layout: PagedLayout, kpool, vpool, keys_NxGxTxK, values_NxGxTxK, src, dest_DxC):
+    """Copies prompt chunk c of prefix row `src` into page dest[d, c] of data shard d (SCRATCH: skipped).
+
+    Only the shard that owns the slot has non-scratch entries; chunks whose pages another sample of the
+    group already wrote are SCRATCH too.
+    """
+
+    def body(kp, vp, pk, pv, src, dest):
+        n_chunks = dest.shape[1]
+        pick = lambda x: jax.lax.dynamic_slice_in_dim(x, src, 1, axis=0)
+        kc = _chunks(pick(pk), layout.page_size, n_chunks)[:, 0]  # [G, C, ps, K]
+        vc = _chunks(pick(pv), layout.page_size, n_chunks)[:, 0]
+        kp = kp.at[:, dest[0]].set(kc.astype(kp.dtype))
+        vp = vp.at[:, dest[0]].set(vc.astype(vp.dtype))
+        return kp, vp
+
+    pool = layout.pool_spec
+    prefix = PartitionSpec(None, layout.heads, None, None)
+    fn = jax.shard_map(
+        body,
+        mesh=layout.mesh,
+        in_specs=(pool, pool, prefix, prefix, PartitionSpec(), PartitionSpec("data", None)),
+        out_specs=(pool, pool),
+        check_vma=False,
+    )
+    return fn(kpool, vpool, keys_NxGxTxK, values_NxGxTxK, src, dest_DxC)
+
+
+def write_sequences(layout: PagedLayout, kpool, vpool, keys_BxGxTxK, values_BxGxTxK, dest_BxC):
+    """Writes slot b's positions [c * page_size, (c + 1) * page_size) into page dest[b, c] (recompute_kv)."""
+
+    def body(kp, vp, k, v, dest):
+        n_chunks = dest.shape[1]
+        kp = kp.at[:, dest].set(_chunks(k, layout.page_size, n_chunks).astype(kp.dtype))
+        vp = vp.at[:, dest].set(_chunks(v, layout.page_size, n_chunks).astype(vp.dtype))
+        return kp, vp
+
+    pool = layout.pool_spec
+    seqs = PartitionSpec("data", layout.heads, None, None)
+    fn = jax.shard_map(
+        body,
+        mesh=layout.mesh,
+        in_specs=(pool, pool, seqs, seqs, PartitionSpec("data", None)),
+        out_specs=(pool, pool),
+        check_vma=False,
+    )
+    return fn(kpool, vpool, keys_BxGxTxK, values_BxGxTxK, dest_BxC)
+
+
+def reference_attention(q_BxHxK, kpool, vpool, lengths_B, table_BxW):
+    """XLA reference of the paged attention on one shard (tests): gathers every slot's pages, masks."""
+    g, _, _, kd = kpool.shape
+    b, h, _ = q_BxHxK.shape
+    k_BxGxSxK = kpool[:, table_BxW].transpose(1, 0, 2, 3, 4).reshape(b, g, -1, kd).astype(jnp.float32)
+    v_BxGxSxK = vpool[:, table_BxW].transpose(1, 0, 2, 3, 4).reshape(b, g, -1, kd).astype(jnp.float32)
+    q_BxGxRxK = q_BxHxK.reshape(b, g, h // g, kd).astype(jnp.float32)
+    s_BxGxRxS = jnp.einsum("bgrk,bgsk->bgrs", q_BxGxRxK, k_BxGxSxK) * kd**-0.5
+    mask_BxS = jnp.arange(s_BxGxRxS.shape[-1])[None, :] < lengths_B[:, None]
+    s_BxGxRxS = jnp.where(mask_BxS[:, None, None], s_BxGxRxS, -1e30)
+    out = jnp.einsum("bgrs,bgsk->bgrk", jax.nn.softmax(s_BxGxRxS, -1), v_BxGxSxK)
+    return out.reshape(b, h, kd)
