@@ -65,9 +65,10 @@ class Coordinator:
             return
         self.prompts.set_state(state["data"])
         self.controller.started = int(state["started"])
-        if state["in_flight"] and lookup is None:
+        in_flight = state.get("in_flight", [])  # (absent from checkpoints written before the ledger)
+        if in_flight and lookup is None:
             raise ValueError("resuming in-flight prompts needs a `lookup` of their keys")
-        for gid, key in state["in_flight"]:
+        for gid, key in in_flight:
             self.in_flight[int(gid)] = lookup(key)
             self.retry.append(int(gid))
         log.info("resume: %d prompts in flight at the checkpoint are started again", len(self.retry))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -76,6 +77,7 @@ def _run(cmd: list[str], cores: list[int] | None, log: str) -> None:
 
 def run_one(args, name: str, root: str) -> dict:
     workdir = os.path.join(root, name)
+    shutil.rmtree(workdir, ignore_errors=True)  # a fresh run: nothing to resume from
     os.makedirs(workdir, exist_ok=True)
     log = os.path.join(root, f"{name}.log")
     py = sys.executable
