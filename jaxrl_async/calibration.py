@@ -136,6 +136,29 @@ def calibrate_roles(proc, batches: int = 6) -> dict[str, Any]:
     }
 
 
+def decode_curve(proc, batches=(1, 4, 16, 64)) -> dict[str, Any]:
+    """Decode step seconds of a built one-process run's sampler: its own engine with b busy slots (a
+    static-shape engine costs about the same whatever b), and an engine of only b slots (the t(b) of an
+    engine that pays for busy slots only). The split model's latency input (`perf.calibrated`)."""
+    import dataclasses
+
+    from jaxrl_async import setup as build
+
+    run, engine = proc.run, proc.actor.engine
+    params = proc.learner.core.publish().params  # the current weights in the sampler layout
+    engine.update_params(params, 0)
+    slots = engine.cfg.num_slots
+    sizes = sorted({b for b in batches if b < slots} | {slots})
+    out: dict[str, Any] = {"slots": slots, "busy_of_run_engine": [], "engine_of_b_slots": []}
+    for b in sizes:
+        out["busy_of_run_engine"].append([b, decode_step_s(engine, b)])
+        few = dataclasses.replace(engine.cfg, num_slots=b, token_budget=b * engine.cfg.slot_len)
+        small = build.build_engines(run, proc.actor.engine.model_cfg, engine.mesh, few)[0]
+        small.update_params(params, 0)
+        out["engine_of_b_slots"].append([b, decode_step_s(small, b)])
+    return out
+
+
 def decode_step_s(engine, busy: int, calls: int = 20) -> float:
     """Median seconds per decode step of `engine` with `busy` of its slots running (the rest empty)."""
     import numpy as np

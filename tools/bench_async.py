@@ -93,12 +93,12 @@ def run_one(args, name: str, root: str) -> dict:
         return json.load(f)
 
 
-def role_bench(args, root: str, cores: list[int] | None, name: str) -> str:
+def role_bench(args, root: str, cores: list[int] | None, name: str, decode_curve: bool = False) -> str:
     """tools/bench_roles.py on the workload, on `cores` (None: every core); returns the JSON path."""
     out = os.path.join(root, f"{name}.json")
     flags = config_flags(args, os.path.join(root, name), "async")
     cmd = [sys.executable, os.path.join(REPO, "tools", "bench_roles.py"), *flags, "--batches", "6"]
-    cmd += ["--out", out]
+    cmd += ["--out", out] + (["--decode_curve"] if decode_curve else [])
     _run(cmd, cores, os.path.join(root, f"{name}.log"))
     return out
 
@@ -107,15 +107,25 @@ def predictions(args, root: str) -> dict[str, dict]:
     from jaxrl_async.perf.shared_host import load_role_bench, predict_async, predict_sync
 
     cores = sorted(os.sched_getaffinity(0))
-    one = load_role_bench(role_bench(args, root, cores[:1], "roles_one_core"))
     every = load_role_bench(role_bench(args, root, None, "roles_every_core"))
     out = {
         "sync": predict_sync(every, every).to_dict(),
         "async": predict_async(every, every, args.eta, cores=len(cores)).to_dict(),
     }
     if args.processes == 2:
-        # Each role on a core of its own: no processor sharing (each keeps at most its one core busy).
-        out["async_2proc"] = predict_async(one, one, args.eta, cores=2).to_dict()
+        # Each role on a core of its own: the split model proper (rates, the staleness window), with
+        # the engine's static decode batch.
+        from jaxrl_async.perf import model as pm
+        from jaxrl_async.perf.calibrated import calibrated_system, trained_tokens_per_s
+
+        with open(role_bench(args, root, cores[:1], "roles_one_core", decode_curve=True)) as f:
+            one = json.load(f)
+        system = calibrated_system(
+            one, prompts=args.prompts, samples=args.samples, median=args.median, p99=args.p99,
+            max_len=args.max_len, eta=args.eta, static_batch=True,
+        )  # fmt: skip
+        r = pm.analyze_split(system, 1, 1)
+        out["async_2proc"] = {**r.to_dict(), "tokens_per_s": trained_tokens_per_s(system, r.tokens_per_s)}
     return out
 
 

@@ -22,6 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py).", lock_config=True)
 _BATCHES = flags.DEFINE_integer("batches", 6, "timed train batches per measurement (>= 2)")
 _OUT = flags.DEFINE_string("out", None, "write the JSON here (it is printed either way)")
+_DECODE = flags.DEFINE_bool(
+    "decode_curve", False, "also time decode steps vs busy slots (the split model's input)"
+)
 flags.mark_flags_as_required(["config"])
 
 
@@ -41,6 +44,10 @@ def main(argv):
         raise app.UsageError(f"invalid config: {e}") from None
     try:
         result = calibrate_roles(proc, _BATCHES.value)
+        if _DECODE.value:
+            from jaxrl_async.calibration import decode_curve
+
+            result["decode"] = decode_curve(proc)
     finally:
         proc.close()
     text = json.dumps(result, indent=2)

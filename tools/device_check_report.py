@@ -1,6 +1,6 @@
 """Combines the parts written by tools/device_check.sh into one JSON, with the peer bars checked.
 
-  python tools/device_check_report.py DIR     # reads DIR/{decode,train,weight_sync}.json, DIR/run/tb
+python tools/device_check_report.py DIR     # reads DIR/{decode,train,weight_sync}.json, DIR/run/tb
 """
 
 from __future__ import annotations

@@ -7,16 +7,15 @@ sampler/trainer split, measured, beside the split model's prediction and its cho
 Each split s+t runs `launch/local_cluster.py --num-processes s+t --pin-cores` on the workload of
 tools/bench_async.py: processes 0..t-1 train (one FSDP trainer mesh of t devices), processes t..s+t-1
 sample (one replica each), every process on its own block of cores. Before the sweep the roles are timed
-alone on one core (tools/bench_roles.py); the split model then predicts each split: s replicas stream
-samples at s times one replica's rate, t trainer devices train at t times one device's rate (FSDP scaling
-assumed linear), and async throughput is the slower of the two (`perf.shared_host.predict_async` with
-each role on cores of its own, so no processor sharing).
+alone on one core (tools/bench_roles.py --decode_curve); the split model (`perf.model.analyze_split`
+with `perf.calibrated`) then predicts each split: s replicas of the measured engine (a static decode
+batch), t trainer devices at t times one device's measured rate (FSDP scaling assumed linear), and the
+staleness window.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -29,23 +28,17 @@ sys.path.insert(0, REPO)
 from tools.bench_async import config_flags, role_bench  # noqa: E402  (one definition of the workload)
 
 
-def predict(bench, s: int, t: int, eta: int) -> dict:
-    """The split model for s sampler replicas and t trainer devices, from a one-core role bench."""
-    from jaxrl_async.perf.shared_host import predict_async
+def predict(args, roles: dict, s: int, t: int) -> dict:
+    """The split model for s sampler replicas and t trainer devices, from one-core role measurements."""
+    from jaxrl_async.perf import model as pm
+    from jaxrl_async.perf.calibrated import calibrated_system, trained_tokens_per_s
 
-    sampler = dataclasses.replace(
-        bench,
-        sampler_devices=s,
-        sample_stream_s=bench.sample_stream_s / s,
-        sample_stream_cpu_s=bench.sample_stream_cpu_s / s,
-    )
-    trainer = dataclasses.replace(
-        bench,
-        trainer_devices=t,
-        train_step_s=bench.train_step_s / t,
-        train_step_cpu_s=bench.train_step_cpu_s / t,
-    )
-    return predict_async(sampler, trainer, eta, cores=s + t).to_dict()
+    system = calibrated_system(
+        roles, prompts=args.prompts, samples=args.samples, median=args.median, p99=args.p99,
+        max_len=args.max_len, eta=args.eta, static_batch=True, sampler_devices=s, trainer_devices=t,
+    )  # fmt: skip
+    r = pm.analyze_split(system, s, t)
+    return {**r.to_dict(), "tokens_per_s": trained_tokens_per_s(system, r.tokens_per_s)}
 
 
 def run_split(args, s: int, t: int, root: str) -> dict:
@@ -88,17 +81,16 @@ def main() -> None:
     pairs = [tuple(int(x) for x in pair.split("+")) for pair in args.splits.split(",")] if args.splits else [
         (s, n - s) for s in range(2, n - 1)
     ]  # fmt: skip
-    from jaxrl_async.perf.shared_host import load_role_bench
-
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or tmp
         os.makedirs(root, exist_ok=True)
         core = sorted(os.sched_getaffinity(0))[:1]
-        bench = load_role_bench(role_bench(args, root, core, "roles_one_core"))
+        with open(role_bench(args, root, core, "roles_one_core", decode_curve=True)) as f:
+            roles = json.load(f)
         rows = []
         for s, t in pairs:
             measured = run_split(args, s, t, root)
-            pred = predict(bench, s, t, args.eta)
+            pred = predict(args, roles, s, t)
             rows.append(
                 {
                     "sampler_processes": s,

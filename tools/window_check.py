@@ -25,7 +25,6 @@ sys.path.insert(0, REPO)
 
 from tools.bench_async import config_flags, role_bench  # noqa: E402  (one definition of the workload)
 
-BATCHES = (1, 4, 16, 64, 256)
 KEYS = (
     "steady_train_tokens_per_s",
     "sampler_idle_frac",
@@ -35,73 +34,26 @@ KEYS = (
 )
 
 
-def _decode_times(args, out: str) -> None:
-    """Decode step seconds on one core: the run's engine with b busy slots, and b-slot engines."""
-    code = f"""
-import json, dataclasses, jax
-from configs import bench_async
-from jaxrl_async.calibration import decode_step_s
-from jaxrl_async.model import init_params
-from jaxrl_async.orchestrator import single_process
-from jaxrl_async import setup as build
-from jaxrl_async.weight_sync import WeightSync
-c = bench_async.get_config()
-c.workdir = {out!r} + ".d"; c.model.n_layers = {args.layers}; c.sampler.num_slots = {args.slots}
-c.sampler.max_new_tokens = {args.max_len}
-from jaxrl_async.launch_util import prepare_devices
-prepare_devices(c)
-run = build.validate_for(c, single_process())
-tok = build.build_tokenizer(run); cfg = build.model_config(run, tok); scfg = build.sampler_config(run, tok)
-mesh = build.sampler_mesh(run, single_process())
-params = WeightSync(cfg, mesh)(init_params(cfg, jax.random.key(0)))
-engine = build.build_engines(run, cfg, mesh, scfg)[0]
-engine.update_params(params, 0)
-res = {{"slots": {args.slots}, "busy_of_run_engine": [], "engine_of_b_slots": []}}
-for b in {list(BATCHES)!r}:
-    if b <= {args.slots}:
-        res["busy_of_run_engine"].append([b, decode_step_s(engine, b)])
-        few = dataclasses.replace(scfg, num_slots=b, token_budget=b * scfg.slot_len)
-        small = build.build_engines(run, cfg, mesh, few)[0]
-        small.update_params(params, 0)
-        res["engine_of_b_slots"].append([b, decode_step_s(small, b)])
-json.dump(res, open({out!r}, "w"))
-"""
-    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    core = sorted(os.sched_getaffinity(0))[:1]
-    subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        check=True,
-        cwd=REPO,
-        preexec_fn=lambda: os.sched_setaffinity(0, core),
-    )
-
-
-def predict(args, decode: dict, roles: dict, static: bool) -> dict:
+def predict(args, roles: dict, static: bool) -> dict:
     from jaxrl_async.perf import model as pm
-    from jaxrl_async.perf.latency import fit_decode_latency
+    from jaxrl_async.perf.calibrated import calibrated_system, trained_tokens_per_s
     from jaxrl_async.perf.simulator import simulate
-    from jaxrl_async.perf.system import Sampler, System, Trainer
-    from jaxrl_async.perf.workload import LogNormalLengths, Workload
 
-    b, t = zip(*decode["engine_of_b_slots"], strict=True)
-    latency = fit_decode_latency(b, t)
-    prompt_len = roles["tokens_per_batch"] / roles["samples_per_batch"] - roles["completion_length_mean"]
-    wl = Workload(
-        args.prompts, args.samples, round(prompt_len), LogNormalLengths(args.median, args.p99, args.max_len)
-    )
-    tps = roles["tokens_per_batch"] / roles["train_step_s"]
-    sampler = Sampler(latency, 1, args.slots, 0.0, roles["update_s"], static_batch=static)
-    system = System(2, sampler, Trainer(tps, 1, 0.0), wl, args.eta)
+    system = calibrated_system(
+        roles, prompts=args.prompts, samples=args.samples, median=args.median, p99=args.p99,
+        max_len=args.max_len, eta=args.eta, static_batch=static,
+    )  # fmt: skip
     a = pm.analyze_split(system, 1, 1)
     sim = simulate(system, 1, 1, steps=200, warmup=20, seed=0)
-    to_trained = (prompt_len + wl.lengths.mean()) / wl.lengths.mean()  # response -> prompt + response tokens
     return {
-        "model_tokens_per_s": a.tokens_per_s * to_trained,
-        "simulated_tokens_per_s": sim.tokens_per_s * to_trained,
+        "model_tokens_per_s": trained_tokens_per_s(system, a.tokens_per_s),
+        "simulated_tokens_per_s": trained_tokens_per_s(system, sim.tokens_per_s),
         "bottleneck": a.bottleneck,
         "decode_batch": a.decode_batch,
         "mean_staleness": a.mean_staleness,
+        "train_rate": a.train_rate,
+        "sample_rate": a.sample_rate,
+        "window_rate": a.window_rate,
     }
 
 
@@ -122,11 +74,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or tmp
         os.makedirs(root, exist_ok=True)
-        decode_path = os.path.join(root, "decode.json")
-        _decode_times(args, decode_path)
-        decode = json.load(open(decode_path))
         core = sorted(os.sched_getaffinity(0))[:1]
-        roles = json.load(open(role_bench(args, root, core, "roles_one_core")))
+        roles = json.load(open(role_bench(args, root, core, "roles_one_core", decode_curve=True)))
         workdir = os.path.join(root, "run")
         flags = config_flags(args, workdir, "async")
         flags += ["--config.mesh.trainer_processes=(0,)", "--config.mesh.sampler_processes=(1,)"]
@@ -143,11 +92,10 @@ def main():
         measured = json.load(open(os.path.join(workdir, "summary.json")))
     out = {
         "workload": vars(args),
-        "decode_step_s": decode,
         "roles": roles,
         "measured": {k: measured[k] for k in KEYS},
-        "predicted_busy_slots": predict(args, decode, roles, static=False),
-        "predicted_all_slots": predict(args, decode, roles, static=True),
+        "predicted_busy_slots": predict(args, roles, static=False),
+        "predicted_all_slots": predict(args, roles, static=True),
     }  # fmt: skip
     print(json.dumps(out, indent=2))
     m = out["measured"]["steady_train_tokens_per_s"]

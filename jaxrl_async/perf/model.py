@@ -77,7 +77,7 @@ def batch_generation_s(system: System, replicas: int, n_samples: int) -> tuple[f
     """
     sp, wl = system.sampler, system.workload
     per_rep = n_samples / replicas
-    lens = wl.lengths.representative(n_samples)
+    lens = wl.batch_lengths(n_samples)
     surv = _survival(lens)
     mean_len = float(lens.mean())
     resident = min(per_rep, sp.max_batch)
@@ -147,7 +147,7 @@ def window_period_s(system: System, replicas: int, train_s: float, step_s: float
     if eta == 0:
         return batch_generation_s(system, replicas, n)[0] + train_s
     lens = wl.lengths.representative(n)
-    surv = _group_survival(lens, wl.samples_per_prompt)
+    surv = _group_survival(lens, wl.draws_per_group)
     lag = n / replicas * sp.prefill_s + sp.update_s
     d_max = lag + float(lens.max()) * step_s
 
@@ -168,7 +168,7 @@ def analyze_split(system: System, sampler_devices: int, trainer_devices: int) ->
     """Analytic throughput and staleness of one async split (see docs/performance-model.md)."""
     sp, wl = system.sampler, system.workload
     eta = system.max_staleness
-    n, g = wl.samples_per_batch, wl.samples_per_prompt
+    n = wl.samples_per_batch
     reps = max(system.replicas(sampler_devices), 1)
     mean_len = wl.lengths.mean()
     train_s = system.trainer.step_s(system.train_tokens(mean_len), trainer_devices)
@@ -199,7 +199,11 @@ def analyze_split(system: System, sampler_devices: int, trainer_devices: int) ->
     step_s = sp.step_s(max(batch, 1.0))
     longest_s = wl.lengths.expected_max(n) * step_s
     mean_stale = mean_staleness_estimate(
-        bottleneck, eta, busy_slots=batch * reps, group_ratio=wl.lengths.expected_max(g) / mean_len, n=n
+        bottleneck,
+        eta,
+        busy_slots=batch * reps,
+        group_ratio=wl.lengths.expected_max(wl.draws_per_group) / mean_len,
+        n=n,
     )
     imbalance = 1 - min(sample_rate, train_rate) / max(sample_rate, train_rate)
     return SplitResult(

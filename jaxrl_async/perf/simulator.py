@@ -113,7 +113,7 @@ class _Sim:
         g = self.wl.samples_per_prompt
         ids = list(range(self.n_samples, self.n_samples + g))
         self._grow(self.n_samples + g)
-        lens = self.wl.lengths.sample(self.rng, g)
+        lens = self.wl.group_lengths(self.rng)
         self.length[ids] = lens
         self.remaining[ids] = lens
         self.vsum[ids] = 0.0

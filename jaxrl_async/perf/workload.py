@@ -265,12 +265,35 @@ def lengths_from_tensorboard(logdir: str, tag: str) -> list[float]:
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """One RL train batch: B prompts x G samples, prompt length P, response lengths L ~ `lengths`."""
+    """One RL train batch: B prompts x G samples, prompt length P, response lengths L ~ `lengths`.
+
+    `shared_length`: the G samples of a prompt have one length (a per-prompt generation cap with the stop
+    token disabled, as tools/bench_async.py imposes); by default each sample's length is its own draw.
+    """
 
     prompts_per_batch: int
     samples_per_prompt: int
     prompt_len: int
     lengths: LengthDist
+    shared_length: bool = False
+
+    @property
+    def draws_per_group(self) -> int:
+        """Independent lengths in a group (its longest sample is the max of these)."""
+        return 1 if self.shared_length else self.samples_per_prompt
+
+    def batch_lengths(self, n: int) -> np.ndarray:
+        """Representative lengths of n samples (sorted), groups of one length when `shared_length`."""
+        if not self.shared_length:
+            return self.lengths.representative(n)
+        g = self.samples_per_prompt
+        return np.repeat(self.lengths.representative(max(1, n // g)), g)
+
+    def group_lengths(self, rng) -> np.ndarray:
+        """One group's sample lengths."""
+        if self.shared_length:
+            return np.repeat(self.lengths.sample(rng, 1), self.samples_per_prompt)
+        return self.lengths.sample(rng, self.samples_per_prompt)
 
     def __post_init__(self):
         if self.prompts_per_batch <= 0 or self.samples_per_prompt <= 0 or self.prompt_len < 0:
