@@ -388,6 +388,8 @@ class Learner:
             )
         values["time/elapsed_s"] = elapsed
         values["time/trained_tokens"] = float(self.trained_tokens)
+        values["time/trainer_idle_s"] = self.trainer_idle_s
+        values["time/sampler_idle_s"] = self._actor_sum("idle_s") / n_actors
         self.history.append({k: v for k, v in values.items() if v is not None})
         return values
 
@@ -402,6 +404,8 @@ class Learner:
             "eval_s": self.eval_s,
             "train_tokens_per_s": self.trained_tokens / train_wall,
             "steady_train_tokens_per_s": steady_rate(hist),
+            "steady_sampler_idle_frac": steady_rate(hist, "time/sampler_idle_s"),
+            "steady_trainer_idle_frac": steady_rate(hist, "time/trainer_idle_s"),
             "sample_tokens_per_s": self._actor_sum("sample_tokens") / train_wall,
             "sampler_idle_frac": self._actor_sum("idle_s") / max(len(actors), 1) / train_wall,
             "trainer_idle_frac": self.trainer_idle_s / train_wall,
@@ -421,15 +425,14 @@ class Learner:
         }  # fmt: skip
 
 
-def steady_rate(hist: list[dict[str, float]]) -> float:
-    """Trained tokens/s after the first fifth of the steps (at least 2): excludes compilation and fill-up."""
+def steady_rate(hist: list[dict[str, float]], key: str = "time/trained_tokens") -> float:
+    """Growth of `key` per second after the first fifth of the steps (at least 2), which excludes
+    compilation and fill-up: trained tokens/s, or with an idle-seconds key the idle fraction."""
     k = max(2, len(hist) // 5)
     if len(hist) <= k:
         return 0.0
     a, b = hist[k - 1], hist[-1]
-    return (b["time/trained_tokens"] - a["time/trained_tokens"]) / max(
-        b["time/elapsed_s"] - a["time/elapsed_s"], 1e-9
-    )
+    return (b[key] - a[key]) / max(b["time/elapsed_s"] - a["time/elapsed_s"], 1e-9)
 
 
 def _ready(metrics: dict) -> bool:

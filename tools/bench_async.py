@@ -31,8 +31,8 @@ KEYS = (
     "steady_train_tokens_per_s",
     "train_tokens_per_s",
     "sample_tokens_per_s",
-    "sampler_idle_frac",
-    "trainer_idle_frac",
+    "steady_sampler_idle_frac",
+    "steady_trainer_idle_frac",
     "staleness_mean",
     "staleness_max",
     "token_staleness_mean",
@@ -168,7 +168,7 @@ def main():
     out = {"workload": vars(args), "cpus": cpus, "results": table, "predictions": predicted}
     print(json.dumps(out, indent=2))
     cols = ["steady_train_tokens_per_s", "over_sync", "predicted_tokens_per_s", "prediction_error"]
-    cols += ["sampler_idle_frac", "trainer_idle_frac", "staleness_mean", "staleness_max"]
+    cols += ["steady_sampler_idle_frac", "steady_trainer_idle_frac", "staleness_mean", "staleness_max"]
     cols += ["token_staleness_mean"]
     print("\n| run | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols))
     for n in names:

@@ -98,8 +98,8 @@ def main() -> None:
                     "measured_tokens_per_s": measured["steady_train_tokens_per_s"],
                     "predicted_tokens_per_s": pred["tokens_per_s"],
                     "predicted_bottleneck": pred["bottleneck"],
-                    "sampler_idle_frac": measured["sampler_idle_frac"],
-                    "trainer_idle_frac": measured["trainer_idle_frac"],
+                    "sampler_idle_frac": measured["steady_sampler_idle_frac"],
+                    "trainer_idle_frac": measured["steady_trainer_idle_frac"],
                 }
             )
     best_m = max(rows, key=lambda r: r["measured_tokens_per_s"])
