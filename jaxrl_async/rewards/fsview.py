@@ -26,6 +26,7 @@ import struct
 import subprocess
 
 SANDBOX_DIR = "/sandbox"
+HARNESS_DIR = "/harness"
 _DEVICES = ("null", "zero", "random", "urandom")
 _DEV_LINKS = (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
               ("stderr", "/proc/self/fd/2"))
@@ -216,8 +217,9 @@ def readonly_host(lib, workdir: str):
         check(lib.mount(None, point.encode(), None, flags, None), f"remount {point} read-only")
 
 
-def enter(plan: RootPlan, mountpoint: str, workdir: str):
+def enter(plan: RootPlan, mountpoint: str, workdir: str, harness_dir: str | None = None):
     """Builds the root on `mountpoint` (an empty host dir) and pivots into it; cwd ends at SANDBOX_DIR.
+    `harness_dir`, when given, is bound read-only at HARNESS_DIR.
 
     Runs in the sandbox child, inside a private mount namespace whose mounts are already private, as
     root and before the uid drop. Every mount is checked: a failure raises OSError.
@@ -229,7 +231,7 @@ def enter(plan: RootPlan, mountpoint: str, workdir: str):
     check(lib.mount(b"tmpfs", mountpoint.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
                       b"size=1m,nr_inodes=4096,mode=0755"), "mount tmpfs root")
     root = lambda p: mountpoint + p
-    for d in (*plan.dirs, "/dev", "/proc", SANDBOX_DIR):
+    for d in (*plan.dirs, "/dev", "/proc", SANDBOX_DIR, *([HARNESS_DIR] if harness_dir else [])):
         os.makedirs(root(d), mode=0o755, exist_ok=True)
     for f in (*plan.files, *(f"/dev/{d}" for d in _DEVICES)):
         os.close(os.open(root(f), os.O_CREAT | os.O_WRONLY, 0o644))
@@ -242,6 +244,8 @@ def enter(plan: RootPlan, mountpoint: str, workdir: str):
     for d in _DEVICES:
         _bind(lib, f"/dev/{d}", root(f"/dev/{d}"), _MS_NOSUID | _MS_NOEXEC)
     _bind(lib, workdir, root(SANDBOX_DIR), _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+    if harness_dir:
+        _bind(lib, harness_dir, root(HARNESS_DIR), _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
     check(lib.mount(b"proc", root("/proc").encode(), b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
                       _PROC_OPTIONS), "mount /proc (hidepid)")
     os.chdir(mountpoint)

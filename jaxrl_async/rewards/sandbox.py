@@ -23,6 +23,7 @@ reaches libc through ctypes gets past it).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import itertools
@@ -55,6 +56,7 @@ _ENV = {"PATH": _PATH, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
 _MAX_REPORT_BYTES = 16 << 20
 _RUN_LOCK = threading.Lock()
 _PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3")
+_HARNESS = "jaxrl_harness"  # the harness's module name inside the sandbox
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +156,7 @@ class _Launch:
     plan: fsview.RootPlan | None
     mountns: bool
     error_fd: int  # where the child writes why its set-up failed (Popen only says that it did)
+    harness_dir: str | None  # host dir of the precompiled harness, bound at fsview.HARNESS_DIR
 
 
 def _child_setup(launch: _Launch):
@@ -175,7 +178,7 @@ def _isolate(launch: _Launch):
     if mountns:
         fsview.make_private(lib)
     if launch.plan is not None:
-        fsview.enter(launch.plan, launch.rootdir, launch.workdir)
+        fsview.enter(launch.plan, launch.rootdir, launch.workdir, launch.harness_dir)
     else:
         if launch.mountns:
             fsview.readonly_host(lib, launch.workdir)
@@ -273,6 +276,7 @@ def _run(program: str, limits: SandboxLimits, caps: Capabilities, python: str, *
     uid = _UID_BASE + _UIDS_PER_LAUNCHER * os.getpid() + 2 * (next(_run_counter) % 256) if caps.uid else None
     report_r = report_w = None
     error_r, error_w = os.pipe()
+    first_pid = _last_pid()
     try:
         os.chmod(base, 0o711)
         os.mkdir(workdir, 0o700)
@@ -286,8 +290,9 @@ def _run(program: str, limits: SandboxLimits, caps: Capabilities, python: str, *
         home = fsview.SANDBOX_DIR if plan else workdir
         env = {**_ENV, "HOME": home, "TMPDIR": home}
         exe = plan.python if plan else python
+        harness_dir = _harness_dir(python) if job is not None else None
         launch = _Launch(workdir, rootdir, limits, uid, job is not None, caps.netns, plan, caps.mountns,
-                         error_w)
+                         error_w, harness_dir)
         # stdin and the job come from unlinked files, not pipes: a program that never reads cannot
         # block us, and nobody can open them by name.
         with tempfile.TemporaryFile() as stdin_file, tempfile.TemporaryFile() as job_file:
@@ -299,7 +304,9 @@ def _run(program: str, limits: SandboxLimits, caps: Capabilities, python: str, *
                 job_file.seek(0)
                 report_r, report_w = os.pipe()
                 fds = (job_file.fileno(), report_w)
-                argv = [exe, "-I", "-c", _harness_source(), *map(str, fds), "1" if guard else "0"]
+                where = fsview.HARNESS_DIR if plan else harness_dir
+                main = f"import sys; sys.path.insert(0, {where!r}); import {_HARNESS} as h; h.main(sys.argv)"
+                argv = [exe, "-I", "-c", main, *map(str, fds), "1" if guard else "0"]
                 pass_fds = fds
             try:
                 proc = subprocess.Popen(
@@ -328,7 +335,7 @@ def _run(program: str, limits: SandboxLimits, caps: Capabilities, python: str, *
             _kill_group(proc.pid)
             proc.wait()  # before the sweep, which reaps by pid and would steal the main return code
             if uid is not None:
-                _kill_uids(uid, uid + 2)
+                _kill_uids(uid, uid + 2, since=first_pid)
         stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
         # The CPU limit and the wall clock can fire together on a busy loop: report the CPU limit.
         status = _classify(proc.returncode, stderr) if proc.returncode == -signal.SIGXCPU else why
@@ -342,9 +349,18 @@ def _run(program: str, limits: SandboxLimits, caps: Capabilities, python: str, *
 
 
 @functools.cache
-def _harness_source() -> str:
-    with open(harness.__file__, encoding="utf-8") as f:
-        return f.read()
+def _harness_dir(python: str) -> str:
+    """A world-readable copy of harness.py, compiled by `python` so that runs skip compiling it; removed
+    when this process exits."""
+    path = tempfile.mkdtemp(prefix="jaxrl_harness_")
+    atexit.register(shutil.rmtree, path, True)
+    shutil.copyfile(harness.__file__, os.path.join(path, f"{_HARNESS}.py"))
+    subprocess.run([python, "-I", "-m", "compileall", "-q", path], check=True, capture_output=True)
+    for root, _, files in os.walk(path):
+        os.chmod(root, 0o755)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o644)
+    return path
 
 
 def _kill_group(pgid: int):
@@ -487,21 +503,38 @@ def _uid_and_state(pid: str) -> tuple[int, str] | None:
         return None
 
 
-def _kill_uids(lo: int, hi: int) -> int:
+def _last_pid() -> int | None:
+    """The pid this pid namespace allocated last (None where the kernel does not say)."""
+    try:
+        with open("/proc/sys/kernel/ns_last_pid") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _kill_uids(lo: int, hi: int, since: int | None = None) -> int:
     """SIGKILLs every process whose uid is in [lo, hi) (including ones that left the process group) and
-    reaps those that were orphaned to us; rescans until none is alive, as a fork bomb may grow meanwhile."""
+    reaps those that were orphaned to us; rescans until none is alive, as a fork bomb may grow meanwhile.
+
+    `since`: the last pid allocated before those processes started. Only pids allocated after it are
+    read then (a run's processes are all younger), unless the pid counter wrapped around meanwhile.
+    """
     seen: set[int] = set()
     for _ in range(20):
+        last = _last_pid() if since is not None else None
+        pids = (int(e) for e in os.listdir("/proc") if e.isdigit())
+        if last is not None and last >= since:
+            pids = (p for p in pids if since < p <= last)
         alive = 0
-        for entry in os.listdir("/proc"):
-            info = _uid_and_state(entry) if entry.isdigit() else None
+        for pid in pids:
+            info = _uid_and_state(str(pid))
             if info is None or not lo <= info[0] < hi:
                 continue
-            seen.add(int(entry))
+            seen.add(pid)
             if info[1] != "Z":
                 alive += 1
                 try:
-                    os.kill(int(entry), signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
         if not alive:
