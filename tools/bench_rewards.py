@@ -228,6 +228,19 @@ def hack_table(baseline: tuple[str, str] | None) -> list[dict]:
     return rows
 
 
+def hack_summary(rows: list[dict]) -> list[dict]:
+    """Per class: how many cases, how many get their expected reward (and, with a baseline, how many of
+    the class's hacks scored 1.0 there)."""
+    out = []
+    for kind in dict.fromkeys(r["kind"] for r in rows):
+        group = [r for r in rows if r["kind"] == kind]
+        row = {"class": kind, "cases": len(group), "expected reward": sum(r["ok"] for r in group)}
+        for col in (c for c in group[0] if c.startswith("reward at")):
+            row[f"scored 1.0 {col[len('reward '):]}"] = sum(r[col] == 1.0 for r in group)
+        out.append(row)
+    return out
+
+
 def _bwrap_argv(plan: fsview.RootPlan, workdir: str) -> list[str]:
     """bubblewrap arguments building the same root as `fsview.enter`, plus a PID namespace."""
     argv = ["bwrap", "--unshare-net", "--unshare-pid", "--die-with-parent", "--new-session"]
@@ -335,6 +348,8 @@ def main():
         hack_cols = ["kind", "case", "expected", "reward"] + [c for c in report["reward_hacks"][0]
                                                               if c.startswith("reward at")] + ["ok", "info"]
         print("\n" + _markdown(report["reward_hacks"], hack_cols))
+        summary = hack_summary(report["reward_hacks"])
+        print("\n" + _markdown(summary, list(summary[0])))
     if args.startup:
         print("\n" + _markdown(report["startup"], ["config", "median_ms", "over_bare_ms", "runs"]))
 

@@ -27,6 +27,7 @@ import subprocess
 
 SANDBOX_DIR = "/sandbox"
 HARNESS_DIR = "/harness"
+_RESERVED = ("/dev", "/proc", SANDBOX_DIR, HARNESS_DIR)
 _DEVICES = ("null", "zero", "random", "urandom")
 _DEV_LINKS = (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
               ("stderr", "/proc/self/fd/2"))
@@ -168,6 +169,10 @@ def plan_for(python: str, env: tuple[tuple[str, str], ...]) -> RootPlan:
               *([loader] if loader else [])):
         b.reach(p)
     dirs = tuple(dict.fromkeys(d for d in sorted(b.dirs, key=lambda d: d.count("/"))))
+    for path in (*dirs, *b.files, *b.symlinks):
+        clash = next((r for r in _RESERVED if path == r or path.startswith(r + "/")), None)
+        if clash:
+            raise OSError(f"fsview: {python} needs {path}, which the sandbox uses for {clash}")
     return RootPlan(
         python=exe,
         dirs=dirs,
@@ -231,8 +236,9 @@ def enter(plan: RootPlan, mountpoint: str, workdir: str, harness_dir: str | None
     check(lib.mount(b"tmpfs", mountpoint.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
                       b"size=1m,nr_inodes=4096,mode=0755"), "mount tmpfs root")
     root = lambda p: mountpoint + p
+    # plan.dirs lists parents first and the tmpfs is empty: plain mkdir is enough (and cheaper).
     for d in (*plan.dirs, "/dev", "/proc", SANDBOX_DIR, *([HARNESS_DIR] if harness_dir else [])):
-        os.makedirs(root(d), mode=0o755, exist_ok=True)
+        os.mkdir(root(d), 0o755)
     for f in (*plan.files, *(f"/dev/{d}" for d in _DEVICES)):
         os.close(os.open(root(f), os.O_CREAT | os.O_WRONLY, 0o644))
     for link, target in plan.symlinks:
