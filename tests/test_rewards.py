@@ -258,6 +258,7 @@ def test_code_reward_counts_passed_tests():
         ({"entry_point": "f", "cases": [{"args": 1, "expected": 1}]}, r"cases\[0\].args must be a list"),
         ({"entry_point": "f", "cases": [{"args": [object()], "expected": 1}]}, r"cases\[0\].args is not"),
         ({"entry_point": "f", "cases": [{"args": [], "expected": {1, object()}}]}, r"cases\[0\].expected"),
+        ({"entry_point": "f", "cases": [{"kwargs": {1: 2}, "expected": 1}]}, "keys must be argument names"),
         ({"prompt": "x"}, "none of 'tests', 'cases' or 'test_code'"),
     ],
 )

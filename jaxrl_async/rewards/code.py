@@ -121,6 +121,8 @@ def _parse_cases(metadata: Mapping[str, Any]) -> tuple[str, list, list]:
         args, kwargs = case.get("args", []), case.get("kwargs", {})
         if not isinstance(args, list | tuple) or not isinstance(kwargs, Mapping):
             raise ValueError(f"code reward: cases[{i}].args must be a list and .kwargs a mapping")
+        if not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+            raise ValueError(f"code reward: cases[{i}].kwargs keys must be argument names")
         _plain(case["expected"], f"cases[{i}].expected")
         calls.append([_plain(list(args), f"cases[{i}].args"), _plain(dict(kwargs), f"cases[{i}].kwargs")])
         expected.append(case["expected"])

@@ -214,7 +214,7 @@ class _Link:
         line, self.buf = self.buf.split(b"\n", 1)
         try:
             msg = _loads(line)
-        except (ValueError, RecursionError):
+        except (ValueError, RecursionError, MemoryError):
             self.fail("malformed response")
         if type(msg) is not list or not msg or type(msg[0]) is not str:
             self.fail("malformed response")
@@ -243,7 +243,7 @@ class _Link:
                 exc = _exception(msg[1])
             else:
                 exc = None
-        except (ValueError, TypeError, KeyError, IndexError, RecursionError) as e:
+        except (ValueError, TypeError, KeyError, IndexError, RecursionError, MemoryError) as e:
             self.fail(f"malformed response: {e!r}")
         if exc is None:
             self.fail(f"unexpected response {msg[0]!r}")
@@ -556,6 +556,7 @@ def _program(rfd: int, wfd: int, guard: bool):
     module = types.ModuleType(_MODULE)
     module.__file__ = os.path.abspath(PROGRAM)
     sys.modules[_MODULE] = module
+    sys.argv = [PROGRAM]  # as when the program runs as the main program
     try:
         with open(PROGRAM, encoding="utf-8") as f:
             code = compile(f.read(), PROGRAM, "exec")
