@@ -31,7 +31,9 @@ _RESERVED = ("/dev", "/proc", SANDBOX_DIR, HARNESS_DIR)
 _DEVICES = ("null", "zero", "random", "urandom")
 _DEV_LINKS = (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
               ("stderr", "/proc/self/fd/2"))
-_PROC_OPTIONS = b"hidepid=invisible,subset=pid"
+# Per-mount procfs options exist since Linux 5.8; older kernels know only "hidepid=2" (same effect for
+# processes, the host's /proc files stay visible).
+_PROC_OPTIONS = (b"hidepid=invisible,subset=pid", b"hidepid=2")
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
@@ -252,8 +254,9 @@ def enter(plan: RootPlan, mountpoint: str, workdir: str, harness_dir: str | None
     _bind(lib, workdir, root(SANDBOX_DIR), _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
     if harness_dir:
         _bind(lib, harness_dir, root(HARNESS_DIR), _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
-    check(lib.mount(b"proc", root("/proc").encode(), b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
-                      _PROC_OPTIONS), "mount /proc (hidepid)")
+    proc, flags = root("/proc").encode(), _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+    if all(lib.mount(b"proc", proc, b"proc", flags, opts) != 0 for opts in _PROC_OPTIONS):
+        check(1, "mount /proc with hidepid")
     os.chdir(mountpoint)
     check(lib.syscall(syscall, b".", b"."), "pivot_root")
     check(lib.umount2(b".", _MNT_DETACH), "detach the old root")
