@@ -17,9 +17,9 @@ from jaxrl_async.rewards import (
     as_graded,
     get_reward,
     grade_one,
-    harness,
     list_rewards,
     register_reward,
+    wire,
 )
 from jaxrl_async.rewards.code import Opaque, code_reward, strict_equal
 from jaxrl_async.rewards.math import MAX_ANSWERS, answer_kind, format_reward, is_equivalent, math_reward
@@ -286,27 +286,27 @@ def test_codec_round_trips_plain_data():
     values = [None, True, 0, -7, 2**200, -(2**70), 1.5, float("inf"), "é\n", b"\x00\xff", 1 + 2j,
               [1, [2, (3,)]], (1, "a"), {"k": [1], 2: None, (1, 2): {3}}, {1, 2}, frozenset({"a"}), [], {}]
     for v in values:
-        tree = harness.encode(v)
+        tree = wire.encode(v)
         json.dumps(tree)  # JSON-able
-        back = harness.decode(json.loads(json.dumps(tree)))
+        back = wire.decode(json.loads(json.dumps(tree)))
         assert back == v and type(back) is type(v)
-    nan = harness.decode(json.loads(json.dumps(harness.encode(float("nan")))))
+    nan = wire.decode(json.loads(json.dumps(wire.encode(float("nan")))))
     assert nan != nan
 
 
 def test_codec_copies_builtin_subclasses_without_running_their_code():
-    assert type(harness.decode(harness.encode(_IntEqAll(3)))) is int
-    assert harness.decode(harness.encode(_IntEqAll(3))) == 3
-    copied = harness.decode(harness.encode(_ListEqAll([1, 2])))
+    assert type(wire.decode(wire.encode(_IntEqAll(3)))) is int
+    assert wire.decode(wire.encode(_IntEqAll(3))) == 3
+    copied = wire.decode(wire.encode(_ListEqAll([1, 2])))
     assert type(copied) is list and copied == [1, 2] and copied != [1]
-    assert harness.decode(harness.encode(collections.Counter("aab"))) == {"a": 2, "b": 1}
+    assert wire.decode(wire.encode(collections.Counter("aab"))) == {"a": 2, "b": 1}
     with pytest.raises(TypeError, match="not plain data"):
-        harness.encode(object())
+        wire.encode(object())
     deep = []
     for _ in range(200):
         deep = [deep]
     with pytest.raises(ValueError, match="nested deeper"):
-        harness.encode(deep)
+        wire.encode(deep)
 
 
 @pytest.mark.parametrize(
@@ -315,16 +315,16 @@ def test_codec_copies_builtin_subclasses_without_running_their_code():
 )
 def test_codec_rejects_malformed_trees(tree):
     with pytest.raises(ValueError, match="malformed"):
-        harness.decode(tree)
+        wire.decode(tree)
 
 
 def test_report_records_need_the_nonce():
-    data, nonce = harness.make_job({"mode": "test_code"})
+    data, nonce = wire.make_job({"mode": "test_code"})
     assert json.loads(data)["nonce"] == nonce and len(nonce) == 32
     report = b"\n".join([json.dumps([nonce, "pass"]).encode(), json.dumps(["0" * 32, "pass"]).encode(),
                          b"PASS", b"[1, 2", json.dumps([nonce, "case", 0, ["ok", 1]]).encode()])
-    assert harness.read_report(report, nonce) == [["pass"], ["case", 0, ["ok", 1]]]
-    assert harness.read_report(report, "f" * 32) == []
+    assert wire.read_report(report, nonce) == [["pass"], ["case", 0, ["ok", 1]]]
+    assert wire.read_report(report, "f" * 32) == []
 
 
 @pytest.mark.parametrize(

@@ -36,10 +36,10 @@ from jaxrl_async.rewards import (  # noqa: E402
     RewardService,
     fsview,
     grade_one,
-    harness,
     hostile,
     reward_hacks,
     sandbox,
+    wire,
 )
 
 _MATH_FORMS = [
@@ -262,7 +262,7 @@ def startup_table(repeats: int, n: int) -> list[dict]:
     plan = fsview.plan_for(python, tuple(sorted(sandbox._ENV.items())))
     none = sandbox.Capabilities(uid=caps.uid, netns=False, fsview=False, mountns=False)
     limits = sandbox.SandboxLimits()
-    job = harness.make_job({"mode": "test_code", "test_code": "assert f() == 1"})[0]
+    job = wire.make_job({"mode": "test_code", "test_code": "assert f() == 1"})[0]
     workdir = tempfile.mkdtemp(prefix="jaxrl_bwrap_")
 
     def run_bwrap():

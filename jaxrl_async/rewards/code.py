@@ -20,7 +20,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from jaxrl_async.rewards import harness
+from jaxrl_async.rewards import wire
 from jaxrl_async.rewards.registry import Graded, register_reward
 from jaxrl_async.rewards.sandbox import SandboxLimits, run_harness, run_python
 
@@ -104,7 +104,7 @@ def strict_equal(got, want, float_tol: float = _DEFAULT_FLOAT_TOL) -> bool:
 def _plain(value, where: str):
     """`value` encoded for the harness; a ValueError naming `where` when it is not plain data."""
     try:
-        return harness.encode(value)
+        return wire.encode(value)
     except (TypeError, ValueError) as e:
         raise ValueError(f"code reward: {where} is not plain data ({e})") from e
 
@@ -143,7 +143,7 @@ def _run_cases(program, metadata, limits) -> list[tuple[bool, str]]:
         elif rec[0] == "raise":
             outcomes.append((False, f"case {i} raised {rec[1]}: {rec[2]}"[:200]))
         else:
-            got = harness.decode(rec[1], lambda tree: Opaque(str(tree[3])))
+            got = wire.decode(rec[1], lambda tree: Opaque(str(tree[3])))
             ok = strict_equal(got, want, tol)
             outcomes.append((ok, "" if ok else f"case {i}: wrong value {got!r}"[:200]))
     return outcomes

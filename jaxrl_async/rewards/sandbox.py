@@ -40,7 +40,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from jaxrl_async.rewards import fsview, harness
+from jaxrl_async.rewards import fsview, harness, wire
 
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWNET = 0x40000000
@@ -56,7 +56,6 @@ _ENV = {"PATH": _PATH, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
 _MAX_REPORT_BYTES = 16 << 20
 _RUN_LOCK = threading.Lock()
 _PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3")
-_HARNESS = "jaxrl_harness"  # the harness's module name inside the sandbox
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,8 +283,8 @@ def _run(program: str, limits: SandboxLimits, caps: Capabilities, python: str, *
         if uid is not None:
             os.chown(workdir, uid, uid)
         guard = not caps.netns
-        with open(os.path.join(workdir, harness.PROGRAM), "w") as f:
-            f.write((harness.SOCKET_GUARD if guard and job is None else "") + program)
+        with open(os.path.join(workdir, wire.PROGRAM), "w") as f:
+            f.write((wire.SOCKET_GUARD if guard and job is None else "") + program)
         plan = fsview.plan_for(python, tuple(sorted(_ENV.items()))) if caps.fsview else None
         home = fsview.SANDBOX_DIR if plan else workdir
         env = {**_ENV, "HOME": home, "TMPDIR": home}
@@ -298,14 +297,15 @@ def _run(program: str, limits: SandboxLimits, caps: Capabilities, python: str, *
         with tempfile.TemporaryFile() as stdin_file, tempfile.TemporaryFile() as job_file:
             stdin_file.write(stdin.encode())
             stdin_file.seek(0)
-            argv, pass_fds = [exe, "-I", harness.PROGRAM], ()
+            argv, pass_fds = [exe, "-I", wire.PROGRAM], ()
             if job is not None:
                 job_file.write(job)
                 job_file.seek(0)
                 report_r, report_w = os.pipe()
                 fds = (job_file.fileno(), report_w)
                 where = fsview.HARNESS_DIR if plan else harness_dir
-                main = f"import sys; sys.path.insert(0, {where!r}); import {_HARNESS} as h; h.main(sys.argv)"
+                main = (f"import sys; sys.path.insert(0, {where!r}); "
+                        "from jaxrl_async.rewards import harness; harness.main(sys.argv)")
                 argv = [exe, "-I", "-c", main, *map(str, fds), "1" if guard else "0"]
                 pass_fds = fds
             try:
@@ -350,11 +350,16 @@ def _run(program: str, limits: SandboxLimits, caps: Capabilities, python: str, *
 
 @functools.cache
 def _harness_dir(python: str) -> str:
-    """A world-readable copy of harness.py, compiled by `python` so that runs skip compiling it; removed
-    when this process exits."""
+    """A world-readable copy of harness.py and wire.py (as `jaxrl_async.rewards`, with empty package
+    files), compiled by `python` so that runs skip compiling them; removed when this process exits."""
     path = tempfile.mkdtemp(prefix="jaxrl_harness_")
     atexit.register(shutil.rmtree, path, True)
-    shutil.copyfile(harness.__file__, os.path.join(path, f"{_HARNESS}.py"))
+    package = os.path.join(path, "jaxrl_async", "rewards")
+    os.makedirs(package)
+    for init in (os.path.join(path, "jaxrl_async"), package):
+        open(os.path.join(init, "__init__.py"), "w").close()
+    for module in (harness, wire):
+        shutil.copyfile(module.__file__, os.path.join(package, os.path.basename(module.__file__)))
     subprocess.run([python, "-I", "-m", "compileall", "-q", path], check=True, capture_output=True)
     for root, _, files in os.walk(path):
         os.chmod(root, 0o755)
@@ -466,29 +471,29 @@ def run_harness(
     Args:
       program: the candidate's source.
       job: {"mode": "test_code", "test_code": str} or {"mode": "calls", "entry_point": "f" or
-        "Class.method", "calls": [[encoded args, encoded kwargs], ...]} (harness.encode).
+        "Class.method", "calls": [[encoded args, encoded kwargs], ...]} (wire.encode).
       limits: resource limits and the isolation policy (timeout_s covers the whole run).
 
     Returns:
       The run's result and the report records that carry this run's nonce.
     """
-    data, nonce = harness.make_job(dict(job))
+    data, nonce = wire.make_job(dict(job))
     with _RUN_LOCK:
         caps, python = _prepare(limits)
         broken = _harness_error(caps, python)
         if broken:
             raise RuntimeError(f"sandbox: the grading harness does not work here ({broken})")
         result, report = _run(program, limits, caps, python, job=data)
-    return HarnessResult(result, tuple(harness.read_report(report, nonce)))
+    return HarnessResult(result, tuple(wire.read_report(report, nonce)))
 
 
 @functools.cache
 def _harness_error(caps: Capabilities, python: str) -> str | None:
     """None when the harness passes a trivial test here, else what went wrong (checked once)."""
-    data, nonce = harness.make_job({"mode": "test_code", "test_code": "assert f() == 1"})
+    data, nonce = wire.make_job({"mode": "test_code", "test_code": "assert f() == 1"})
     res, report = _run("def f():\n    return 1\n", SandboxLimits(timeout_s=20.0, cpu_s=20), caps, python,
                        job=data)
-    records = harness.read_report(report, nonce)
+    records = wire.read_report(report, nonce)
     if ["pass"] in records:
         return None
     return f"{res.status}; report {records}; stderr {res.stderr.strip()[-300:]!r}"
