@@ -259,6 +259,8 @@ def test_code_reward_counts_passed_tests():
         ({"entry_point": "f", "cases": [{"args": [object()], "expected": 1}]}, r"cases\[0\].args is not"),
         ({"entry_point": "f", "cases": [{"args": [], "expected": {1, object()}}]}, r"cases\[0\].expected"),
         ({"entry_point": "f", "cases": [{"kwargs": {1: 2}, "expected": 1}]}, "keys must be argument names"),
+        ({"entry_point": "f", "cases": [{"expected": 1}], "float_tol": "tiny"}, "float_tol must be a number"),
+        ({"tests": [{"input": "", "output": "1"}], "cases": [{"expected": 1}]}, "entry_point"),
         ({"prompt": "x"}, "none of 'tests', 'cases' or 'test_code'"),
     ],
 )

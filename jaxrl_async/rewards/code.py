@@ -129,9 +129,15 @@ def _parse_cases(metadata: Mapping[str, Any]) -> tuple[str, list, list]:
     return entry, calls, expected
 
 
-def _run_cases(program, metadata, limits) -> list[tuple[bool, str]]:
-    entry, calls, expected = _parse_cases(metadata)
-    tol = float(metadata.get("float_tol", _DEFAULT_FLOAT_TOL))
+def _float_tol(metadata: Mapping[str, Any]) -> float:
+    tol = metadata.get("float_tol", _DEFAULT_FLOAT_TOL)
+    if isinstance(tol, bool) or not isinstance(tol, int | float) or not 0 <= tol < 1:
+        raise ValueError(f"code reward: float_tol must be a number in [0, 1), got {tol!r}")
+    return float(tol)
+
+
+def _run_cases(program, cases, tol, limits) -> list[tuple[bool, str]]:
+    entry, calls, expected = cases
     res = run_harness(program, {"mode": "calls", "entry_point": entry, "calls": calls}, limits)
     results = {rec[1]: rec[2] for rec in res.records if rec[0] == "case" and len(rec) == 3}
     fail = next((rec[1] for rec in res.records if rec[0] == "fail" and len(rec) == 2), None)
@@ -188,6 +194,8 @@ def code_reward(prompt: str, completion: str, metadata: Mapping[str, Any]) -> Gr
     if not total:
         raise ValueError("code reward: metadata has none of 'tests', 'cases' or 'test_code'")
     stop = metadata.get("stop_on_failure", True)
+    cases = _parse_cases(metadata) if n_cases else None  # bad cases fail before anything runs
+    tol = _float_tol(metadata)
     outcomes: list[tuple[bool, str]] = []
     for stdin, want in tests:
         res = run_python(program, stdin, limits)
@@ -196,7 +204,7 @@ def code_reward(prompt: str, completion: str, metadata: Mapping[str, Any]) -> Gr
         if not ok and stop:
             break
     if n_cases and not (stop and not all(ok for ok, _ in outcomes)):
-        outcomes += _run_cases(program, metadata, limits)
+        outcomes += _run_cases(program, cases, tol, limits)
     if test_code and not (stop and not all(ok for ok, _ in outcomes)):
         outcomes.append(_run_test_code(program, test_code, limits))
     passed = 0
