@@ -33,14 +33,21 @@ def caps(sandbox_proc):
     return sandbox_proc(sb.capabilities)
 
 
-def _sandbox_uid_processes() -> list[int]:
-    """Live (non-zombie) processes running under a sandbox uid."""
+def _sandbox_uid_processes(launcher_pids) -> list[int]:
+    """Live (non-zombie) processes under the sandbox uids of these launchers (other processes on this
+    host may run sandboxes of their own)."""
+    ranges = [(sb._UID_BASE + sb._UIDS_PER_LAUNCHER * p, sb._UID_BASE + sb._UIDS_PER_LAUNCHER * (p + 1))
+              for p in launcher_pids]
     out = []
     for entry in os.listdir("/proc"):
         info = sb._uid_and_state(entry) if entry.isdigit() else None
-        if info and info[0] >= sb._UID_BASE and info[1] != "Z":
+        if info and any(lo <= info[0] < hi for lo, hi in ranges) and info[1] != "Z":
             out.append(int(entry))
     return out
+
+
+def _worker_pids(svc: RewardService) -> list[int]:
+    return [w.proc.pid for w in svc._workers]
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +77,7 @@ def hostile_run(tmp_path_factory):
             [("p", "print(int(input()) * 2)", {"tests": [{"input": "21", "output": "42"}]})]
         )
         stats = svc.stats()
+        launchers = _worker_pids(svc)
     finally:
         svc.close()
         listener.close()
@@ -79,7 +87,7 @@ def hostile_run(tmp_path_factory):
         "healthy": healthy,
         "stats": stats,
         "escape": escape,
-        "leftovers": _sandbox_uid_processes(),
+        "leftovers": _sandbox_uid_processes(launchers),
     }
 
 
@@ -147,7 +155,7 @@ def test_detached_child_is_killed_after_main_exits(sandbox_proc, caps):
     res = sandbox_proc(sb.run_python, code, "", sb.SandboxLimits(timeout_s=5.0))
     assert res.status == "ok" and res.stdout == "main done\n"
     if caps.uid:
-        assert _sandbox_uid_processes() == []
+        assert _sandbox_uid_processes([sandbox_proc(os.getpid)]) == []
 
 
 # ---- reward hacks -------------------------------------------------------------------------------------
@@ -165,8 +173,9 @@ def hack_run():
             items.append(("p", completion, {**metadata, "reward": case.reward}))
         results = svc.grade_batch_results(items, timeout=240)
         stats = svc.stats()
+        launchers = _worker_pids(svc)
     return {"results": dict(zip([c.name for c in reward_hacks.CASES], results, strict=True)), "stats": stats,
-            "leftovers": _sandbox_uid_processes()}
+            "leftovers": _sandbox_uid_processes(launchers)}
 
 
 def test_hack_suite_covers_every_class():

@@ -47,8 +47,10 @@ _CLONE_NEWNET = 0x40000000
 # Each run gets the uid pair U, U + 1 with U = BASE + 512 * launcher pid + 2 * (run counter % 256):
 # unique among live launchers, fresh for each run (killed processes may linger as zombies and count
 # against the next run's RLIMIT_NPROC), and far above any uid a real account uses (pids < 2**22, so
-# uids stay below 2**32 - 1). The program runs as U; the harness's judge as U + 1.
-_UID_BASE = 1_500_000_000
+# uids stay below 2**32 - 1). The program runs as U; the harness's judge as U + 1. The base differs from
+# the one of the earlier one-uid-per-run layout (1.5e9 + 256 * pid + k), so that launchers of both
+# layouts running on one host do not share uids (and sweep each other's runs) for pids below 390k.
+_UID_BASE = 1_600_000_000
 _UIDS_PER_LAUNCHER = 512
 _run_counter = itertools.count()
 _PATH = "/usr/local/bin:/usr/bin:/bin"
