@@ -1,5 +1,7 @@
 """Reward registry, math verifier, format/code rewards and the reward worker pool."""
 
+import collections
+import json
 import multiprocessing as mp
 import sys
 import textwrap
@@ -17,8 +19,10 @@ from jaxrl_async.rewards import (
     grade_one,
     list_rewards,
     register_reward,
+    wire,
 )
-from jaxrl_async.rewards.math import format_reward, is_equivalent, math_reward
+from jaxrl_async.rewards.code import Opaque, code_reward, strict_equal
+from jaxrl_async.rewards.math import MAX_ANSWERS, answer_kind, format_reward, is_equivalent, math_reward
 
 USER_MODULE = textwrap.dedent(
     """
@@ -93,6 +97,57 @@ def test_math_equivalent_forms_accepted(completion, answer):
 def test_math_wrong_answers_rejected(completion, answer):
     assert not is_equivalent(completion, answer)
     assert math_reward("q", completion, {"answer": answer}).reward == 0.0
+
+
+@pytest.mark.parametrize(
+    "completion, answer, reason",
+    [
+        ("\\boxed{1} \\boxed{2} \\boxed{3} \\boxed{4}", "4", "conflicting_answers"),
+        ("\\boxed{3} or maybe \\boxed{4}", "4", "conflicting_answers"),
+        ("<answer>3</answer> <answer>4</answer>", "4", "conflicting_answers"),
+        (" ".join(f"\\boxed{{{i} - {i} + 4}}" for i in range(MAX_ANSWERS + 1)), "4", "too_many_answers"),
+        ("\\boxed{\\{1, 2, 3, 4, 5\\}}", "4", "not_a_single_value"),
+        ("\\boxed{1, 2, 3, 4}", "4", "not_a_single_value"),
+        ("\\boxed{[0, 10]}", "4", "not_a_single_value"),
+        ("\\boxed{x \\in [0, 10]}", "4", "not_a_single_value"),
+        ("\\boxed{0 \\le x \\le 10}", "4", "not_a_single_value"),
+        ("\\boxed{\\pm 4}", "4", "not_a_single_value"),
+        ("\\boxed{3 = x = 4}", "4", "not_a_single_value"),
+        ("\\boxed{3 \\\\ 4}", "4", "not_a_single_value"),
+        ("\\boxed{3 \\vee 4}", "4", "not_a_single_value"),
+        ("\\boxed{3 \\cup 4}", "4", "not_a_single_value"),
+        ("\\boxed{\\mathbb{R}}", "4", "not_a_single_value"),
+        ("\\boxed{4}", "[0, 10]", "expected a set"),
+    ],
+)
+def test_math_hedged_answers_score_zero(completion, answer, reason):
+    assert math_reward("q", completion, {"answer": answer}) == Graded(0.0, reason)
+
+
+@pytest.mark.parametrize(
+    "completion, answer",
+    [
+        ("\\boxed{4}, and checking: \\boxed{4}", "4"),
+        ("\\boxed{\\frac{8}{2}} which is \\boxed{4}", "4"),
+        ("\\boxed{x = \\frac{8}{2} = 4}", "4"),
+        ("\\boxed{[0, 10]}", "[0, 10]"),
+        ("\\boxed{1, 2}", "2, 1"),
+        ("\\boxed{\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}"),
+        ("\\boxed{2 \\pm 1}", "2 \\pm 1"),
+    ],
+)
+def test_math_single_answers_in_many_forms_accepted(completion, answer):
+    assert math_reward("q", completion, {"answer": answer}) == Graded(1.0, "")
+
+
+def test_answer_kinds():
+    from math_verify import parse
+
+    kinds = {s: answer_kind(parse(s)) for s in ["$4$", "$x = 4$", "$\\{4\\}$", "$[1, 2]$", "$\\{1, 2\\}$",
+                                                 "$x > 1$", "$3 = x = 4$", "$(1, 2, 3)$"]}
+    assert kinds == {"$4$": "value", "$x = 4$": "value", "$\\{4\\}$": "value", "$[1, 2]$": "set",
+                     "$\\{1, 2\\}$": "set", "$x > 1$": "relation", "$3 = x = 4$": "conflict",
+                     "$(1, 2, 3)$": "tuple"}
 
 
 def test_math_without_answer_is_zero_with_reason():
@@ -176,9 +231,134 @@ def test_code_reward_counts_passed_tests():
         assert (reward, reason) == (pytest.approx(2 / 3), "ok") and "wrong_output" in info
         assert run("def f(x):\n    return x + 1\n", {"test_code": "assert f(1) == 2"})[0] == 1.0
         reward, _, info = run("def f(x):\n    return x\n", {"test_code": "assert f(1) == 2"})
-        assert reward == 0.0 and "exit_nonzero" in info
+        assert reward == 0.0 and "AssertionError (test_code line 1)" in info
         reward, reason, info = run("print(1)", {"tests": tests, "sandbox": {"walltime": 3}})
         assert reason == "error:ValueError" and "unknown sandbox limits" in info
+        # All three kinds in one request: 2 stdin/stdout tests + 2 cases + test_code = 5 units.
+        program = "def f(x):\n    return x * x\n\nif __name__ == '__main__':\n    print(f(int(input())))\n"
+        meta = {
+            "tests": [{"input": "3", "output": "9"}, {"input": "4", "output": "16"}],
+            "entry_point": "f",
+            "cases": [{"args": [3], "expected": 9}, {"args": [], "kwargs": {"x": 2.5}, "expected": 6.25}],
+            "test_code": "assert f(5) == 25",
+        }
+        assert run(program, meta)[:2] == (1.0, "ok")
+        reward, _, info = run(program.replace("x * x", "x * x + 1"), {**meta, "stop_on_failure": False})
+        assert reward == pytest.approx(0.0) and "wrong_output" in info
+        reward, _, info = run(program, {**meta, "cases": [*meta["cases"], {"args": [2], "expected": 4.0}]})
+        assert reward == pytest.approx(4 / 6) and "case 2: wrong value 4" in info  # 4 is not 4.0
+
+
+@pytest.mark.parametrize(
+    "meta, message",
+    [
+        ({"cases": [{"args": [1], "expected": 1}]}, "entry_point"),
+        ({"entry_point": "f()", "cases": [{"args": [1], "expected": 1}]}, "entry_point"),
+        ({"entry_point": "f", "cases": [{"args": [1]}]}, r"cases\[0\] must be a mapping with 'expected'"),
+        ({"entry_point": "f", "cases": [{"args": 1, "expected": 1}]}, r"cases\[0\].args must be a list"),
+        ({"entry_point": "f", "cases": [{"args": [object()], "expected": 1}]}, r"cases\[0\].args is not"),
+        ({"entry_point": "f", "cases": [{"args": [], "expected": {1, object()}}]}, r"cases\[0\].expected"),
+        ({"entry_point": "f", "cases": [{"kwargs": {1: 2}, "expected": 1}]}, "keys must be argument names"),
+        ({"entry_point": "f", "cases": [{"expected": 1}], "float_tol": "tiny"}, "float_tol must be a number"),
+        ({"tests": [{"input": "", "output": "1"}], "cases": [{"expected": 1}]}, "entry_point"),
+        ({"prompt": "x"}, "none of 'tests', 'cases' or 'test_code'"),
+    ],
+)
+def test_code_reward_rejects_bad_cases(meta, message):
+    with pytest.raises(ValueError, match=message):
+        code_reward("p", "def f(x):\n    return x\n", meta)
+
+
+# ---- the harness codec and strict equality ---------------------------------------------------------------
+
+
+class _IntEqAll(int):
+    def __eq__(self, other):
+        return True
+
+    __hash__ = int.__hash__
+
+
+class _ListEqAll(list):
+    def __eq__(self, other):
+        return True
+
+
+def test_codec_round_trips_plain_data():
+    values = [None, True, 0, -7, 2**200, -(2**70), 1.5, float("inf"), "é\n", b"\x00\xff", 1 + 2j,
+              [1, [2, (3,)]], (1, "a"), {"k": [1], 2: None, (1, 2): {3}}, {1, 2}, frozenset({"a"}), [], {}]
+    for v in values:
+        tree = wire.encode(v)
+        json.dumps(tree)  # JSON-able
+        back = wire.decode(json.loads(json.dumps(tree)))
+        assert back == v and type(back) is type(v)
+    nan = wire.decode(json.loads(json.dumps(wire.encode(float("nan")))))
+    assert nan != nan
+
+
+def test_codec_copies_builtin_subclasses_without_running_their_code():
+    assert type(wire.decode(wire.encode(_IntEqAll(3)))) is int
+    assert wire.decode(wire.encode(_IntEqAll(3))) == 3
+    copied = wire.decode(wire.encode(_ListEqAll([1, 2])))
+    assert type(copied) is list and copied == [1, 2] and copied != [1]
+    assert wire.decode(wire.encode(collections.Counter("aab"))) == {"a": 2, "b": 1}
+    with pytest.raises(TypeError, match="not plain data"):
+        wire.encode(object())
+    deep = []
+    for _ in range(200):
+        deep = [deep]
+    with pytest.raises(ValueError, match="nested deeper"):
+        wire.encode(deep)
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [["zz", 1], ["l", 1], ["d", [[1]]], ["i", 5], ["j", "a", 1], ["h", 1, "object", "X"], [], {"a": 1}],
+)
+def test_codec_rejects_malformed_trees(tree):
+    with pytest.raises(ValueError, match="malformed"):
+        wire.decode(tree)
+
+
+def test_report_records_need_the_nonce():
+    data, nonce = wire.make_job({"mode": "test_code"})
+    assert json.loads(data)["nonce"] == nonce and len(nonce) == 32
+    report = b"\n".join([json.dumps([nonce, "pass"]).encode(), json.dumps(["0" * 32, "pass"]).encode(),
+                         b"PASS", b"[1, 2", json.dumps([nonce, "case", 0, ["ok", 1]]).encode()])
+    assert wire.read_report(report, nonce) == [["pass"], ["case", 0, ["ok", 1]]]
+    assert wire.read_report(report, "f" * 32) == []
+
+
+@pytest.mark.parametrize(
+    "got, want, equal",
+    [
+        (1, 1, True),
+        (True, 1, False),
+        (1, True, False),
+        (1.0, 1, False),
+        (1, 1.0, False),
+        ("1", 1, False),
+        (0.1 + 0.2, 0.3, True),
+        (float("nan"), float("nan"), True),
+        (1e-12, 0.0, True),
+        (1.001, 1.0, False),
+        ([1, 2], (1, 2), True),
+        ([1, 2], [1, 2, 3], False),
+        ([1, True], [1, 1], False),
+        ({1, 2}, frozenset({2, 1}), True),
+        ({1, 2}, {1.0, 2.0}, False),
+        ({"a": [1.0]}, {"a": [1.0]}, True),
+        ({1: "x"}, {1.0: "x"}, False),
+        ({"a": 1}, {"a": 1, "b": 2}, False),
+        (None, None, True),
+        (None, 0, False),
+        (b"x", "x", False),
+        (Opaque("Any"), 4, False),
+        (_IntEqAll(4), 5, False),
+    ],
+)
+def test_strict_equal(got, want, equal):
+    assert strict_equal(got, want) is equal
 
 
 # ---- service ------------------------------------------------------------------------------------------

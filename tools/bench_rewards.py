@@ -1,26 +1,46 @@
 """Benchmark the reward service: graded completions per second with 1, 2 and N (= cores) workers.
 
-  python tools/bench_rewards.py                      # arithmetic, math, code; prints JSON + a table
-  python tools/bench_rewards.py --kinds code --n 64  # one kind, more items
-  python tools/bench_rewards.py --hostile            # also print the sandbox containment table
+  python tools/bench_rewards.py                        # arithmetic, math, code kinds; JSON + a table
+  python tools/bench_rewards.py --kinds code --n 64    # one kind, more items
+  python tools/bench_rewards.py --kinds code,code_asserts,math --baseline 49934da
+                                                       # this tree and another commit, side by side
+  python tools/bench_rewards.py --hostile              # containment table + reward-hacking table
+  python tools/bench_rewards.py --hostile --baseline 49934da   # ... with the rewards at that commit
+  python tools/bench_rewards.py --startup              # start-up cost of each sandbox layer (+ bwrap)
 
-"inline" grades the same items sequentially in this process (no pool), as a baseline.
+Kinds: arithmetic, math, code (stdin/stdout tests), code_asserts (`test_code`), code_cases (structured
+`cases`; not graded by commits before the harness). "inline" grades the same items sequentially in this
+process (no pool). With --baseline, each pool measurement runs in a fresh process for this tree and for
+the commit's `jaxrl_async` (extracted with `git archive`), alternating which goes first per repeat.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
-from jaxrl_async.rewards import RewardConfig, RewardService, grade_one, hostile, sandbox  # noqa: E402  # noqa: E402
+from jaxrl_async.rewards import (  # noqa: E402
+    RewardConfig,
+    RewardService,
+    fsview,
+    grade_one,
+    hostile,
+    reward_hacks,
+    sandbox,
+    wire,
+)
 
 _MATH_FORMS = [
     ("\\boxed{\\frac{1}{2}}", "0.5"),
@@ -28,6 +48,25 @@ _MATH_FORMS = [
     ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}"),
     ("so #### 72", "71"),
 ]
+_REWARD = {"code_asserts": "code", "code_cases": "code"}
+_DEFAULT_N = {"arithmetic": 2000, "math": 400, "code": 60, "code_asserts": 60, "code_cases": 60}
+# Measures one pool in a fresh process, with whichever `jaxrl_async` PYTHONPATH puts first.
+_RUNNER = r"""
+import json, sys, time
+import jaxrl_async
+from jaxrl_async.rewards import RewardConfig, RewardService
+reward, workers, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+items = [tuple(x) for x in json.load(open(path))]
+with RewardService(RewardConfig(reward=reward, num_workers=workers, timeout_s=60.0)) as svc:
+    svc.wait_ready()
+    if workers:
+        svc.grade_batch(items[: 2 * workers])  # warm the workers' lazy imports
+    t0 = time.perf_counter()
+    results = svc.grade_batch_results(items)
+    dt = time.perf_counter() - t0
+print(json.dumps({"per_s": len(items) / dt, "rewards": [r.reward for r in results],
+                  "package": jaxrl_async.__file__}))
+"""
 
 
 def make_items(kind: str, n: int) -> list[tuple[str, str, dict]]:
@@ -43,23 +82,50 @@ def make_items(kind: str, n: int) -> list[tuple[str, str, dict]]:
         elif kind == "code":
             program = "n = int(input())\nprint(n * n)\n" if i % 2 else "print(input())\n"
             items.append(("p", program, {"tests": [{"input": str(i), "output": str(i * i)}]}))
+        elif kind in ("code_asserts", "code_cases"):
+            program = "def f(x):\n    return x * x\n" if i % 2 else "def f(x):\n    return x + x\n"
+            xs = [i, i + 3, -i - 1]
+            if kind == "code_asserts":
+                meta = {"test_code": "".join(f"assert f({x}) == {x * x}\n" for x in xs)}
+            else:
+                meta = {"entry_point": "f", "cases": [{"args": [x], "expected": x * x} for x in xs]}
+            items.append(("p", program, meta))
         else:
-            raise ValueError(f"unknown kind {kind!r}")
+            raise ValueError(f"--kinds: unknown kind {kind!r}; known: {sorted(_DEFAULT_N)}")
     return items
 
 
-def time_pool(kind: str, items, workers: int) -> float:
-    """Completions per second of one grade_batch over `items` (workers started beforehand)."""
-    with RewardService(RewardConfig(reward=kind, num_workers=workers, timeout_s=60.0)) as svc:
-        svc.wait_ready()
-        svc.grade_batch(items[: 2 * workers])  # warm the workers' lazy imports
-        t0 = time.perf_counter()
-        svc.grade_batch(items)
-        return len(items) / (time.perf_counter() - t0)
+def extract_tree(ref: str) -> tuple[str, str]:
+    """(a temp dir holding `jaxrl_async` as of git commit `ref`, the commit's short hash)."""
+    rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", ref], capture_output=True, text=True)
+    if rev.returncode != 0:
+        raise SystemExit(f"--baseline: unknown git revision {ref!r}: {rev.stderr.strip()}")
+    tree = tempfile.mkdtemp(prefix="jaxrl_baseline_")
+    archive = subprocess.run(["git", "-C", REPO, "archive", ref, "jaxrl_async"], capture_output=True,
+                             check=True)
+    subprocess.run(["tar", "-x", "-C", tree], input=archive.stdout, check=True)
+    return tree, rev.stdout.strip()
+
+
+def run_pool(tree: str, reward: str, items, workers: int) -> dict:
+    """One grade_batch over `items` in a fresh process importing `jaxrl_async` from `tree`."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(items, f)
+        f.flush()
+        env = {**os.environ, "PYTHONPATH": tree}
+        # cwd = tree: `python -c` puts the cwd first on sys.path.
+        out = subprocess.run([sys.executable, "-c", _RUNNER, reward, str(workers), f.name], env=env,
+                             capture_output=True, text=True, cwd=tree)
+    if out.returncode != 0:
+        raise RuntimeError(f"pool run failed ({tree}): {out.stderr[-2000:]}")
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    if not res["package"].startswith(tree):
+        raise RuntimeError(f"expected jaxrl_async from {tree}, got {res['package']}")
+    return res
 
 
 def time_inline(kind: str, items) -> float:
-    cfg = RewardConfig(reward=kind)
+    cfg = RewardConfig(reward=_REWARD.get(kind, kind))
     grade_one(cfg, *items[0])
     t0 = time.perf_counter()
     for item in items:
@@ -67,26 +133,40 @@ def time_inline(kind: str, items) -> float:
     return len(items) / (time.perf_counter() - t0)
 
 
-def bench(kinds, n_items: dict[str, int], worker_counts, repeats: int) -> list[dict]:
+def bench(kinds, n_items, worker_counts, repeats: int, baseline: tuple[str, str] | None) -> list[dict]:
+    """Throughput rows; with a baseline, a row per (kind, workers, tree) and the ratio new / baseline."""
     rows = []
+    trees = {"this tree": REPO}
+    if baseline:
+        trees[baseline[1]] = baseline[0]
     for kind in kinds:
         items = make_items(kind, n_items[kind])
-        runs = {"inline": [time_inline(kind, items) for _ in range(repeats)]}
-        for w in worker_counts:
-            runs[str(w)] = [time_pool(kind, items, w) for _ in range(repeats)]
-        base = statistics.median(runs["1"]) if "1" in runs else None
-        for name, vals in runs.items():
+        reward = _REWARD.get(kind, kind)
+        runs: dict[tuple[str, str], list[float]] = {("inline", "this tree"): []}
+        means: dict[tuple[str, str], float] = {}
+        for r in range(repeats):
+            runs[("inline", "this tree")].append(time_inline(kind, items))
+            for w in worker_counts:
+                order = list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]
+                for name, tree in order:
+                    if kind == "code_cases" and name != "this tree":
+                        continue  # structured cases did not exist before the harness
+                    res = run_pool(tree, reward, items, w)
+                    runs.setdefault((str(w), name), []).append(res["per_s"])
+                    means[(str(w), name)] = sum(res["rewards"]) / len(items)
+        for (workers, name), vals in runs.items():
             med = statistics.median(vals)
-            rows.append(
-                {
-                    "kind": kind,
-                    "workers": name,
-                    "items": len(items),
-                    "per_s_median": round(med, 1),
-                    "per_s_runs": [round(v, 1) for v in vals],
-                    "vs_1_worker": round(med / base, 2) if base else None,
-                }
-            )
+            base = runs.get((workers, baseline[1])) if baseline and name == "this tree" else None
+            rows.append({
+                "kind": kind,
+                "workers": workers,
+                "tree": name,
+                "items": len(items),
+                "per_s_median": round(med, 1),
+                "per_s_runs": [round(v, 1) for v in vals],
+                "mean_reward": round(means.get((workers, name), float("nan")), 3),
+                "vs_baseline": round(med / statistics.median(base), 3) if base else None,
+            })
     return rows
 
 
@@ -110,50 +190,168 @@ def hostile_table() -> list[dict]:
             evidence = (res.stderr.strip().splitlines() or [""])[-1][:80]
             if res.status == "output_limit":
                 evidence = f"stdout cut at {len(res.stdout)} bytes"
-            rows.append(
-                {
-                    "case": case.name,
-                    "status": res.status,
-                    "elapsed_s": round(res.elapsed_s, 2),
-                    "evidence": evidence,
-                    "contained": not breached and status in case.expected,
-                }
-            )
+            rows.append({
+                "case": case.name,
+                "status": res.status,
+                "elapsed_s": round(res.elapsed_s, 2),
+                "evidence": evidence,
+                "contained": not breached and status in case.expected,
+            })
     finally:
         listener.close()
         del os.environ[hostile.SECRET_ENV]
+        shutil.rmtree(outside, ignore_errors=True)
     return rows
+
+
+def hack_table(baseline: tuple[str, str] | None) -> list[dict]:
+    """Grades the reward-hack suite with this tree (and the baseline's rewards when given)."""
+    limits = {"timeout_s": 2.0, "cpu_s": 2, "memory_mb": 256, "max_output_bytes": 1 << 16}
+    with reward_hacks.hack_environment() as values:
+        items = []
+        for case in reward_hacks.CASES:
+            completion, metadata = reward_hacks.render(case, values)
+            items.append(("p", completion, {**metadata, "reward": case.reward, "sandbox": limits}))
+        cfg = RewardConfig(reward="code", num_workers=2, timeout_s=30.0)
+        with RewardService(cfg) as svc:
+            svc.wait_ready()
+            results = svc.grade_batch_results(items, timeout=600)
+        old = run_pool(baseline[0], "code", items, 2)["rewards"] if baseline else None
+    rows = []
+    for i, (case, res) in enumerate(zip(reward_hacks.CASES, results, strict=True)):
+        row = {"kind": case.kind, "case": case.name, "expected": case.expected, "reward": res.reward}
+        if old is not None:
+            row[f"reward at {baseline[1]}"] = old[i]
+        row["ok"] = res.reward == case.expected
+        row["info"] = res.info.replace("|", "/")[:90]
+        rows.append(row)
+    return rows
+
+
+def hack_summary(rows: list[dict]) -> list[dict]:
+    """Per class: how many cases, how many get their expected reward (and, with a baseline, how many of
+    the class's hacks scored 1.0 there)."""
+    out = []
+    for kind in dict.fromkeys(r["kind"] for r in rows):
+        group = [r for r in rows if r["kind"] == kind]
+        row = {"class": kind, "cases": len(group), "expected reward": sum(r["ok"] for r in group)}
+        for col in (c for c in group[0] if c.startswith("reward at")):
+            row[f"scored 1.0 {col[len('reward '):]}"] = sum(r[col] == 1.0 for r in group)
+        out.append(row)
+    return out
+
+
+def _bwrap_argv(plan: fsview.RootPlan, workdir: str) -> list[str]:
+    """bubblewrap arguments building the same root as `fsview.enter`, plus a PID namespace."""
+    argv = ["bwrap", "--unshare-net", "--unshare-pid", "--die-with-parent", "--new-session"]
+    for d in plan.dirs:
+        argv += ["--dir", d]
+    for link, target in plan.symlinks:
+        argv += ["--symlink", target, link]
+    for path in plan.binds:
+        argv += ["--ro-bind", path, path]
+    argv += ["--dev", "/dev", "--proc", "/proc", "--bind", workdir, fsview.SANDBOX_DIR,
+             "--chdir", fsview.SANDBOX_DIR, "--remount-ro", "/"]
+    return argv + [plan.python, "-I", "-c", "pass"]
+
+
+def startup_table(repeats: int, n: int) -> list[dict]:
+    """Median seconds to launch `pass` per configuration, interleaved across configurations."""
+    caps = sandbox.capabilities()
+    python = sandbox._pick_python(caps, None)
+    plan = fsview.plan_for(python, tuple(sorted(sandbox._ENV.items())))
+    none = sandbox.Capabilities(uid=caps.uid, netns=False, fsview=False, mountns=False)
+    limits = sandbox.SandboxLimits()
+    job = wire.make_job({"mode": "test_code", "test_code": "assert f() == 1"})[0]
+    workdir = tempfile.mkdtemp(prefix="jaxrl_bwrap_")
+
+    def run_bwrap():
+        out = subprocess.run(_bwrap_argv(plan, workdir), capture_output=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"bwrap failed: {out.stderr.decode()[-300:]}")
+
+    configs = {
+        "bare interpreter (no sandbox)": lambda: subprocess.run([python, "-I", "-c", "pass"], check=True),
+        "rlimits + uid": lambda: sandbox._run("pass", limits, none, python),
+        "+ netns": lambda: sandbox._run("pass", limits, dataclasses.replace(none, netns=True), python),
+        "+ netns + mountns (read-only host, old view)":
+            lambda: sandbox._run("pass", limits, dataclasses.replace(none, netns=True, mountns=True), python),
+        "+ netns + fsview (minimal root, hidepid /proc)":
+            lambda: sandbox._run("pass", limits, dataclasses.replace(none, netns=True, fsview=True), python),
+        "harness (judge + program), all layers":
+            lambda: sandbox._run("def f():\n    return 1\n", limits, caps, python, job=job),
+    }
+    if shutil.which("bwrap"):
+        configs["bwrap (same root, PID namespace, no uid drop)"] = run_bwrap
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    try:
+        for _ in range(repeats):
+            for name, fn in configs.items():
+                for _ in range(n):
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - t0)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    base = statistics.median(times["bare interpreter (no sandbox)"])
+    return [{"config": name, "median_ms": round(1000 * statistics.median(v), 2),
+             "over_bare_ms": round(1000 * (statistics.median(v) - base), 2), "runs": len(v)}
+            for name, v in times.items()]
 
 
 def _markdown(rows: list[dict], cols: list[str]) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kinds", default="arithmetic,math,code")
-    ap.add_argument("--n", type=int, default=0, help="items per kind (default: 2000 / 400 / 60)")
+    ap.add_argument("--n", type=int, default=0, help="items per kind (default: 2000 / 400 / 60 / 60 / 60)")
     ap.add_argument("--workers", default="", help="comma list (default: 1,2,N with N = os.cpu_count())")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--hostile", action="store_true", help="also print the sandbox containment table")
+    ap.add_argument("--baseline", default="", help="git revision to measure side by side with this tree")
+    ap.add_argument("--hostile", action="store_true", help="print the containment and reward-hacking tables")
+    ap.add_argument("--startup", action="store_true", help="print the start-up cost of each sandbox layer")
+    ap.add_argument("--no-throughput", action="store_true", help="skip the throughput measurement")
     args = ap.parse_args()
+    if args.repeats < 1 or args.n < 0:
+        raise SystemExit("--repeats must be >= 1 and --n >= 0")
     cores = os.cpu_count() or 1
     counts = [int(w) for w in args.workers.split(",")] if args.workers else sorted({1, 2, cores})
-    defaults = {"arithmetic": 2000, "math": 400, "code": 60}
     kinds = args.kinds.split(",")
-    n_items = {k: args.n or defaults[k] for k in kinds}
-    rows = bench(kinds, n_items, counts, args.repeats)
-    report = {"cores": cores, "sandbox": sandbox.capabilities().describe(), "throughput": rows}
-    if args.hostile:
-        report["hostile"] = hostile_table()
+    unknown = set(kinds) - set(_DEFAULT_N)
+    if unknown:
+        raise SystemExit(f"--kinds: unknown {sorted(unknown)}; known: {sorted(_DEFAULT_N)}")
+    baseline = extract_tree(args.baseline) if args.baseline else None
+    try:
+        report = {"cores": cores, "sandbox": sandbox.capabilities().describe()}
+        if not args.no_throughput:
+            n_items = {k: args.n or _DEFAULT_N[k] for k in kinds}
+            report["throughput"] = bench(kinds, n_items, counts, args.repeats, baseline)
+        if args.hostile:
+            report["hostile"] = hostile_table()
+            report["reward_hacks"] = hack_table(baseline)
+        if args.startup:
+            report["startup"] = startup_table(args.repeats, 10)
+    finally:
+        if baseline:
+            shutil.rmtree(baseline[0], ignore_errors=True)
     print(json.dumps(report))
-    print()
-    print(_markdown(rows, ["kind", "workers", "items", "per_s_median", "vs_1_worker", "per_s_runs"]))
+    if "throughput" in report:
+        cols = ["kind", "workers", "tree", "items", "per_s_median", "vs_baseline", "mean_reward",
+                "per_s_runs"]
+        print("\n" + _markdown(report["throughput"], cols))
     if args.hostile:
-        print()
-        print(_markdown(report["hostile"], ["case", "status", "elapsed_s", "evidence", "contained"]))
+        print("\n" + _markdown(report["hostile"], ["case", "status", "elapsed_s", "evidence", "contained"]))
+        hack_cols = ["kind", "case", "expected", "reward"] + [c for c in report["reward_hacks"][0]
+                                                              if c.startswith("reward at")] + ["ok", "info"]
+        print("\n" + _markdown(report["reward_hacks"], hack_cols))
+        summary = hack_summary(report["reward_hacks"])
+        print("\n" + _markdown(summary, list(summary[0])))
+    if args.startup:
+        print("\n" + _markdown(report["startup"], ["config", "median_ms", "over_bare_ms", "runs"]))
 
 
 if __name__ == "__main__":
