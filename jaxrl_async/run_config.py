@@ -265,6 +265,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
             f"config.trainer.total_steps ({tr.total_steps}) < config.total_steps "
             f"({c['total_steps']}): the learning-rate schedule would end early"
         )
+    smp = sections["sampler"]
+    longest = smp.max_prompt_len + smp.max_new_tokens
+    if tr.token_budget < longest:
+        raise ConfigError(
+            f"config.trainer.token_budget={tr.token_budget}: a packed row must hold the longest sequence, "
+            f"config.sampler.max_prompt_len + max_new_tokens = {longest}"
+        )
     return RunConfig(
         workdir=c["workdir"],
         seed=int(c["seed"]),

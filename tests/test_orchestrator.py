@@ -77,6 +77,8 @@ def test_config_errors_name_the_field(tmp_path):
         run_from_config(_small(tmp_path, **{"trainer.temperature": 0.5}))
     with pytest.raises(ConfigError, match=r"config\.mesh\.sampler_processes"):
         validate(_small(tmp_path, **{"mesh.sampler_processes": (-1,)}), n)
+    with pytest.raises(ConfigError, match=r"config\.trainer\.token_budget=8: a packed row must hold"):
+        validate(_small(tmp_path, **{"trainer.token_budget": 8}), n)
     with pytest.raises(ConfigError, match=r"config\.length_caps"):
         validate(_small(tmp_path, length_caps="lognormal:median=24"), n)
 

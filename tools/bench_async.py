@@ -55,6 +55,7 @@ def config_flags(args, workdir: str, mode: str) -> list[str]:
         "model.n_layers": args.layers,
         "sampler.num_slots": args.slots,
         "sampler.max_new_tokens": args.max_len,
+        "trainer.token_budget": max(256, args.max_len + 64),  # a row holds the longest sequence
     }
     return [f"--config={os.path.join(REPO, 'configs', 'bench_async.py')}"] + [
         f"--config.{k}={v}" for k, v in values.items()
