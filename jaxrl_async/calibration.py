@@ -12,10 +12,12 @@ trainer (`jaxrl_async.orchestrator.build_process`) and drives them one at a time
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import time
 from typing import Any
 
+from jaxrl_async.trainer.train_step import prepare_batch
 from jaxrl_async.transport import Rollouts, Trained
 
 _UNLIMITED = 10**6  # versions to open the admission window by: the stream never waits for training
@@ -69,8 +71,10 @@ def calibrate_roles(proc, batches: int = 6) -> dict[str, Any]:
       A dict (the role-bench JSON of `jaxrl_async.perf.shared_host.RoleBench`) with per-batch medians:
       `sample_batch_s` / `sample_batch_cpu_s` (one batch from empty slots to its last graded sample),
       `sample_stream_s` / `sample_stream_cpu_s` (seconds per batch of samples while admission never
-      stops), `train_step_s` / `train_step_cpu_s` (prepare + train step + reshard onto the sampler mesh),
-      `update_s` (the sampler swapping in new weights), batch sizes, lengths and the host's core count.
+      stops), `train_step_s` / `train_step_cpu_s` (prepare + train step + reshard onto the sampler mesh,
+      per packed micro-batch times the mean micro-batches of a batch: `train_micro_batch_s`,
+      `train_micro_batches`; the timed steps' own median is `train_step_measured_s`), `update_s` (the
+      sampler swapping in new weights), batch sizes, lengths of the sync batches and the core count.
     """
     if batches < 2:
         raise ValueError(f"batches must be >= 2, got {batches}")
@@ -82,12 +86,16 @@ def calibrate_roles(proc, batches: int = 6) -> dict[str, Any]:
     drive = _Driver(proc)
 
     # Sync-style: one batch at a time, from empty slots to the last graded sample.
+    # Version 0 already admits its B prompts; each later batch opens one more version (opening one
+    # before the first batch would put two batches in flight and time the faster half of them).
     batch_times = []
     for i in range(batches + 1):
-        drive.open(1)
+        if i:
+            drive.open(1)
         t = _timed(lambda i=i: drive.until((i + 1) * b))
         if i:  # the first batch compiles
             batch_times.append(t)
+    sync_groups = drive.groups[b:]  # every prompt drained to its last token: lengths unbiased
     # Async-style: admission never stops; time `batches` batches' worth after one batch of fill-up.
     drive.open(_UNLIMITED)
     start = len(drive.groups)
@@ -95,13 +103,11 @@ def calibrate_roles(proc, batches: int = 6) -> dict[str, Any]:
     stream = _timed(lambda: drive.until(start + (batches + 1) * b))
 
     train_batches = [drive.groups[i : i + b] for i in range(0, len(drive.groups) - b + 1, b)]
-    lengths = [len(r.completion_tokens) for bt in train_batches for g in bt for r in g]
-    tokens = [
-        sum(len(r.prompt_tokens) + len(r.completion_tokens) for g in bt for r in g) for bt in train_batches
-    ]
+    lengths = [len(r.completion_tokens) for g in sync_groups for r in g]
     core, loop = proc.learner.core, proc.actor.loop
-    train_times, update_times = [], []
+    train_times, micros, update_times = [], [], []
     for i, groups in enumerate(train_batches[: batches + 1]):
+        micros.append(prepare_batch(core.train_cfg, [r for g in groups for r in g]).num_micro)
         out = []
 
         def step(groups=groups, out=out):
@@ -115,6 +121,8 @@ def calibrate_roles(proc, batches: int = 6) -> dict[str, Any]:
             train_times.append(t)
             update_times.append(u[0])
     med = lambda xs: float(statistics.median(xs))
+    micro_s = med([t / m for (t, _), m in zip(train_times, micros[1:], strict=True)])
+    tokens, expected_micro = _steady_batches(core.train_cfg, sync_groups, b)
     return {
         "sampler_devices": run.mesh.sampler_devices,
         "trainer_devices": run.mesh.trainer_devices,
@@ -123,17 +131,39 @@ def calibrate_roles(proc, batches: int = 6) -> dict[str, Any]:
         "num_slots": run.sampler.num_slots,
         "samples_per_batch": n,
         "max_staleness": run.eta,
-        "tokens_per_batch": med(tokens),
+        "tokens_per_batch": tokens,
         "completion_length_mean": float(statistics.fmean(lengths)),
+        "sync_batch_groups": len(sync_groups) / batches,  # B when one batch at a time was in flight
         "sample_batch_s": med([w for w, _ in batch_times]),
         "sample_batch_cpu_s": med([c for _, c in batch_times]),
         "sample_stream_s": stream[0] / batches,
         "sample_stream_cpu_s": stream[1] / batches,
-        "train_step_s": med([w for w, _ in train_times]),
-        "train_step_cpu_s": med([c for _, c in train_times]),
+        "train_step_s": micro_s * expected_micro,
+        "train_step_cpu_s": med([c / m for (_, c), m in zip(train_times, micros[1:], strict=True)])
+        * expected_micro,
+        "train_micro_batch_s": micro_s,
+        "train_micro_batches": expected_micro,
+        "train_step_measured_s": med([w for w, _ in train_times]),
         "update_s": med(update_times),
         "batches": batches,
     }
+
+
+def _steady_batches(train_cfg, groups: list, b: int, draws: int = 200) -> tuple[float, float]:
+    """Mean trained tokens and packed micro-batches of a train batch of `b` groups drawn from `groups`.
+
+    A step costs its padded micro-batches, not its tokens: a batch a few tokens over a micro-batch
+    boundary pays a whole extra one. The timed steps' own batches are too few (and the stream's first
+    ones too short) to give the mean, so batches are resampled from completed sync groups and packed
+    exactly as the trainer packs them.
+    """
+    rng = random.Random(0)
+    tokens, micro = [], []
+    for _ in range(draws):
+        rollouts = [r for g in rng.choices(groups, k=b) for r in g]
+        tokens.append(sum(len(r.prompt_tokens) + len(r.completion_tokens) for r in rollouts))
+        micro.append(prepare_batch(train_cfg, rollouts).num_micro)
+    return float(statistics.fmean(tokens)), float(statistics.fmean(micro))
 
 
 def decode_curve(proc, batches=(1, 4, 16, 64)) -> dict[str, Any]:

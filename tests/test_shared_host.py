@@ -141,6 +141,9 @@ def test_calibrate_roles_times_each_role_of_a_real_run(tmp_path):
     max_len = cfg.sampler.max_prompt_len + cfg.sampler.max_new_tokens
     assert 16 * 2 <= d["tokens_per_batch"] <= 16 * max_len
     assert 1 <= d["completion_length_mean"] <= cfg.sampler.max_new_tokens
+    assert d["sync_batch_groups"] == cfg.prompts_per_step  # sync batches timed one at a time
+    assert d["train_micro_batches"] >= 1
+    assert d["train_step_s"] == pytest.approx(d["train_micro_batch_s"] * d["train_micro_batches"])
     path = tmp_path / "roles.json"
     path.write_text(json.dumps(d))
     bench = load_role_bench(str(path))  # every timing positive, or this raises
