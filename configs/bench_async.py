@@ -25,6 +25,10 @@ def get_config():
     c.data.reward = "format"
     c.reward.defaults = {"format_regex": "[0-9]"}
 
+    # Exactly the devices the one-process runs use (sampler 1 + trainer 1): every further fake CPU device
+    # slowed the train step (one core: 0.30 s per step with 8 devices, 0.22 s with 2).
+    c.mesh.fake_cpu_devices = 2
+
     c.sampler.num_slots = 256
     c.sampler.max_new_tokens = 128
     c.sampler.stop_tokens = (-1,)  # never sampled: lengths are exactly the drawn caps
