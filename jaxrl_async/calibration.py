@@ -129,6 +129,7 @@ def calibrate_roles(proc, batches: int = 6) -> dict[str, Any]:
         "colocated": bool(run.mesh.colocate),
         "cores": host_cores(),
         "num_slots": run.sampler.num_slots,
+        "steps_per_call": run.sampler.steps_per_call,
         "samples_per_batch": n,
         "max_staleness": run.eta,
         "tokens_per_batch": tokens,

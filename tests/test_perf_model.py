@@ -187,6 +187,27 @@ def test_static_batch_engine_pays_full_steps_in_the_window_bound_regime():
     assert r.tokens_per_s == pytest.approx(r_static.tokens_per_s, rel=0.02)
 
 
+def test_admission_lag_lowers_the_window_bound_rate_alike_in_model_and_simulator():
+    # The window-bound system above with the engine's admission lag: the window's critical path grows by
+    # the lag, and the model and the simulator still agree. A trainer-bound system does not notice it.
+    wl = Workload(16, 4, 64, LogNormalLengths(200, 1600, max_len=3200))
+    static = System(16, Sampler(LATENCY, 1, 64, static_batch=True), Trainer(8000.0, 1, 0.0), wl, 2)
+    step_s = static.sampler.step_s(64)
+    lagged = dataclasses.replace(static, sampler=dataclasses.replace(static.sampler, admit_lag_s=50 * step_s))
+    a, a_lag = pm.analyze_split(static, 12, 4), pm.analyze_split(lagged, 12, 4)
+    assert a.bottleneck == a_lag.bottleneck == "staleness"
+    assert a_lag.tokens_per_s < 0.95 * a.tokens_per_s
+    sim = simulate(lagged, 12, 4, steps=150, warmup=20, seed=0)
+    assert a_lag.tokens_per_s == pytest.approx(sim.tokens_per_s, rel=0.08)
+    slow = toy_system(3, tps=500.0)
+    slow_lag = dataclasses.replace(slow, sampler=dataclasses.replace(slow.sampler, admit_lag_s=0.05))
+    assert pm.analyze_split(slow_lag, 6, 2).tokens_per_s == pytest.approx(
+        pm.analyze_split(slow, 6, 2).tokens_per_s
+    )
+    with pytest.raises(ValueError, match="admit_lag_s"):
+        dataclasses.replace(static.sampler, admit_lag_s=-1.0)
+
+
 def test_admission_rule_pins_staleness_when_trainer_bound():
     # A slow trainer: the sampler runs η versions ahead and waits; samples are trained η versions old.
     system = toy_system(3, tps=500.0)

@@ -78,6 +78,8 @@ def scenario_dict(args: argparse.Namespace) -> dict:
     opts = d.setdefault("options", {})
     if args.train_mfu is not None:
         opts["train_mfu"] = args.train_mfu
+    if args.static_batch:
+        opts["static_batch"] = True
     if args.balance_tol is not None:
         d["balance_tol"] = args.balance_tol
     missing = [k for k in ("hardware", "total_devices", "max_staleness", "model") if k not in d]
@@ -142,6 +144,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--train-bench", help="tools/bench_train.py JSON: {devices, train_tokens_per_s}")
     p.add_argument("--train-mfu", type=float)
     p.add_argument("--balance-tol", type=float)
+    p.add_argument(
+        "--static-batch", action="store_true", help="each decode step costs all slots (a static-shape engine)"
+    )
     p.add_argument("--prune-on", choices=("max", "mean"), default="max", help="staleness compared with η")
     p.add_argument("--simulate", action="store_true", help="check the best split and sync with the simulator")
     p.add_argument("--sim-steps", type=int, default=30)

@@ -28,6 +28,7 @@ def calibrated_system(
     sampler_devices: int = 1,
     trainer_devices: int = 1,
     shared_length: bool = True,
+    admit_lag_s: float = 0.0,
 ) -> System:
     """A `System` of one sampler replica per sampler device and the measured trainer.
 
@@ -35,13 +36,14 @@ def calibrated_system(
       roles: a role bench with its "decode" curve (tools/bench_roles.py --decode_curve).
       prompts, samples: B and G; median, p99, max_len: the lognormal completion lengths.
       shared_length: the samples of a prompt share one length (tools/bench_async.py's caps).
+      admit_lag_s: see `Sampler` (`engine_lag_s` gives the slotted engine's).
     """
     b, t = zip(*roles["decode"]["engine_of_b_slots"], strict=True)
     latency = fit_decode_latency(b, t)
     prompt_len = roles["tokens_per_batch"] / roles["samples_per_batch"] - roles["completion_length_mean"]
     lengths = LogNormalLengths(median, p99, max_len)
     wl = Workload(prompts, samples, round(prompt_len), lengths, shared_length=shared_length)
-    sampler = Sampler(latency, 1, roles["decode"]["slots"], 0.0, roles["update_s"], static_batch=static_batch)
+    sampler = Sampler(latency, 1, roles["decode"]["slots"], 0.0, roles["update_s"], static_batch, admit_lag_s)
     trainer = Trainer(roles["tokens_per_batch"] / roles["train_step_s"], 1, 0.0)
     return System(sampler_devices + trainer_devices, sampler, trainer, wl, eta)
 
@@ -50,3 +52,15 @@ def trained_tokens_per_s(system: System, response_tokens_per_s: float) -> float:
     """The model's throughput (response tokens) as trained tokens (prompt + response), as runs report."""
     mean = system.workload.lengths.mean()
     return response_tokens_per_s * (system.workload.prompt_len + mean) / mean
+
+
+def engine_lag_s(roles: dict[str, Any]) -> float:
+    """The slotted engine's admission lag (`Sampler.admit_lag_s`): 2 decode calls of the run's engine.
+
+    A group's last token lands on average half a call before the call ends; with host overlap the loop
+    reads a call's finished flags only after dispatching the next call (one more call); a new version's
+    cohort starts at the next call boundary (half a call on average). Each call is `steps_per_call`
+    decode steps at the run's all-slots step time.
+    """
+    step_s = max(roles["decode"]["busy_of_run_engine"])[1]  # the most busy slots measured: all
+    return 2 * roles["steps_per_call"] * step_s

@@ -138,9 +138,10 @@ def window_period_s(system: System, replicas: int, train_s: float, step_s: float
     """Shortest version period the staleness window allows (train_s when it does not bind).
 
     Admission releases a cohort of B prompts at each version; groups finish after D = their longest
-    sample x step_s (+ the cohort's prefill) and are trained first-finished-first. A train step can start
-    P - T after a release only if at most η cohorts' worth of groups are still unfinished:
-    sum_{j>=1} S_D(j P - T) <= η, with S_D the survival of D. η = 0 is sync RL on the split.
+    sample x step_s (+ the cohort's prefill, the weight update and `Sampler.admit_lag_s`) and are
+    trained first-finished-first. A train step can start P - T after a release only if at most η
+    cohorts' worth of groups are still unfinished: sum_{j>=1} S_D(j P - T) <= η, with S_D the survival
+    of D. η = 0 is sync RL on the split.
     """
     wl, sp = system.workload, system.sampler
     eta, n = system.max_staleness, wl.samples_per_batch
@@ -148,7 +149,7 @@ def window_period_s(system: System, replicas: int, train_s: float, step_s: float
         return batch_generation_s(system, replicas, n)[0] + train_s
     lens = wl.lengths.representative(n)
     surv = _group_survival(lens, wl.draws_per_group)
-    lag = n / replicas * sp.prefill_s + sp.update_s
+    lag = n / replicas * sp.prefill_s + sp.update_s + sp.admit_lag_s
     d_max = lag + float(lens.max()) * step_s
 
     def unfinished(period: float) -> float:

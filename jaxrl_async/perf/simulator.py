@@ -189,7 +189,10 @@ class _Sim:
                     gid = int(i) // self.wl.samples_per_prompt
                     self.group_left[gid] -= 1
                     if self.group_left[gid] == 0:
-                        self.done_groups.append(gid)
+                        if self.sp.admit_lag_s > 0:  # the trainer sees it admit_lag_s later
+                            heapq.heappush(self.heap, (now + self.sp.admit_lag_s, 2, gid, 0))
+                        else:
+                            self.done_groups.append(gid)
                 self._maybe_train(now)
         stall = self.sp.prefill_s * self._fill(rep)
         if rep.active and rep.version != self.version:
@@ -254,6 +257,9 @@ class _Sim:
             t, kind, r, seq = heapq.heappop(self.heap)
             if kind == 0:
                 self._train_done(t)
+            elif kind == 2:  # a finished group reaches the trainer (Sampler.admit_lag_s)
+                self.done_groups.append(r)
+                self._maybe_train(t)
             elif seq == self.reps[r].seq:
                 self._service(r, t)
         if len(self.step_log) < n_steps + 1:

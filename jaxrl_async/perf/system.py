@@ -34,6 +34,10 @@ class Sampler:
       static_batch: every decode step costs t(max_batch), however few slots are busy (a static-shape
         engine, such as this project's slotted XLA decode); False: t(busy slots) (paged / ragged engines).
         It matters when few slots are busy: in the window-bound regime and in a sync batch's tail.
+      admit_lag_s: seconds from a group's last token until the trainer can take it (an engine notices
+        finished sequences between decode calls, one call late when it overlaps the host with the
+        device) plus from a new version until its cohort decodes (the next call boundary); it lies on the
+        staleness window's critical path, nowhere else.
     """
 
     latency: DecodeLatency
@@ -42,6 +46,7 @@ class Sampler:
     prefill_s: float = 0.0
     update_s: float = 0.0
     static_batch: bool = False
+    admit_lag_s: float = 0.0
 
     def step_s(self, busy):
         """Seconds per decode step with `busy` sequences in the replica (scalar or array)."""
@@ -52,8 +57,8 @@ class Sampler:
     def __post_init__(self):
         if self.devices_per_replica <= 0 or self.max_batch <= 0:
             raise ValueError("Sampler needs devices_per_replica > 0 and max_batch > 0")
-        if self.prefill_s < 0 or self.update_s < 0:
-            raise ValueError("Sampler prefill_s and update_s must be >= 0")
+        if self.prefill_s < 0 or self.update_s < 0 or self.admit_lag_s < 0:
+            raise ValueError("Sampler prefill_s, update_s and admit_lag_s must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
