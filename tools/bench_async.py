@@ -117,13 +117,13 @@ def predictions(args, root: str) -> dict[str, dict]:
         # Each role on a core of its own: the split model proper (rates, the staleness window), with
         # the engine's static decode batch.
         from jaxrl_async.perf import model as pm
-        from jaxrl_async.perf.calibrated import calibrated_system, trained_tokens_per_s
+        from jaxrl_async.perf.calibrated import calibrated_system, engine_lag_s, trained_tokens_per_s
 
         with open(role_bench(args, root, cores[:1], "roles_one_core", decode_curve=True)) as f:
             one = json.load(f)
         system = calibrated_system(
             one, prompts=args.prompts, samples=args.samples, median=args.median, p99=args.p99,
-            max_len=args.max_len, eta=args.eta, static_batch=True,
+            max_len=args.max_len, eta=args.eta, static_batch=True, admit_lag_s=engine_lag_s(one),
         )  # fmt: skip
         r = pm.analyze_split(system, 1, 1)
         out["async_2proc"] = {**r.to_dict(), "tokens_per_s": trained_tokens_per_s(system, r.tokens_per_s)}

@@ -31,11 +31,12 @@ from tools.bench_async import config_flags, role_bench  # noqa: E402  (one defin
 def predict(args, roles: dict, s: int, t: int) -> dict:
     """The split model for s sampler replicas and t trainer devices, from one-core role measurements."""
     from jaxrl_async.perf import model as pm
-    from jaxrl_async.perf.calibrated import calibrated_system, trained_tokens_per_s
+    from jaxrl_async.perf.calibrated import calibrated_system, engine_lag_s, trained_tokens_per_s
 
     system = calibrated_system(
         roles, prompts=args.prompts, samples=args.samples, median=args.median, p99=args.p99,
         max_len=args.max_len, eta=args.eta, static_batch=True, sampler_devices=s, trainer_devices=t,
+        admit_lag_s=engine_lag_s(roles),
     )  # fmt: skip
     r = pm.analyze_split(system, s, t)
     return {**r.to_dict(), "tokens_per_s": trained_tokens_per_s(system, r.tokens_per_s)}
