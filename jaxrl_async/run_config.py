@@ -238,7 +238,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         how = "colocated on" if mesh.colocate else "+"
         raise ConfigError(
             f"config.mesh: sampler {mesh.sampler} {how} trainer {mesh.trainer} need {need} devices, "
-            f"{num_devices} present"
+            f"{num_devices} present (on a CPU-only host: --config.mesh.fake_cpu_devices={need})"
         )
     for name in sections["sampler"].cpu_kernels:
         if mesh.sampler_devices != 1:
