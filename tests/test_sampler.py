@@ -338,6 +338,34 @@ def test_generate_cli_on_hf_checkpoint(tmp_path, params):
     assert ids_lines == ["ids: " + " ".join(map(str, ref))]
 
 
+def test_generate_cli_prompt_ids_need_no_tokenizer(tmp_path):
+    # An HF directory without tokenizer.json: ids in, ids out (the tokenizer only prints text); a text
+    # prompt needs one and says which flag gives it.
+    cfg = presets.tiny(vocab_size=40, n_layers=1, max_seq_len=64)
+    p = init_params(cfg, jax.random.key(4))
+    save_hf(cfg, p, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt" / "tokenizer.json").exists()
+    base = [
+        sys.executable,
+        os.path.join(REPO, "tools", "generate.py"),
+        "--checkpoint",
+        str(tmp_path / "ckpt"),
+    ]
+    base += ["--max-new-tokens", "4", "--temperature", "0"]
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    res = subprocess.run(
+        [*base, "--prompt-ids", "3,5,7"], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert res.returncode == 0, res.stderr
+    assert "no tokenizer found" in res.stdout
+    ref = _greedy_reference(p, [3, 5, 7], 4, cfg, stop=cfg.eos_token_id)
+    assert [line for line in res.stdout.splitlines() if line.startswith("ids:")] == [
+        "ids: " + " ".join(map(str, ref))
+    ]
+    res = subprocess.run([*base, "--prompt", "12+"], capture_output=True, text=True, timeout=240, env=env)
+    assert res.returncode != 0 and "--prompt needs a tokenizer" in res.stderr and "--tokenizer" in res.stderr
+
+
 def _need_cxx():
     if shutil.which("g++") is None and shutil.which("c++") is None and not os.environ.get("CXX"):
         pytest.skip("no C++ compiler to build the CPU kernels")

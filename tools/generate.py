@@ -45,6 +45,19 @@ def load_checkpoint(path: str, mesh, dtype: str = "float32", step: int | None = 
     return model_cfg, params, tokenizer
 
 
+def _tokenizer(path: str, needed: bool):
+    """The tokenizer at `path`; with prompt ids (`needed` False) a missing one only costs the text."""
+    try:
+        return load_tokenizer(path)
+    except FileNotFoundError as e:
+        if needed:
+            raise SystemExit(
+                f"--prompt needs a tokenizer: {e} (give --tokenizer DIR|char, or --prompt-ids)"
+            ) from None
+        print(f"no tokenizer found ({e}): printing token ids only (--tokenizer DIR|char for text)")
+        return None
+
+
 def _parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True, help="Hugging Face checkpoint directory")
@@ -72,7 +85,7 @@ def main(argv=None) -> None:
     args = _parse_args(argv)
     mesh = make_mesh((1, 1), ("data", "tensor"), jax.devices()[:1])
     model_cfg, params, tokenizer = load_checkpoint(args.checkpoint, mesh, args.dtype, args.step)
-    tok = load_tokenizer(args.tokenizer or tokenizer)
+    tok = _tokenizer(args.tokenizer or tokenizer, needed=args.prompt is not None)
     if args.prompt is not None:
         prompt = tok.encode(args.prompt)
         char = (args.tokenizer or tokenizer) == "char"
@@ -80,7 +93,7 @@ def main(argv=None) -> None:
             prompt = [tok.bos_id, *prompt]
     else:
         prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-    stops = {t for t in (tok.eos_id, model_cfg.eos_token_id) if t is not None}
+    stops = {t for t in (tok and tok.eos_id, model_cfg.eos_token_id) if t is not None}
     cfg = SamplerConfig(
         num_slots=args.num_samples,
         max_prompt_len=len(prompt),
@@ -100,7 +113,8 @@ def main(argv=None) -> None:
             f"--- sample {c.sample_index} ({c.finish_reason}, {len(c.tokens)} tokens, "
             f"mean logprob {c.logprobs.mean():.3f})"
         )
-        print(tok.decode(c.tokens.tolist()))
+        if tok is not None:
+            print(tok.decode(c.tokens.tolist()))
         print("ids: " + " ".join(str(t) for t in c.tokens.tolist()))
 
 
