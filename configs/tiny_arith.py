@@ -6,8 +6,9 @@ GRPO advantages, eta = 2) takes it the rest of the way.
 Each role gets one fake CPU device: on a 2-core machine, splitting a sub-million-parameter model over
 fake devices only adds collectives (40 steps: 4,514 vs 7,539 trained tokens/s for (2,1)+(2,1) vs
 (1,1)+(1,1)), and every fake device beyond the used ones slows XLA:CPU (steady trained tokens/s: 10,915
-with 2 devices vs 8,929 with 8, one run each of this config on the idle machine). The sharded paths are the same code;
-`--config.mesh.sampler=(2,1) --config.mesh.trainer=(2,1) --config.mesh.fake_cpu_devices=4` runs them.
+with 2 devices vs 8,929 with 8, one run each of this config on the idle machine). The sharded paths
+are the same code; `--config.mesh.sampler=(2,1) --config.mesh.trainer=(2,1)
+--config.mesh.fake_cpu_devices=4` runs them.
 """
 
 from configs import base
