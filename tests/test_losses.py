@@ -175,3 +175,27 @@ def test_rejects_bad_arguments():
         policy_loss("ppo", z, z, z, z, z, dual_clip=0.5)
     with pytest.raises(TypeError):
         policy_loss("ppo", z, z, z, z, z, epsilon=0.1)
+
+
+def test_loss_specs_say_which_losses_read_prox_and_stats_are_checked():
+    from jaxrl_async.trainer.losses import LOSS_SPECS, LOSSES, reads_prox, register_loss
+
+    assert set(LOSS_SPECS) == set(LOSSES)
+    assert {k for k in LOSSES if not reads_prox(k)} == {"ppo", "reinforce_tis"}
+    z = jnp.zeros((1, 2))
+    for kind in LOSSES:  # every built-in returns exactly the declared stats
+        policy_loss(kind, z, z, z, z, jnp.ones((1, 2)))
+
+    @register_loss("_test_partial_stats", reads_prox=False)
+    def partial(logp, prox, behav, adv, segs, hp):
+        return -logp * adv, {"clip": jnp.zeros_like(logp)}
+
+    try:
+        assert not reads_prox("_test_partial_stats")
+        with pytest.raises(ValueError, match="returned stats"):
+            policy_loss("_test_partial_stats", z, z, z, z, jnp.ones((1, 2)))
+        with pytest.raises(ValueError, match="registered twice"):
+            register_loss("_test_partial_stats")(partial)
+    finally:
+        LOSSES.pop("_test_partial_stats")
+        LOSS_SPECS.pop("_test_partial_stats")

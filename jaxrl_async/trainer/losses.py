@@ -153,18 +153,43 @@ def _clipped_objective(ratio_BxT, adv_BxT, hp: LossHParams):
 
 LossFn = Callable[..., tuple[jax.Array, dict]]
 LOSSES: dict[str, LossFn] = {}
+# The per-token stats every loss returns ([B, T] each): ratio clipped, dual clip hit, behaviour weight,
+# token dropped by the behaviour weight. The trainer's metrics are built from exactly these.
+LOSS_STATS = ("clip", "dual_clip", "is_weight", "behav_dropped")
 
 
-def register_loss(name: str):
-    """Adds a per-token loss `fn(logp, prox, behav, adv, segs, hp) -> (loss_BxT, stats)` to LOSSES."""
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+    """What the trainer needs to know about a registered loss besides its function.
+
+    Attributes:
+      reads_prox: whether the loss uses pi_prox. False (PPO against the behaviour policy, REINFORCE with
+        truncated IS): the trainer passes the behaviour logprobs and never computes pi_prox.
+    """
+
+    reads_prox: bool = True
+
+
+LOSS_SPECS: dict[str, LossSpec] = {}
+
+
+def register_loss(name: str, reads_prox: bool = True):
+    """Adds a per-token loss `fn(logp, prox, behav, adv, segs, hp) -> (loss_BxT, stats)` to LOSSES, with
+    `stats` holding exactly LOSS_STATS, and its LossSpec to LOSS_SPECS."""
 
     def wrap(fn: LossFn) -> LossFn:
         if name in LOSSES:
             raise ValueError(f"loss {name!r} registered twice")
         LOSSES[name] = fn
+        LOSS_SPECS[name] = LossSpec(reads_prox=reads_prox)
         return fn
 
     return wrap
+
+
+def reads_prox(kind: str) -> bool:
+    """Whether the registered loss `kind` uses pi_prox (see LossSpec)."""
+    return LOSS_SPECS[kind].reads_prox
 
 
 def _ppo_family(log_ratio_BxT, prox, behav, adv, segs, hp):
@@ -180,7 +205,7 @@ def decoupled_ppo(logp, prox, behav, adv, segs, hp):
     return _ppo_family((logp - prox) * segs.mask_BxT, prox, behav, adv, segs, hp)
 
 
-@register_loss("ppo")
+@register_loss("ppo", reads_prox=False)
 def ppo(logp, prox, behav, adv, segs, hp):
     """Standard clipped PPO: the proximal policy is the behaviour policy (w = 1)."""
     return _ppo_family((logp - behav) * segs.mask_BxT, behav, behav, adv, segs, hp)
@@ -193,7 +218,7 @@ def gspo(logp, prox, behav, adv, segs, hp):
     return _ppo_family(seq_log_ratio, prox, behav, adv, segs, hp)
 
 
-@register_loss("reinforce_tis")
+@register_loss("reinforce_tis", reads_prox=False)
 def reinforce_tis(logp, prox, behav, adv, segs, hp):
     """PipelineRL's REINFORCE with truncated IS: -log pi * A * sg(min(pi / pi_behav, 1 + eps_high))."""
     log_ratio = jax.lax.stop_gradient(logp - behav) * segs.mask_BxT
@@ -234,6 +259,8 @@ def policy_loss(kind: str, logp, prox_logp, behav_logp, advantages, mask, segmen
     logp, prox, behav, adv = f32(logp), f32(prox_logp), f32(behav_logp), f32(advantages)
     prox = jax.lax.stop_gradient(prox)
     loss_BxT, stats = LOSSES[kind](logp, prox, behav, adv, segs, params)
+    if set(stats) != set(LOSS_STATS):
+        raise ValueError(f"loss {kind!r} returned stats {sorted(stats)}; a loss returns exactly {LOSS_STATS}")
     loss_sum, count = aggregate(loss_BxT, segs, params)
     m = segs.mask_BxT
     metrics = {

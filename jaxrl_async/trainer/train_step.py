@@ -38,12 +38,10 @@ from jaxrl_async.trainer.losses import (
     combine_metrics,
     finalize_metrics,
     policy_loss,
+    reads_prox,
 )
 from jaxrl_async.trainer.optimizer import learning_rate_schedule, make_optimizer
 from jaxrl_async.trainer.packing import FIELD_DTYPES, PackedBatch, pack_rollouts
-
-# Losses whose trust region is anchored at the behaviour policy: they never read pi_prox.
-_NO_PROX_LOSSES = ("ppo", "reinforce_tis")
 
 
 @struct.dataclass
@@ -209,7 +207,7 @@ def _micro_loss(cfg, model_cfg, mesh, params, ref_params, mb, prox_BxT, prox_ver
     """(loss_sum, (count, metrics)) of one micro-batch; gradients flow through `params` only."""
     logp, entropy = _model_logprobs(cfg, model_cfg, params, mb, cfg.remat, mesh)
     mask, behav, seg = mb["loss_mask"], mb["behav_logp"], mb["segment_ids"]
-    if cfg.loss in _NO_PROX_LOSSES:
+    if not reads_prox(cfg.loss):
         prox = behav
     elif cfg.prox_mode == "loglinear":
         prox = loglinear_prox_logp(behav, logp, mb["versions"], prox_version)
@@ -348,7 +346,7 @@ def compile_abstract(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> di
     mb = {k: jax.ShapeDtypeStruct(shape, dt, sharding=fns.batch_sharding) for k, dt in FIELD_DTYPES.items()}
     ref = params if cfg.kl_coef > 0 else None
     acc = spec_of(*fns.acc_layout(params, ref, mb, scalar))
-    recompute = cfg.loss not in _NO_PROX_LOSSES and cfg.prox_mode == "recompute" and cfg.minibatches > 1
+    recompute = reads_prox(cfg.loss) and cfg.prox_mode == "recompute" and cfg.minibatches > 1
     prox = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=fns.batch_sharding) if recompute else None
     state = TrainState(params, opt_state, scalar, scalar, scalar, ref, cfg, model_cfg, mesh)
     per_device = lambda tree: sum(
@@ -391,7 +389,7 @@ def train_step(state: TrainState, batch: PackedBatch) -> tuple[TrainState, dict]
     mbs = _device_batch(fns, batch)
     prox_version = state.version + 0  # a buffer of its own: each update donates the state
     prox = [None] * len(mbs)
-    if cfg.loss not in _NO_PROX_LOSSES and cfg.prox_mode == "recompute" and cfg.minibatches > 1:
+    if reads_prox(cfg.loss) and cfg.prox_mode == "recompute" and cfg.minibatches > 1:
         prox = [fns.logprobs(state.params, mb) for mb in mbs]  # before any update of this step
     groups = np.array_split(np.arange(len(mbs)), min(cfg.minibatches, len(mbs)))
     raw, loss_sum, count, outs = None, 0.0, 0.0, []
