@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from jaxrl_async.evaluation import evaluate_accuracy
+from jaxrl_async.rewards.shaping import overlong_penalty
 from jaxrl_async.rollouts import Rollout
 from jaxrl_async.sampler import Request, SamplerLoop
 from jaxrl_async.transport import EvalResult, NewWeights, Rollouts, Stop, Stopped, TicketRequest, Tickets
@@ -39,6 +40,7 @@ class ActorConfig:
       eval_every: versions between evaluations (0 = only the first and the last).
       total_steps: the last version (always evaluated).
       verify_weights: checksum every received version (a host read of the weights; for tests).
+      overlong_buffer, overlong_penalty: the length shaping added to each reward (RewardConfig).
     """
 
     index: int
@@ -48,6 +50,8 @@ class ActorConfig:
     eval_every: int
     total_steps: int
     verify_weights: bool = False
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
 
 def length_cap_fn(spec: str) -> Callable[[int], int]:
@@ -79,8 +83,9 @@ def length_cap_fn(spec: str) -> Callable[[int], int]:
     return cap
 
 
-def to_rollout(c, reward: float, reason: str, tokenizer) -> Rollout:
-    """A graded sampler Completion (its metadata is the Prompt) as a trainer Rollout."""
+def to_rollout(c, reward: float, reason: str, tokenizer, shaping: float = 0.0) -> Rollout:
+    """A graded sampler Completion (its metadata is the Prompt) as a trainer Rollout; `shaping` (the
+    overlong term) is added to the verifier's reward and kept in the metadata."""
     return Rollout(
         uid=c.metadata.uid,
         group_id=int(c.uid),
@@ -89,9 +94,10 @@ def to_rollout(c, reward: float, reason: str, tokenizer) -> Rollout:
         completion_tokens=np.asarray(c.tokens, np.int32),
         behav_logprobs=np.asarray(c.logprobs, np.float32),
         versions=np.asarray(c.versions, np.int32),
-        reward=float(reward),
+        reward=float(reward) + shaping,
         finish_reason=c.finish_reason,
-        metadata={"text": tokenizer.decode(c.tokens), "prompt": c.metadata.text, "reason": reason},
+        metadata={"text": tokenizer.decode(c.tokens), "prompt": c.metadata.text, "reason": reason,
+                  "overlong_penalty": shaping},  # fmt: skip
     )
 
 
@@ -251,7 +257,9 @@ class Actor:
         for res in self.rewards.poll():
             c = self._pending.pop(res.request_id)
             group = self._groups.setdefault(int(c.uid), [])
-            group.append(to_rollout(c, res.reward, res.reason, self.tokenizer))
+            cap, cfg = self.engine.cfg.max_new_tokens, self.cfg
+            shaping = overlong_penalty(len(c.tokens), cap, cfg.overlong_buffer, cfg.overlong_penalty)
+            group.append(to_rollout(c, res.reward, res.reason, self.tokenizer, shaping))
             if len(group) == g:
                 del self._groups[int(c.uid)]
                 group.sort(key=lambda r: r.sample_index)

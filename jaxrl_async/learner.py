@@ -66,6 +66,10 @@ class LearnerConfig:
         for a version's own evaluation before checkpointing it, so the best checkpoint is known).
       followers: endpoints of the other trainer processes.
       actors: number of actors.
+      dynamic_sampling: discard groups whose rewards are all equal as they arrive (DAPO), so every batch
+        holds `prompts_per_step` informative groups; the coordinator admits a new prompt for each.
+      dynamic_sampling_patience: stop the run (saving first) once this many batches' worth of groups in
+        a row were discarded: the policy solves (or fails) everything the data offers.
     """
 
     prompts_per_step: int
@@ -79,6 +83,8 @@ class LearnerConfig:
     checkpoint_minutes: float = 0.0
     followers: tuple[str, ...] = ()
     actors: int = 1
+    dynamic_sampling: bool = False
+    dynamic_sampling_patience: int = 20
 
 
 class TrainerCore:
@@ -155,6 +161,10 @@ class Learner:
         self.data_exhausted = False
         self.preempting = False
         self.checkpoint_stall_s: list[float] = []
+        self.filtered_groups = 0  # dynamic sampling: groups discarded (run total)
+        self._kept_since = self._filtered_since = 0  # groups kept / discarded since the last step
+        self._filtered_in_a_row = 0
+        self.no_signal = False
         self._totals: list[tuple[float, dict]] = [(0.0, {k: 0.0 for k in _RATE_KEYS})]
         self._saved_at = time.monotonic()
         self._save_after_eval: int | None = None
@@ -170,8 +180,7 @@ class Learner:
         for m in self.transport.recv(self.endpoint):
             progress = True
             if isinstance(m, Rollouts):
-                for g in m.groups:
-                    self.queue.add_group(g)
+                self._take_groups(m.groups)
                 self.actor_stats[m.actor] = m.stats
             elif isinstance(m, EvalResult):
                 self._record_eval(m)
@@ -188,7 +197,7 @@ class Learner:
         if self._save_after_eval is not None and self._eval_of(self.version) is not None:
             self.save()
         busy = self.inflight is not None or self._save_after_eval is not None
-        if not busy and not self.preempting and self.version < self.cfg.total_steps:
+        if not busy and not self.preempting and not self.no_signal and self.version < self.cfg.total_steps:
             groups = self.queue.pop_batch(self.cfg.prompts_per_step, self.version)
             self._report_drops()
             if groups is not None:
@@ -205,6 +214,34 @@ class Learner:
         if not self.preempting:
             log.warning("%s: saving after the step in flight, then stopping", why)
         self.preempting = True
+
+    def _take_groups(self, groups: list[list[Rollout]]) -> None:
+        """Queues finished groups; with dynamic sampling, uninformative ones are discarded and reported to
+        the coordinator (which returns their budget and admits new prompts in their place)."""
+        filtered = []
+        for g in groups:
+            if self.cfg.dynamic_sampling and _uninformative(g):
+                filtered.append(g[0].group_id)
+                self._filtered_in_a_row += 1
+            else:
+                self.queue.add_group(g)
+                self._kept_since += 1
+                self._filtered_in_a_row = 0
+        if not filtered:
+            return
+        self.filtered_groups += len(filtered)
+        self._filtered_since += len(filtered)
+        self.transport.send("coordinator", Trained(self.version, [], filtered=filtered))
+        for stats in self.actor_stats.values():
+            stats["drained"] = False  # new work is coming
+        limit = self.cfg.dynamic_sampling_patience * self.cfg.prompts_per_step
+        if self._filtered_in_a_row >= limit and not self.no_signal:
+            log.error(
+                "dynamic sampling: the last %d groups all had equal rewards (trainer.dynamic_sampling_"
+                "patience=%d batches); no learning signal is left, stopping at version %d",
+                self._filtered_in_a_row, self.cfg.dynamic_sampling_patience, self.version,
+            )  # fmt: skip
+            self.no_signal = True
 
     def _report_drops(self) -> None:
         """Groups the queue dropped as too stale go back to the coordinator at once (started again)."""
@@ -292,7 +329,7 @@ class Learner:
         log.info("version %d: held-out accuracy %.3f", m.version, m.accuracy)
 
     def _maybe_stop(self) -> None:
-        quit_now = self.data_exhausted or self.preempting
+        quit_now = self.data_exhausted or self.preempting or self.no_signal
         finished = self.version >= self.cfg.total_steps or quit_now
         last_eval = self.evals and self.evals[-1][0] >= self.version
         if finished and self.inflight is None and not self._stop_sent and (last_eval or quit_now):
@@ -358,6 +395,12 @@ class Learner:
             "is_weight/mean": m.get("is_weight_mean"),
             "is_weight/max": m.get("is_weight_max"),
             "train/clip_frac": m.get("clip_frac"),
+            "train/clip_low_frac": m.get("clip_low_frac"),
+            "train/clip_high_frac": m.get("clip_high_frac"),
+            "train/dual_clip_frac": m.get("dual_clip_frac"),
+            "train/behav_dropped_frac": m.get("behav_dropped_frac"),
+            "train/kl_ref": m.get("kl_ref_mean"),
+            "train/kl_behav": m.get("kl_behav_mean"),
             "train/grad_norm": m.get("grad_norm"),
             "train/entropy": m.get("entropy_mean"),
             "train/skipped_updates": float(np.asarray(self.core.state.skipped.addressable_shards[0].data)),
@@ -367,6 +410,11 @@ class Learner:
             "staleness/token_mean": st["token_mean"],
             "staleness/token_max": float(st["token_max"]),
             "staleness/dropped_groups": float(self.queue.dropped_groups),
+            **self._dynamic_sampling_values(),
+            "reward/overlong_penalty": float(np.mean([r.metadata.get("overlong_penalty", 0.0)
+                                                      for r in rollouts])),  # fmt: skip
+            "completion/truncated_frac": float(np.mean([r.finish_reason == "length" for r in rollouts])),
+            "train/uninformative_group_frac": float(np.mean([_uninformative(g) for g in groups])),
             "completion/length_mean": float(np.mean(lengths)),
             "completion/length_max": float(np.max(lengths)),
             **self._rates(elapsed, n_actors),
@@ -393,6 +441,18 @@ class Learner:
         self.history.append({k: v for k, v in values.items() if v is not None})
         return values
 
+    def _dynamic_sampling_values(self) -> dict[str, float]:
+        """Yield (groups kept / groups finished since the last step) and the run's discarded total."""
+        if not self.cfg.dynamic_sampling:
+            return {}
+        seen = self._kept_since + self._filtered_since
+        values = {
+            "dynamic_sampling/yield": self._kept_since / seen if seen else 1.0,
+            "dynamic_sampling/filtered_groups": float(self.filtered_groups),
+        }
+        self._kept_since = self._filtered_since = 0
+        return values
+
     def summary(self) -> dict[str, Any]:
         """The run's figures as the learner saw them (the orchestrator adds the other roles')."""
         hist = self.history
@@ -416,6 +476,8 @@ class Learner:
             "checkpoint_stall_s": self.checkpoint_stall_s,
             "preempted": self.preempting,
             "dropped_groups": self.queue.dropped_groups,
+            "filtered_groups": self.filtered_groups,
+            "stopped_no_signal": self.no_signal,
             "dropped_lengths": self.queue.dropped_lengths,
             "evals": [{"step": s, "accuracy": a, "elapsed_s": e} for s, a, e in self.evals],
             "final_accuracy": self.evals[-1][1] if self.evals else None,
@@ -433,6 +495,12 @@ def steady_rate(hist: list[dict[str, float]], key: str = "time/trained_tokens") 
         return 0.0
     a, b = hist[k - 1], hist[-1]
     return (b[key] - a[key]) / max(b["time/elapsed_s"] - a["time/elapsed_s"], 1e-9)
+
+
+def _uninformative(group: list[Rollout]) -> bool:
+    """All rewards equal: group-relative advantages are 0, so the group carries no policy gradient."""
+    rewards = [r.reward for r in group]
+    return max(rewards) - min(rewards) <= 1e-8
 
 
 def _ready(metrics: dict) -> bool:

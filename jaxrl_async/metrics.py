@@ -22,7 +22,18 @@ SCALAR_TAGS = (
     "perf/weight_sync_s",
     "loss/policy",
     "is_weight/mean",
+    "train/clip_frac",
+    "train/clip_low_frac",
+    "train/clip_high_frac",
+    "train/dual_clip_frac",
+    "train/behav_dropped_frac",
+    "train/kl_behav",
+    "train/uninformative_group_frac",
+    "reward/overlong_penalty",
+    "completion/truncated_frac",
 )
+# Written only when their feature is on: train/kl_ref (trainer.kl_coef > 0), dynamic_sampling/yield and
+# dynamic_sampling/filtered_groups (trainer.dynamic_sampling).
 
 
 class MetricsWriter:

@@ -184,6 +184,8 @@ def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
         eval_every=run.eval_every,
         followers=tuple(f"trainer:{p}" for p in roles.trainers[1:]),
         actors=len(roles.samplers),
+        dynamic_sampling=run.trainer.dynamic_sampling,
+        dynamic_sampling_patience=run.trainer.dynamic_sampling_patience,
     )
     if roles.multi:
         _await_hellos(transport, cluster)
@@ -229,6 +231,8 @@ def _build_actor(proc, run, cluster, transport, tokenizer, model_cfg, scfg, t_me
         eval_every=run.eval_every,
         total_steps=run.total_steps,
         verify_weights=run.verify_weights,
+        overlong_buffer=run.reward.overlong_buffer,
+        overlong_penalty=run.reward.overlong_penalty,
     )
     eval_prompts = held_out_prompts(run.data, tokenizer, run.eval_prompts) if index == 0 else []
     caps = length_cap_fn(run.length_caps) if run.length_caps else None

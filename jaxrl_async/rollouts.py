@@ -40,11 +40,15 @@ class StalenessController:
     """AReaL's admission rule: the n-th prompt (1-based) starts only while floor((n-1)/B) <= version + eta.
 
     eta = 0 is synchronous RL: the B prompts of version v all start before v's update and none after.
+    Prompts filtered out after sampling (dynamic sampling: groups whose rewards are all equal) return
+    their budget: n counts the prompts started minus those filtered, so the bound holds for the groups
+    that are trained, however many were sampled to find them.
     """
 
     batch_prompts: int  # B: prompts per train batch
     max_staleness: int  # eta
-    started: int = 0
+    started: int = 0  # prompts admitted so far (the next admission number)
+    filtered: int = 0  # of which filtered out after sampling (their budget is free again)
 
     def __post_init__(self):
         if self.batch_prompts <= 0:
@@ -52,8 +56,19 @@ class StalenessController:
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
 
+    @property
+    def counted(self) -> int:
+        """Admissions that count against the bound."""
+        return self.started - self.filtered
+
     def can_admit(self, version: int) -> bool:
-        return self.started // self.batch_prompts <= version + self.max_staleness
+        return self.counted // self.batch_prompts <= version + self.max_staleness
+
+    def refund(self, n: int) -> None:
+        """`n` admitted prompts were filtered out: their budget is free again."""
+        if not 0 <= n <= self.counted:
+            raise ValueError(f"refund of {n} prompts, only {self.counted} counted")
+        self.filtered += n
 
     def admit(self, version: int) -> int:
         """Records one admission; returns the prompt's admission number (0-based group id)."""
@@ -66,7 +81,7 @@ class StalenessController:
 
     def ahead(self, version: int) -> int:
         """How many versions ahead of `version` admission has run (always <= eta)."""
-        return max(0, (self.started - 1) // self.batch_prompts - version) if self.started else 0
+        return max(0, (self.counted - 1) // self.batch_prompts - version) if self.counted else 0
 
 
 class RolloutQueue:

@@ -272,6 +272,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
             f"config.trainer.token_budget={tr.token_budget}: a packed row must hold the longest sequence, "
             f"config.sampler.max_prompt_len + max_new_tokens = {longest}"
         )
+    if sections["reward"].overlong_buffer > smp.max_new_tokens:
+        raise ConfigError(
+            f"config.reward.overlong_buffer={sections['reward'].overlong_buffer}: the soft window must fit "
+            f"in config.sampler.max_new_tokens={smp.max_new_tokens}"
+        )
     return RunConfig(
         workdir=c["workdir"],
         seed=int(c["seed"]),

@@ -225,10 +225,15 @@ class _WarmStartEval:
 
 
 def train_state(run: RunConfig, model_cfg: ModelConfig, mesh, params) -> TrainState:
-    """A fresh train state on the trainer mesh from device params or host arrays."""
+    """A fresh train state on the trainer mesh from device params or host arrays.
+
+    With trainer.kl_coef > 0 the starting parameters (the HF checkpoint, the warm start or the init)
+    are also the frozen KL reference. A resumed run restores only the policy and optimizer over this
+    state, so its reference stays the starting policy."""
     if jax.tree.leaves(params) and isinstance(jax.tree.leaves(params)[0], np.ndarray):
         params = jax.device_put(params, param_shardings(model_cfg, mesh, TRAINER_RULES))
-    return create_train_state(run.trainer, model_cfg, params, mesh)
+    ref = params if run.trainer.kl_coef > 0 else None
+    return create_train_state(run.trainer, model_cfg, params, mesh, ref_params=ref)
 
 
 def checkpoints(run: RunConfig, cluster, model_cfg: ModelConfig) -> RunCheckpoints:

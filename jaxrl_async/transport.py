@@ -92,11 +92,13 @@ class TrainBatch:
 @dataclasses.dataclass
 class Trained:
     """The learner finished `version`: `group_ids` are the groups it trained, `dropped` the groups it
-    discarded as too stale (the coordinator starts those again)."""
+    discarded as too stale (the coordinator starts those again), `filtered` the groups dynamic sampling
+    discarded as uninformative (done with; their admission budget returns)."""
 
     version: int
     group_ids: list
     dropped: list = dataclasses.field(default_factory=list)
+    filtered: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

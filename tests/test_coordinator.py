@@ -58,6 +58,24 @@ def test_dropped_groups_start_again_on_their_own_budget(tmp_path):
         assert len(c.in_flight) == 4
 
 
+def test_filtered_groups_return_their_budget_and_leave_the_ledger(tmp_path):
+    # Dynamic sampling: each group the learner discards makes room for exactly one new prompt, and the
+    # bound counts the groups that can still be trained: (eta + 1) * B of them before version 1.
+    c, t = _coordinator(tmp_path, b=2, eta=1)
+    assert [g for g, _ in _ask(c, t, 10)] == [0, 1, 2, 3]
+    more = _ask(c, t, version=0, group_ids=[], filtered=[1, 2])
+    assert [g for g, _ in more] == [4, 5]  # new ids (new seeds), on the returned budget
+    assert sorted(c.in_flight) == [0, 3, 4, 5] and c.controller.counted == 4
+    assert c.max_ahead <= 1 and c.summary()["prompts_filtered"] == 2
+    assert _ask(c, t, version=0, group_ids=[], filtered=[1]) == []  # already gone: no double refund
+    state = json.loads(json.dumps(c.state()))
+    assert (state["started"], state["filtered"]) == (6, 2)
+    c.close()
+    c, t = _coordinator(tmp_path, b=2, eta=1, state=state, version=0)
+    assert c.controller.counted == 4 and not c.controller.can_admit(0)
+    c.close()
+
+
 def test_resume_starts_in_flight_prompts_again_and_skips_none(tmp_path):
     # Train a 12-prompt epoch with a checkpoint and a restart in the middle: every prompt trained once.
     c, t = _coordinator(tmp_path, b=2, eta=1)

@@ -39,6 +39,8 @@ def test_clipped_branches_and_dual_clip():
     s, c, m = _loss("decoupled_ppo", logp, prox, prox, adv, **hp)
     assert s == pytest.approx(-1.2 - 0.5 + 0.8 + 1.5, abs=1e-5) and c == 4
     assert m["clip_frac"] == pytest.approx(0.5)
+    # token 0 is clipped above (A > 0, u > 1.2), token 2 below (A < 0, u < 0.8)
+    assert m["clip_high_frac"] == pytest.approx(0.25) and m["clip_low_frac"] == pytest.approx(0.25)
     s, _, m = _loss("decoupled_ppo", logp, prox, prox, adv, dual_clip=1.3, **hp)
     assert s == pytest.approx(-1.2 - 0.5 + 0.8 + 1.3, abs=1e-5)
     assert m["dual_clip_frac"] == pytest.approx(0.25)

@@ -143,6 +143,24 @@ def test_async_run_trains_syncs_respects_eta_and_writes_tags(tmp_path):
     assert resumed["weight_checksums"]["learner"][4] == pytest.approx(sums["learner"][4], rel=1e-6)
 
 
+def test_dynamic_sampling_trains_informative_groups_only_within_eta_and_kl_works(tmp_path):
+    # Two samples per prompt with a ~50% reward: about half the groups have equal rewards. Dynamic
+    # sampling discards them and admits new prompts in their place; every trained group is informative
+    # and eta still bounds staleness. The KL to the reference (the initial policy) is 0 at the first
+    # step and grows as the policy moves.
+    over = {"samples_per_prompt": 2, "trainer.dynamic_sampling": True, "trainer.kl_coef": 0.05,
+            "trainer.skip_zero_advantage": False}
+    summary = run_from_config(_small(tmp_path, eval_every=0, **over))
+    assert summary["steps"] == 4 and summary["filtered_groups"] > 0
+    assert summary["prompts_filtered"] == summary["filtered_groups"]
+    assert summary["max_admission_ahead"] <= 1 and summary["staleness_max"] <= 1
+    scalars = read_scalars(os.path.join(tmp_path, "tb"))
+    assert [v for _, v in scalars["train/uninformative_group_frac"]] == [0.0] * 4
+    assert min(v for _, v in scalars["dynamic_sampling/yield"]) < 1.0
+    kl = dict(scalars["train/kl_ref"])
+    assert kl[1] == pytest.approx(0.0, abs=1e-6) and kl[4] > 1e-6
+
+
 def test_sync_mode_is_eta_zero(tmp_path):
     summary = run_from_config(_small(tmp_path, mode="sync", total_steps=2, eval_every=0))
     assert summary["max_staleness"] == 0 and summary["max_admission_ahead"] == 0

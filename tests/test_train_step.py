@@ -258,6 +258,37 @@ def test_kl_penalty_to_an_identical_reference_is_zero(params):
         create_train_state(kl_cfg, MODEL, params)
 
 
+def test_kl_to_the_reference_is_positive_once_the_policy_moved_and_its_gradient_points_back(params):
+    # Equal rewards in every group: the GRPO advantages are 0, so the KL term is the whole loss.
+    rollouts = [dataclasses.replace(r, reward=1.0) for r in make_rollouts(8, seed=9)]
+    moved = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), params)
+    cfg = dataclasses.replace(BASE, kl_coef=1.0, kl_estimator="k3")
+    batch = prepare_batch(cfg, rollouts)
+
+    def kl_at(p):
+        state = create_train_state(cfg, MODEL, p, ref_params=params)
+        loss, grads, m = loss_and_grads(state, batch)
+        assert float(loss) == pytest.approx(float(m["kl_ref_mean"]), rel=1e-5)  # token mean, coef 1
+        return float(loss), grads
+
+    kl, grads = kl_at(moved)
+    assert kl > 1e-4
+    # The gradient points back to the reference: a descent step shrinks the KL, and -grad is aligned
+    # with (reference - policy).
+    step = jax.tree.map(lambda p, g: p - 0.5 * g, moved, grads)
+    assert kl_at(step)[0] < kl
+    dot = sum(float(jnp.vdot(-g, r - p)) for g, r, p in
+              zip(jax.tree.leaves(grads), jax.tree.leaves(params), jax.tree.leaves(moved), strict=True))
+    assert dot > 0
+
+
+def test_kl_reference_is_held_in_the_compute_dtype(params):
+    cfg = dataclasses.replace(BASE, kl_coef=0.1, compute_dtype="bfloat16")
+    state = create_train_state(cfg, MODEL, params, ref_params=params)
+    assert {x.dtype for x in jax.tree.leaves(state.ref_params)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
+
+
 def test_bf16_compute_keeps_fp32_master_weights(params):
     rollouts = make_rollouts(8, seed=8)
     f32 = create_train_state(BASE, MODEL, params)

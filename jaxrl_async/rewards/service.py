@@ -42,6 +42,9 @@ class RewardConfig:
       imports: modules each worker imports at start-up (to run their `@register_reward` decorators).
       defaults: metadata defaults merged under each request's metadata (e.g. {"sandbox": {...}}).
       mp_context: "spawn" or "forkserver".
+      overlong_buffer: DAPO's soft overlong punishment (rewards/shaping.py): completions within this many
+        tokens of sampler.max_new_tokens lose up to `overlong_penalty` reward, linearly; 0 = off.
+      overlong_penalty: the shaping term's magnitude at the cap.
     """
 
     reward: str = "arithmetic"
@@ -52,6 +55,8 @@ class RewardConfig:
     imports: tuple[str, ...] = ()
     defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     mp_context: str = "spawn"
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
     def __post_init__(self):
         if self.num_workers < 1:
@@ -62,6 +67,11 @@ class RewardConfig:
             raise ValueError(f"RewardConfig: max_queue must be >= 1, got {self.max_queue}")
         if self.mp_context not in ("spawn", "forkserver"):
             raise ValueError(f"RewardConfig: mp_context must be spawn or forkserver, got {self.mp_context!r}")
+        if self.overlong_buffer < 0 or self.overlong_penalty < 0:
+            raise ValueError(
+                f"RewardConfig: overlong_buffer and overlong_penalty must be >= 0, got "
+                f"{self.overlong_buffer}, {self.overlong_penalty}"
+            )
         for mod in self.imports:
             importlib.import_module(mod)
         # Fail at start-up, not in a worker, on an unknown reward name.

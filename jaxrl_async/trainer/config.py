@@ -44,6 +44,12 @@ class TrainConfig:
         out of the packed batch. Their policy-gradient term is 0, so only the token-mean's denominator
         changes; the step then costs compute in proportion to the informative samples (DAPO's filter,
         without resampling). Needs kl_coef == 0 (the KL term has a gradient on every sample).
+      dynamic_sampling: DAPO's dynamic sampling: groups whose rewards are all equal are discarded as they
+        finish and new prompts are sampled in their place until the batch holds prompts_per_step
+        informative groups. Discarded groups return their admission budget, so eta still bounds the
+        staleness of every trained group. The learner applies it; the step itself is unchanged.
+      dynamic_sampling_patience: batches' worth of consecutive discarded groups after which the run
+        saves and stops (nothing left to learn on this data).
     """
 
     loss: str = "decoupled_ppo"
@@ -78,6 +84,8 @@ class TrainConfig:
     remat: bool = False
     staleness_bins: int = 16
     skip_zero_advantage: bool = False
+    dynamic_sampling: bool = False
+    dynamic_sampling_patience: int = 20
 
     def __post_init__(self):
         if self.loss not in LOSSES:
@@ -104,7 +112,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.end_lr_ratio must be in [0, 1], got {self.end_lr_ratio}")
         if self.clip_norm is not None and self.clip_norm <= 0:
             raise ValueError(f"TrainConfig.clip_norm must be > 0 or None, got {self.clip_norm}")
-        for name in ("token_budget", "rows_per_micro", "logits_chunk", "minibatches", "staleness_bins"):
+        for name in ("token_budget", "rows_per_micro", "logits_chunk", "minibatches", "staleness_bins",
+                     "dynamic_sampling_patience"):  # fmt: skip
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.token_budget > self.logits_chunk and self.token_budget % self.logits_chunk:

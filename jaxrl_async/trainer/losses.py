@@ -138,7 +138,10 @@ def behaviour_weight(prox_BxT, behav_BxT, segs: Segments, hp: LossHParams):
 
 
 def _clipped_objective(ratio_BxT, adv_BxT, hp: LossHParams):
-    """Per-token PPO loss -min(u A, clip(u) A) with optional dual clip; also the clip indicators."""
+    """Per-token PPO loss -min(u A, clip(u) A) with optional dual clip; also the clip indicators.
+
+    The clip binds (the token has no gradient) at u > 1 + eps_high when A > 0 ("high") and at
+    u < 1 - eps_low when A < 0 ("low"); the dual clip bounds A < 0 tokens whose u is very large."""
     clipped_ratio = jnp.clip(ratio_BxT, 1.0 - hp.eps_low, 1.0 + hp.eps_high)
     obj_unclipped, obj_clipped = ratio_BxT * adv_BxT, clipped_ratio * adv_BxT
     loss = -jnp.minimum(obj_unclipped, obj_clipped)
@@ -148,14 +151,20 @@ def _clipped_objective(ratio_BxT, adv_BxT, hp: LossHParams):
         bound = -hp.dual_clip * adv_BxT
         dual_hit = (adv_BxT < 0) & (loss > bound)
         loss = jnp.where(dual_hit, bound, loss)
-    return loss, clip_hit.astype(jnp.float32), dual_hit.astype(jnp.float32)
+    f32 = lambda x: x.astype(jnp.float32)
+    return loss, {
+        "clip_low": f32(clip_hit & (adv_BxT < 0)),
+        "clip_high": f32(clip_hit & (adv_BxT > 0)),
+        "dual_clip": f32(dual_hit),
+    }
 
 
 LossFn = Callable[..., tuple[jax.Array, dict]]
 LOSSES: dict[str, LossFn] = {}
-# The per-token stats every loss returns ([B, T] each): ratio clipped, dual clip hit, behaviour weight,
-# token dropped by the behaviour weight. The trainer's metrics are built from exactly these.
-LOSS_STATS = ("clip", "dual_clip", "is_weight", "behav_dropped")
+# The per-token stats every loss returns ([B, T] each): ratio clipped below (A < 0) and above (A > 0),
+# dual clip hit, behaviour weight, token truncated or masked by the behaviour weight. The trainer's
+# metrics are built from exactly these.
+LOSS_STATS = ("clip_low", "clip_high", "dual_clip", "is_weight", "behav_dropped")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,9 +203,9 @@ def reads_prox(kind: str) -> bool:
 
 def _ppo_family(log_ratio_BxT, prox, behav, adv, segs, hp):
     ratio = jnp.exp(jnp.clip(log_ratio_BxT, -30.0, 30.0))
-    pg, clip_hit, dual_hit = _clipped_objective(ratio, adv, hp)
+    pg, clip_stats = _clipped_objective(ratio, adv, hp)
     w, raw_w, dropped = behaviour_weight(prox, behav, segs, hp)
-    return w * pg, {"clip": clip_hit, "dual_clip": dual_hit, "is_weight": raw_w, "behav_dropped": dropped}
+    return w * pg, {**clip_stats, "is_weight": raw_w, "behav_dropped": dropped}
 
 
 @register_loss("decoupled_ppo")
@@ -228,7 +237,8 @@ def reinforce_tis(logp, prox, behav, adv, segs, hp):
     loss = -logp * adv * weight
     zeros = jnp.zeros_like(ratio)
     return loss, {
-        "clip": (ratio > cap).astype(jnp.float32),
+        "clip_low": zeros,
+        "clip_high": (ratio > cap).astype(jnp.float32),
         "dual_clip": zeros,
         "is_weight": ratio,
         "behav_dropped": zeros,
@@ -266,7 +276,9 @@ def policy_loss(kind: str, logp, prox_logp, behav_logp, advantages, mask, segmen
     metrics = {
         "tokens": jnp.sum(m),
         "sequences": segs.num_sequences(),
-        "clip_frac_sum": jnp.sum(stats["clip"] * m),
+        "clip_frac_sum": jnp.sum((stats["clip_low"] + stats["clip_high"]) * m),
+        "clip_low_frac_sum": jnp.sum(stats["clip_low"] * m),
+        "clip_high_frac_sum": jnp.sum(stats["clip_high"] * m),
         "dual_clip_frac_sum": jnp.sum(stats["dual_clip"] * m),
         "is_weight_sum": jnp.sum(stats["is_weight"] * m),
         "is_weight_max": jnp.max(stats["is_weight"] * m),

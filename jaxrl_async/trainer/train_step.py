@@ -53,7 +53,7 @@ class TrainState:
       opt_state: optax state, sharded like the parameters.
       version: int32 policy version: +1 per train step that applied at least one update.
       updates, skipped: int32 counts of applied and skipped (non-finite) optimizer updates.
-      ref_params: frozen reference parameters for the KL penalty, or None.
+      ref_params: frozen reference parameters for the KL penalty (in the compute dtype), or None.
       cfg, model_cfg, mesh: static; model_cfg.dtype is the compute dtype.
     """
 
@@ -90,6 +90,13 @@ def _replicated(mesh: Mesh | None):
     return NamedSharding(mesh, PartitionSpec())
 
 
+def _reference_copy(tree, shardings, dtype: str):
+    """The frozen KL reference: a copy of `tree` in the compute dtype (it is only ever run forward, so
+    bfloat16 compute halves its memory next to float32 master weights), placed like the parameters."""
+    cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    return jax.jit(lambda t: jax.tree.map(cast, t), out_shardings=shardings)(tree)
+
+
 def _fresh_copy(tree, shardings):
     """New buffers placed by `shardings`: the step donates the state, which must not delete the caller's
     arrays (a device_put may alias a buffer already in place)."""
@@ -114,7 +121,8 @@ def create_train_state(
       model_cfg: model config; its dtype is replaced by cfg.compute_dtype when that is set.
       params: nested-dict parameters (any placement); moved onto `mesh` with TRAINER_RULES.
       mesh: trainer mesh with axes ("fsdp", "tensor"), or None for the default device.
-      ref_params: reference parameters for the KL penalty (required when cfg.kl_coef > 0).
+      ref_params: reference parameters for the KL penalty (required when cfg.kl_coef > 0); a copy in
+        the compute dtype is kept, so the caller's arrays are neither donated nor held.
     """
     if cfg.kl_coef > 0 and ref_params is None:
         raise ValueError("TrainConfig.kl_coef > 0 needs ref_params")
@@ -127,7 +135,7 @@ def create_train_state(
         shardings = param_shardings(model_cfg, mesh, TRAINER_RULES)
     params = _fresh_copy(params, shardings)
     if ref_params is not None and cfg.kl_coef > 0:
-        ref_params = _fresh_copy(ref_params, shardings)
+        ref_params = _reference_copy(ref_params, shardings, model_cfg.dtype)
     tx = make_optimizer(cfg)
     # Optimizer moments live where their parameters do; step counts are replicated. Explicit output
     # shardings also commit the buffers, so the first step does not compile a second variant.
@@ -344,7 +352,10 @@ def compile_abstract(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> di
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
     shape = (cfg.rows_per_micro, cfg.token_budget)
     mb = {k: jax.ShapeDtypeStruct(shape, dt, sharding=fns.batch_sharding) for k, dt in FIELD_DTYPES.items()}
-    ref = params if cfg.kl_coef > 0 else None
+    ref = None
+    if cfg.kl_coef > 0:  # the frozen reference, held in the compute dtype (see _reference_copy)
+        as_compute = lambda x: jax.ShapeDtypeStruct(x.shape, model_cfg.dtype, sharding=x.sharding)
+        ref = jax.tree.map(as_compute, params)
     acc = spec_of(*fns.acc_layout(params, ref, mb, scalar))
     recompute = reads_prox(cfg.loss) and cfg.prox_mode == "recompute" and cfg.minibatches > 1
     prox = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=fns.batch_sharding) if recompute else None
