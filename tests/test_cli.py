@@ -1,6 +1,7 @@
 """Command-line programs: console scripts, the tools/ and launch/ shims, absl flags, config files."""
 
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -72,3 +73,40 @@ def test_generate_names_a_bad_prompt_ids_flag():
     flags = ["--checkpoint", "/nonexistent", "--prompt-ids", "1,x", "--max-new-tokens", "2"]
     res = _python("tools/generate.py", *flags)
     assert res.returncode != 0 and "--prompt-ids" in res.stderr and "1,x" in res.stderr
+
+
+def _hf_dir(tmp_path) -> str:
+    """A Hugging Face directory with only its config.json (a tiny shape): no weights."""
+    from jaxrl_async.model import presets
+    from jaxrl_async.model.config import to_hf_config
+
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(to_hf_config(presets.tiny(vocab_size=256, n_layers=2))))
+    return str(d)
+
+
+def test_perf_model_takes_a_hugging_face_directory_for_the_model(tmp_path):
+    d = _hf_dir(tmp_path)
+    common = ["--hardware", "h100", "--devices", "8", "--eta", "2", "--prompts", "64"]
+    common += ["--samples-per-prompt", "8", "--prompt-len", "256"]
+    common += ["--lengths", "lognormal:median=800,p99=2000"]
+    reports = []
+    for model in (d, os.path.join(d, "config.json")):
+        out = tmp_path / f"out{len(reports)}"
+        res = _python("tools/perf_model.py", *common, "--model-json", model, "--out", str(out))
+        assert res.returncode == 0, res.stderr[-2000:]
+        reports.append(json.loads((out / "report.json").read_text()))
+    assert reports[0]["best"] == reports[1]["best"]
+    res = _python("tools/perf_model.py", *common, "--model-json", str(tmp_path), "--out", str(tmp_path / "x"))
+    assert res.returncode != 0 and "--model-json" in res.stderr
+
+
+def test_plan_check_takes_a_hugging_face_directory_for_the_model(tmp_path):
+    d = _hf_dir(tmp_path)
+    small = ["--config", os.path.join(REPO, "configs", "tiny_arith.py"), "--hardware", "h100"]
+    res = _python("tools/plan_check.py", *small, "--hf-config", d, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "trainer (" in res.stdout and "fits" in res.stdout
+    res = _python("tools/plan_check.py", *small, "--hf-config", str(tmp_path))
+    assert res.returncode != 0 and "--hf-config" in res.stderr

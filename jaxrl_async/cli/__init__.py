@@ -17,6 +17,7 @@ Config files (configs/*.py) that build on another config load it with `config_fi
 no checkout on `sys.path` either.
 """
 
+import os
 import sys
 from collections.abc import Callable
 
@@ -30,3 +31,15 @@ def run_command(main: Callable[[list[str]], None], module_name: str) -> None:
         flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
     sys.modules["__main__"].__doc__ = sys.modules[module_name].__doc__
     app.run(main)
+
+
+def hf_config_file(path: str, flag: str) -> str:
+    """The config.json a user means: `path` itself, or the one in the Hugging Face directory `path`.
+
+    Raises:
+      app.UsageError: neither exists (the message names `flag`).
+    """
+    candidate = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(candidate):
+        raise app.UsageError(f"{flag}: {path} is neither a config.json nor a directory holding one")
+    return candidate

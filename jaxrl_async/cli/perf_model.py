@@ -25,7 +25,7 @@ import os
 
 from absl import app, flags
 
-from jaxrl_async.cli import run_command
+from jaxrl_async.cli import hf_config_file, run_command
 from jaxrl_async.perf import model as perf_model
 from jaxrl_async.perf.latency import load_decode_bench
 from jaxrl_async.perf.report import build_report, format_table, plot_latency, plot_sweep, write_report
@@ -40,7 +40,9 @@ _HARDWARE = flags.DEFINE_string(
 )
 _DEVICES = flags.DEFINE_integer("devices", None, "total devices to split")
 _ETA = flags.DEFINE_integer("eta", None, "maximum staleness η")
-_MODEL_JSON = flags.DEFINE_string("model-json", None, "ModelShape JSON or a Hugging Face config.json")
+_MODEL_JSON = flags.DEFINE_string(
+    "model-json", None, "ModelShape JSON, or a Hugging Face config.json or the directory holding it"
+)
 _PROMPTS = flags.DEFINE_integer("prompts", None, "prompts per train batch (B)")
 _SAMPLES = flags.DEFINE_integer("samples-per-prompt", None, "samples per prompt (G)")
 _PROMPT_LEN = flags.DEFINE_integer("prompt-len", None, "prompt tokens")
@@ -96,9 +98,10 @@ def scenario_dict() -> dict:
     if _ETA.value is not None:
         d["max_staleness"] = _ETA.value
     if _MODEL_JSON.value:
-        with open(_MODEL_JSON.value) as f:
+        path = hf_config_file(_MODEL_JSON.value, "--model-json")
+        with open(path) as f:
             m = json.load(f)
-        d["model"] = {"hf_config": _MODEL_JSON.value} if "num_hidden_layers" in m else m
+        d["model"] = {"hf_config": path} if "num_hidden_layers" in m else m
     wl = d.setdefault("workload", {})
     for key, val in (
         ("prompts_per_batch", _PROMPTS.value),

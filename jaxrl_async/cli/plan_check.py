@@ -3,9 +3,10 @@
   jaxrl-plan-check --config configs/math_8b.py:h100 --preset qwen3-8b --hardware h100
   jaxrl-plan-check --config configs/math_8b.py --preset llama-3.1-8b --hardware tpu-v5p
 
-The model shape comes from `--preset` or from `--hf-config PATH/config.json` (no weights are read); its
-numerics (compute dtype, master-weight dtype, attention) from the config's `model` section. Prints JSON
-with per-device bytes, the trainer state and sampler weight dtypes, and whether each role fits.
+The model shape comes from `--preset` or from `--hf-config DIR` (an HF directory or its config.json; no
+weights are read); its numerics (compute dtype, master-weight dtype, attention) from the config's `model`
+section. Prints JSON with per-device bytes, the trainer state and sampler weight dtypes, and whether each
+role fits.
 Also the paged KV cache an accelerator sampler gets in the memory left beside the weights, the eval
 engine's cache and the decode temporaries: pages per device and the sequences that run at once (full
 length, and a long-tailed length mix: --median-len, --p99-len, --prompt-len; the group size is the
@@ -19,11 +20,11 @@ import json
 
 from absl import app, flags
 
-from jaxrl_async.cli import run_command
+from jaxrl_async.cli import hf_config_file, run_command
 
 _CONFIG = flags.DEFINE_string("config", None, "configs/x.py[:arg]")
 _PRESET = flags.DEFINE_string("preset", "", "model shape preset (jaxrl_async.model.presets)")
-_HF_CONFIG = flags.DEFINE_string("hf-config", "", "an HF config.json giving the model shape")
+_HF_CONFIG = flags.DEFINE_string("hf-config", "", "an HF directory or its config.json: the model shape")
 _HARDWARE = flags.DEFINE_string("hardware", "h100", "memory per device from jaxrl_async.perf presets")
 _TOKEN_BUDGET = flags.DEFINE_integer("token-budget", 0, "override trainer.token_budget (row length)")
 _ATTENTION = flags.DEFINE_string("attention", "", "override model.attention (e.g. reference, to compare)")
@@ -60,7 +61,7 @@ def main(argv) -> None:
     m = config.model
     numerics = dict(dtype=m.dtype, param_dtype=m.param_dtype, attention=_ATTENTION.value or m.attention)
     if _HF_CONFIG.value:
-        with open(_HF_CONFIG.value) as f:
+        with open(hf_config_file(_HF_CONFIG.value, "--hf-config")) as f:
             model_cfg = from_hf_config(json.load(f), **numerics)
     else:
         model_cfg = presets.get(_PRESET.value or m.preset, **numerics)
