@@ -6,7 +6,9 @@ a digit", so every group carries a gradient. Each prompt's generation cap is dra
 that distribution, in every mode alike. Throughput is what this config measures, not learning.
 """
 
-from configs import tiny_arith
+from jaxrl_async.cli.config_file import sibling
+
+tiny_arith = sibling(__file__, "tiny_arith")
 
 
 def get_config():

@@ -8,7 +8,9 @@ Layouts:
       --config.data.path=/data/math_train.jsonl --config.workdir=/runs/math_8b
 """
 
-from configs import base
+from jaxrl_async.cli.config_file import sibling
+
+base = sibling(__file__, "base")
 
 
 def get_config(layout: str = "v5p"):

@@ -5,7 +5,9 @@
       --config.data.path=/data/gsm8k_train.jsonl --config.data.task=gsm8k --config.workdir=/runs/qwen1p5b
 """
 
-from configs import base
+from jaxrl_async.cli.config_file import sibling
+
+base = sibling(__file__, "base")
 
 
 def get_config():

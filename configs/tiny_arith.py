@@ -11,7 +11,9 @@ are the same code; `--config.mesh.sampler=(2,1) --config.mesh.trainer=(2,1)
 --config.mesh.fake_cpu_devices=4` runs them.
 """
 
-from configs import base
+from jaxrl_async.cli.config_file import sibling
+
+base = sibling(__file__, "base")
 
 
 def get_config():

@@ -1,4 +1,4 @@
-"""Prompt data: synthetic tasks, file sources and adapters, the grain pipeline and its checkpointed state."""
+"""Prompt data: synthetic tasks, file sources, the grain pipeline and its checkpointed state."""
 
 import json
 import logging
@@ -9,15 +9,14 @@ import pytest
 
 from jaxrl_async.data import (
     DataConfig,
-    countdown_reward,
-    countdown_verify,
     held_out_prompts,
     load_records,
     make_prompt_iterator,
     reference_completion,
     solve_countdown,
 )
-from jaxrl_async.data.answers import extract_boxed, extract_gsm8k
+from jaxrl_async.rewards import get_reward
+from jaxrl_async.rewards.synthetic import countdown_verify
 from jaxrl_async.tokenizer import CHAR_VOCAB, CharTokenizer, HFTokenizer
 
 TOK = CharTokenizer()
@@ -38,6 +37,7 @@ def test_arithmetic_format_and_reference():
         assert p.answer == str(int(m[1]) + int(m[2])) == reference_completion(p.text)
         assert TOK.decode(p.tokens) == p.text and p.tokens.dtype == np.int32
         assert p.metadata == {"answer": p.answer, "reward": "arithmetic", "task": "arithmetic"}
+        assert get_reward(p.metadata["reward"])(p.text, p.answer, p.metadata) == 1.0
 
 
 def test_arithmetic_operators_and_digits_configurable():
@@ -70,20 +70,13 @@ def test_countdown_tasks_solvable_and_verified():
         nums, target = p.metadata["numbers"], p.metadata["target"]
         assert countdown_verify(p.metadata["solution"], nums, target)
         ref = reference_completion(p.text)
-        assert countdown_reward(p.text, ref, {}) == 1.0  # numbers parsed from the prompt
+        assert get_reward(p.metadata["reward"])(p.text, ref, p.metadata) == 1.0
     train = {p.text for p in make_prompt_iterator(cfg, TOK)}
     assert not train & {p.text for p in held_out_prompts(cfg, TOK, 100)}
 
 
-def test_countdown_verifier_rejects_cheats():
-    assert countdown_verify("(8-5)*8", [5, 8, 8], 24)
-    assert countdown_verify(" 6/(1-3/4) ", [1, 3, 4, 6], 24)  # exact rationals
-    assert not countdown_verify("8*3", [3, 5, 8], 24)  # 5 unused
-    assert not countdown_verify("8*3*1", [3, 8], 24)  # 1 not given
-    assert not countdown_verify("(8-5)*8", [5, 8], 24)  # 8 used twice
-    assert not countdown_verify("2**5-8", [2, 5, 8], 24)  # power not allowed
-    assert not countdown_verify("__import__('os')", [1], 1)
-    assert not countdown_verify("8/(5-5)", [8, 5, 5], 24)
+def test_countdown_solver():
+    assert countdown_verify(solve_countdown([5, 8, 8], 24), [5, 8, 8], 24)
     assert solve_countdown([4, 6], 5) is None
 
 
@@ -101,6 +94,7 @@ def test_jsonl_skips_malformed_lines_with_line_numbers(tmp_path, caplog):
         "{not json",
         json.dumps({"question": "2+2?"}),  # missing answer
         json.dumps(["a list"]),
+        json.dumps({"question": "4+4?", "answer": " "}),
         json.dumps({"question": "3+3?", "answer": "6", "id": "q3"}),
     ]
     path = _write_jsonl(tmp_path / "d.jsonl", lines)
@@ -110,10 +104,11 @@ def test_jsonl_skips_malformed_lines_with_line_numbers(tmp_path, caplog):
     assert [r["prompt"] for r in records] == ["1+1?", "3+3?"]
     assert records[0]["uid"] == "d.jsonl:1"
     msg = caplog.text
-    assert "skipped 3 of 5" in msg
+    assert "skipped 4 of 6" in msg
     assert "malformed JSON: 1 (lines [2])" in msg
     assert "missing field 'answer': 1 (lines [3])" in msg
     assert "not a JSON object: 1 (lines [4])" in msg
+    assert "empty field 'answer': 1 (lines [5])" in msg
 
 
 def test_missing_mapped_field_fails_at_startup(tmp_path):
@@ -134,23 +129,19 @@ def test_parquet_source_and_missing_column(tmp_path):
     )
     cfg = DataConfig(task="math", path=path, heldout_fraction=0, id_field=None)
     recs = load_records(cfg, path)
-    assert [(r["prompt"], r["answer"]) for r in recs] == [("a", "1"), ("b", "\\frac{1}{2}")]
+    want = [("a", "x \\boxed{1}"), ("b", "\\boxed{\\frac{1}{2}}")]  # the solutions as given
+    assert [(r["prompt"], r["answer"]) for r in recs] == want
     bad = DataConfig(task="parquet", path=path, prompt_field="question", answer_field="solution")
     with pytest.raises(ValueError, match="required field 'question' is not a column"):
         load_records(bad, path)
 
 
-def test_gsm8k_and_math_adapters(tmp_path):
-    gsm = _write_jsonl(
-        tmp_path / "gsm.jsonl",
-        [json.dumps({"question": "How many?", "answer": "3 + 4 = <<3+4=7>>7 apples\n#### 1,007"})],
-    )
+def test_gsm8k_solution_passes_to_the_reward_as_given(tmp_path):
+    solution = "3 + 4 = <<3+4=7>>7 apples\n#### 1,007"
+    gsm = _write_jsonl(tmp_path / "gsm.jsonl", [json.dumps({"question": "How many?", "answer": solution})])
     cfg = DataConfig(task="gsm8k", path=gsm, template="Q: {prompt}\nA:", heldout_fraction=0)
     (p,) = list(make_prompt_iterator(cfg, TOK))
-    assert p.answer == "1007" and p.text == "Q: How many?\nA:" and p.metadata["reward"] == "math"
-    assert extract_boxed("a \\boxed{\\frac{a}{b}} then \\boxed{x^{2}}") == "x^{2}"
-    assert extract_boxed("\\boxed{unclosed") is None
-    assert extract_gsm8k("no marker") is None
+    assert p.answer == solution and p.text == "Q: How many?\nA:" and p.metadata["reward"] == "math"
 
 
 def test_file_heldout_split_by_uid_hash(tmp_path):

@@ -292,7 +292,8 @@ def test_cli_writes_report_and_plots(tmp_path):
         "--sim-steps",
         "10",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    env = dict(os.environ, PYTHONPATH=ROOT)  # the package of this checkout
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "best:" in proc.stdout
     report = json.loads((out / "report.json").read_text())

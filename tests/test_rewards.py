@@ -21,8 +21,10 @@ from jaxrl_async.rewards import (
     register_reward,
     wire,
 )
+from jaxrl_async.rewards.answers import extract_boxed, extract_gsm8k, reference_answer
 from jaxrl_async.rewards.code import Opaque, code_reward, strict_equal
 from jaxrl_async.rewards.math import MAX_ANSWERS, answer_kind, format_reward, is_equivalent, math_reward
+from jaxrl_async.rewards.synthetic import arithmetic_reward, countdown_reward, countdown_verify
 
 USER_MODULE = textwrap.dedent(
     """
@@ -155,6 +157,26 @@ def test_math_without_answer_is_zero_with_reason():
     assert out == Graded(0.0, "no_answer")
 
 
+def test_answer_extraction():
+    assert extract_boxed("a \\boxed{\\frac{a}{b}} then \\boxed{x^{2}}") == "x^{2}"
+    assert extract_boxed("\\boxed{unclosed") is None
+    assert extract_gsm8k("no marker") is None
+    assert reference_answer("3 + 4 = <<3+4=7>>7 apples\n#### 1,007") == "1007"
+    assert reference_answer("So it is $\\boxed{\\frac{1}{2}}$.") == "\\frac{1}{2}"
+    assert reference_answer("  \\frac{1}{2} ") == "\\frac{1}{2}"
+    assert reference_answer("it is \\boxed{unclosed") is None and reference_answer("####  ") is None
+
+
+def test_math_reward_takes_the_final_answer_of_a_reference_solution():
+    gsm8k = {"answer": "3 + 4 = <<3+4=7>>7 apples\n#### 1,007"}
+    assert math_reward("q", "\\boxed{1007}", gsm8k).reward == 1.0
+    assert math_reward("q", "\\boxed{7}", gsm8k).reward == 0.0  # not the 7 of the worked steps
+    solution = {"answer": "We get $x = 2 + 1 = \\boxed{3}$."}
+    assert math_reward("q", "#### 3", solution).reward == 1.0
+    with pytest.raises(ValueError, match="no final answer"):
+        math_reward("q", "\\boxed{3}", {"answer": "it is \\boxed{3"})
+
+
 def test_format_reward():
     assert format_reward("q", "x \\boxed{3}", {}) == 1.0
     assert format_reward("q", "blah\n#### 4", {}) == 1.0
@@ -169,10 +191,32 @@ def test_format_reward():
 def test_registry_builtins_and_import_paths():
     assert {"arithmetic", "countdown", "math", "code", "format"} <= set(list_rewards())
     assert get_reward("arithmetic")("37+85=", " 122 ", {"answer": "122"}) == 1.0
-    assert get_reward("arithmetic")("37+85=", "123", {}) == 0.0  # answer recomputed from the prompt
+    assert get_reward("arithmetic")("37+85=", "123", {"answer": "122"}) == 0.0
     assert get_reward("jaxrl_async.rewards.math:format_reward") is format_reward
     with pytest.raises(KeyError, match="unknown reward 'nope'"):
         get_reward("nope")
+
+
+def test_synthetic_verifiers_read_the_metadata_not_the_prompt():
+    assert arithmetic_reward("37+85=", "7", {"answer": "7"}) == 1.0  # the prompt's text is not consulted
+    with pytest.raises(KeyError, match="answer"):
+        arithmetic_reward("37+85=", "122", {})
+    meta = {"numbers": [5, 8, 8], "target": 24}
+    assert countdown_reward("anything", "(8-5)*8", meta) == 1.0
+    assert countdown_reward("anything", "8*3", meta) == 0.0
+    with pytest.raises(KeyError, match="numbers"):
+        countdown_reward("make 24 with 5 8 8:", "(8-5)*8", {})
+
+
+def test_countdown_verifier_rejects_cheats():
+    assert countdown_verify("(8-5)*8", [5, 8, 8], 24)
+    assert countdown_verify(" 6/(1-3/4) ", [1, 3, 4, 6], 24)  # exact rationals
+    assert not countdown_verify("8*3", [3, 5, 8], 24)  # 5 unused
+    assert not countdown_verify("8*3*1", [3, 8], 24)  # 1 not given
+    assert not countdown_verify("(8-5)*8", [5, 8], 24)  # 8 used twice
+    assert not countdown_verify("2**5-8", [2, 5, 8], 24)  # power not allowed
+    assert not countdown_verify("__import__('os')", [1], 1)
+    assert not countdown_verify("8/(5-5)", [8, 5, 5], 24)
 
 
 def test_register_reward_decorator():
@@ -205,6 +249,8 @@ def test_grade_one_never_raises_and_adds_format_weight():
 def test_config_validation():
     with pytest.raises(KeyError, match="unknown reward"):
         RewardConfig(reward="does_not_exist")
+    with pytest.raises(KeyError, match="pkg.module:fn"):
+        RewardConfig(reward="no_module:")
     with pytest.raises(ValueError, match="num_workers"):
         RewardConfig(num_workers=0)
     with pytest.raises(ValueError, match="mp_context"):
@@ -393,7 +439,7 @@ def test_service_survives_errors_hangs_and_deaths(user_module, caplog):
             (0.0, "error:KeyError"),
         ]
         # Still healthy: the replaced workers grade normally.
-        assert svc.grade_batch([("2+2=", "4", {})] * 20, timeout=60) == [1.0] * 20
+        assert svc.grade_batch([("2+2=", "4", {"answer": "4"})] * 20, timeout=60) == [1.0] * 20
         stats = svc.stats()
     assert stats["graded"] == 28 and stats["ok"] == 23
     assert stats["timeouts"] == 1 and stats["errors"]["worker_died"] == 1
@@ -429,3 +475,11 @@ def test_service_submit_poll_and_backpressure(user_module):
         svc.close()
     with pytest.raises(RuntimeError, match="closed"):
         svc.submit(0, "p", "c", {})
+
+
+def test_service_start_fails_on_what_a_worker_could_not_load():
+    cfg = RewardConfig(reward="registered_by_import", imports=("no_such_reward_module_xyz",))  # no import yet
+    with pytest.raises(ModuleNotFoundError, match="no_such_reward_module_xyz"):
+        RewardService(cfg)
+    with pytest.raises(AttributeError, match="no_such_fn"):
+        RewardService(RewardConfig(reward="jaxrl_async.rewards.math:no_such_fn"))

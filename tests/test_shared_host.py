@@ -16,6 +16,8 @@ from jaxrl_async.perf.shared_host import (
     sweep_shared,
 )
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def _bench(devices=1, w_s=0.2, c_s=0.2, w_t=0.8, c_t=0.8, cores=2, batch_s=0.25, update_s=0.0):
     return RoleBench(
@@ -112,9 +114,11 @@ def test_cli_shared_host_sweep(tmp_path):
         p.write_text(json.dumps(dataclasses.asdict(_bench(devices=k, w_s=w_s, c_s=w_s, w_t=w_t, c_t=w_t))))
         paths.append(str(p))
     out = tmp_path / "out"
-    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "perf_model.py")
-    cmd = [sys.executable, tool, "--roles-bench", *paths, "--devices", "4", "--eta", "2", "--out", str(out)]
-    printed = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    tool = os.path.join(REPO, "tools", "perf_model.py")
+    cmd = [sys.executable, tool, "--roles-bench", ",".join(paths), "--devices", "4", "--eta", "2"]
+    cmd += ["--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=REPO)  # the package of this checkout
+    printed = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
     report = json.loads((out / "report.json").read_text())
     assert "best: 2 sampler + 2 trainer devices" in printed
     assert (report["best"]["sampler_devices"], report["best"]["trainer_devices"]) == (2, 2)

@@ -29,20 +29,17 @@ import dataclasses
 import functools
 import json
 import os
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from jaxrl_async.model import forward, init_cache, init_params, presets, save_hf  # noqa: E402
-from jaxrl_async.sampler import Engine, Request, SamplerConfig, SamplerLoop, cpu_kernels  # noqa: E402
-from jaxrl_async.sampler.page_table import pages_for  # noqa: E402
-from jaxrl_async.sharding import SAMPLER_RULES, make_mesh  # noqa: E402
+from jaxrl_async.model import forward, init_cache, init_params, presets, save_hf
+from jaxrl_async.sampler import Engine, Request, SamplerConfig, SamplerLoop, cpu_kernels
+from jaxrl_async.sampler.page_table import pages_for
+from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
 
 
 def _median_time(fn, reps: int, warmup: int = 1) -> float:

@@ -18,19 +18,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from bench_decode import (  # a script beside this one
+    _engine,
+    _median_time,
+    engine_step_time,
+    measure_bandwidth,
+)
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from bench_decode import _engine, _median_time, engine_step_time, measure_bandwidth  # noqa: E402
-
-from jaxrl_async.model import init_params, presets  # noqa: E402
-from jaxrl_async.sampler import cpu_kernels, decode  # noqa: E402
-from jaxrl_async.sharding import SAMPLER_RULES, make_mesh  # noqa: E402
+from jaxrl_async.model import init_params, presets
+from jaxrl_async.sampler import cpu_kernels, decode
+from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
 
 COMBOS = (("xla", "xla"), ("cpu_kernel", "xla"), ("cpu_kernel", "cpu_kernel"))
 

@@ -28,10 +28,7 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from jaxrl_async.rewards import (  # noqa: E402
+from jaxrl_async.rewards import (
     RewardConfig,
     RewardService,
     fsview,
@@ -41,6 +38,8 @@ from jaxrl_async.rewards import (  # noqa: E402
     sandbox,
     wire,
 )
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _MATH_FORMS = [
     ("\\boxed{\\frac{1}{2}}", "0.5"),

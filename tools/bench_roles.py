@@ -11,13 +11,9 @@ turns one or more of these files into predictions (docs/performance-model.md, "S
 
 import json
 import logging as std_logging
-import os
-import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py).", lock_config=True)
 _BATCHES = flags.DEFINE_integer("batches", 6, "timed train batches per measurement (>= 2)")

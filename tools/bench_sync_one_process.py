@@ -15,19 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
 
-import jax  # noqa: E402
-
-from jaxrl_async.model import init_params, presets  # noqa: E402
-from jaxrl_async.sampler import Engine, SamplerConfig  # noqa: E402
-from jaxrl_async.sharding import TRAINER_RULES, make_mesh  # noqa: E402
-from jaxrl_async.weight_sync import WeightSync  # noqa: E402
+from jaxrl_async.model import init_params, presets
+from jaxrl_async.sampler import Engine, SamplerConfig
+from jaxrl_async.sharding import TRAINER_RULES, make_mesh
+from jaxrl_async.weight_sync import WeightSync
 
 
 def _median_seconds(fn, reps: int) -> float:

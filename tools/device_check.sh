@@ -18,6 +18,7 @@
 # Nothing is downloaded: every model has random weights, the data are generated.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the tools below check this checkout's package
 
 smoke=0
 out=runs/device_check

@@ -9,9 +9,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from jaxrl_async.metrics import SCALAR_TAGS, read_scalars  # noqa: E402
+from jaxrl_async.metrics import SCALAR_TAGS, read_scalars
 
 # The peer bars: decode at >= 70% of HBM bandwidth at batch 1, train MFU >= 40%, a 1.5B weight
 # sync in <= 0.5 s when colocated.

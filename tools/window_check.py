@@ -22,10 +22,9 @@ import subprocess
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from bench_async import config_flags, role_bench  # one definition of the workload (a script beside this one)
 
-from tools.bench_async import config_flags, role_bench  # noqa: E402  (one definition of the workload)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 KEYS = (
     "steady_train_tokens_per_s",

@@ -37,7 +37,8 @@ class Prompt:
       uid: stable identity of the example (the same across epochs).
       text: the rendered prompt (template and chat template applied).
       tokens: int32 token ids of `text`.
-      answer: the reference answer the verifier compares against.
+      answer: the reference answer: the synthetic task's result, or a file's answer field as given (a
+        GSM8K or MATH solution included: the reward takes the final answer out of it).
       metadata: what the reward function receives; always holds "answer", "reward" and "task".
       key: this draw of the example in the training stream, "<epoch>:<row>" (row: its index in one
         epoch of the source, before shuffling); the coordinator's ledger and trained_uids.jsonl use it.

@@ -1,5 +1,8 @@
-"""Prompt sources (JSONL / Parquet with a field mapping, GSM8K and MATH adapters, synthetic tasks) and the
-grain pipeline: shard per process, seeded shuffle per epoch, repeat, render + tokenize.
+"""Prompt sources (JSONL / Parquet with a field mapping, GSM8K and MATH field defaults, synthetic tasks) and
+the grain pipeline: shard per process, seeded shuffle per epoch, repeat, render + tokenize.
+
+A record's answer is the answer field's text as given (a GSM8K solution ending in `#### 72`, a MATH
+solution with its `\\boxed{}`); the reward takes the final answer out of it (jaxrl_async.rewards.answers).
 
 The iterator returned by `make_prompt_iterator` is a grain DatasetIterator: `get_state()`/`set_state()`
 resume at the exact next prompt, and `grain.checkpoint.CheckpointSave/Restore` store it with orbax.
@@ -10,13 +13,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable
 from typing import Any
 
 import grain
 import numpy as np
 
-from jaxrl_async.data.answers import extract_boxed, extract_gsm8k
 from jaxrl_async.data.prompt import SYNTHETIC_TASKS, DataConfig, Prompt, is_heldout
 from jaxrl_async.data.synthetic import synthetic_example, synthetic_heldout
 
@@ -27,15 +28,6 @@ _UNPARSED = ("malformed JSON", "not a JSON object")
 
 
 # ---- file loading -------------------------------------------------------------------------------------
-
-
-def _answer_adapter(task: str) -> Callable[[str], str | None]:
-    if task == "gsm8k":
-        return extract_gsm8k
-    if task == "math":
-        # MATH solutions end in \boxed{answer}; an already-extracted answer field passes through.
-        return lambda s: extract_boxed(s) or (s.strip() if "\\boxed" not in s else None)
-    return lambda s: s.strip()
 
 
 def _rows_jsonl(path: str, skips: dict[str, list[int]]):
@@ -78,7 +70,6 @@ def load_records(cfg: DataConfig, path: str) -> list[dict[str, Any]]:
     parquet = cfg.task == "parquet" or path.endswith(".parquet")
     skips: dict[str, list[int]] = {}
     rows = _rows_parquet(path, required, skips) if parquet else _rows_jsonl(path, skips)
-    adapt = _answer_adapter(cfg.task)
     seen_fields: set[str] = set()
     records, total = [], 0
     base = os.path.basename(path)
@@ -89,9 +80,9 @@ def load_records(cfg: DataConfig, path: str) -> list[dict[str, Any]]:
         if missing:
             skips.setdefault(f"missing field {missing[0]!r}", []).append(lineno)
             continue
-        answer = adapt(str(row[answer_field]))
-        if answer is None or answer == "":
-            skips.setdefault(f"no final answer in {answer_field!r}", []).append(lineno)
+        answer = str(row[answer_field]).strip()
+        if not answer:
+            skips.setdefault(f"empty field {answer_field!r}", []).append(lineno)
             continue
         uid = str(row[cfg.id_field]) if cfg.id_field else f"{base}:{lineno}"
         meta = {name: row[name] for name in cfg.metadata_fields}

@@ -1,31 +1,28 @@
-"""Built-in tasks needing no files: multi-digit arithmetic and countdown, with verifiers and a held-out split.
+"""Built-in tasks needing no files: multi-digit arithmetic and countdown, with solvers and a held-out split.
 
 Both use only characters in `tokenizer.CHAR_VOCAB`. Examples are generated from (seed, split, index) so a
 dataset is lazy, deterministic and indexable; the held-out split is a stable hash of the problem, so no
 train example ever equals a held-out one.
 
-Arithmetic: prompt "37+85=", completion "122" (most significant digit first), graded by exact match.
+Arithmetic: prompt "37+85=", completion "122" (most significant digit first); metadata carries "answer".
 Countdown: prompt "make 24 with 3 5 8:", completion an expression using each number exactly once with
-+ - * / and parentheses (e.g. "(8-5)*8"), graded by exact rational evaluation.
++ - * / and parentheses (e.g. "(8-5)*8"); metadata carries "numbers" and "target". The verifiers that read
+that metadata are the rewards "arithmetic" and "countdown" (jaxrl_async.rewards.synthetic).
 """
 
 from __future__ import annotations
 
-import ast
 import itertools
 import random
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
 from jaxrl_async.data.prompt import DataConfig, is_heldout, unit_hash
-from jaxrl_async.rewards.registry import register_reward
 
 _ARITH_RE = re.compile(r"(\d+)([+\-*])(\d+)=")
 _COUNTDOWN_RE = re.compile(r"make (\d+) with ([\d ]+):")
-_EXPR_CHARS = set("0123456789+-*/() ")
-_MAX_EXPR_LEN = 200
 _ENUMERATE_LIMIT = 200_000  # problem spaces up to this size are enumerated for a duplicate-free held-out set
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -71,13 +68,6 @@ def _arithmetic_heldout(cfg: DataConfig, n: int) -> list[dict[str, Any]]:
     return out
 
 
-@register_reward("arithmetic")
-def arithmetic_reward(prompt: str, completion: str, metadata: Mapping[str, Any]) -> float:
-    """1.0 when the stripped completion is exactly the answer (metadata["answer"], else from the prompt)."""
-    answer = metadata.get("answer") or reference_completion(prompt)
-    return 1.0 if completion.strip() == str(answer) else 0.0
-
-
 # ---- countdown ----------------------------------------------------------------------------------------
 
 
@@ -121,54 +111,12 @@ def countdown_example(cfg: DataConfig, split: str, index: int) -> dict[str, Any]
             }
 
 
-def _eval_node(node: ast.AST, used: list[int]) -> Fraction:
-    if isinstance(node, ast.Constant) and type(node.value) is int:
-        used.append(node.value)
-        return Fraction(node.value)
-    if isinstance(node, ast.BinOp) and type(node.op) in (ast.Add, ast.Sub, ast.Mult, ast.Div):
-        a, b = _eval_node(node.left, used), _eval_node(node.right, used)
-        if isinstance(node.op, ast.Add):
-            return a + b
-        if isinstance(node.op, ast.Sub):
-            return a - b
-        if isinstance(node.op, ast.Mult):
-            return a * b
-        if b == 0:
-            raise ZeroDivisionError
-        return a / b
-    raise ValueError(f"disallowed syntax {type(node).__name__}")
-
-
-def countdown_verify(expression: str, numbers: Sequence[int], target: int) -> bool:
-    """True when `expression` uses each of `numbers` exactly once (+ - * / and parentheses) and equals
-    `target` (exact rational arithmetic)."""
-    expr = expression.strip()
-    if not expr or len(expr) > _MAX_EXPR_LEN or set(expr) - _EXPR_CHARS:
-        return False
-    try:
-        used: list[int] = []
-        value = _eval_node(ast.parse(expr, mode="eval").body, used)
-    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
-        return False
-    return sorted(used) == sorted(numbers) and value == target
-
-
 def _parse_countdown(prompt: str) -> tuple[list[int], int]:
     m = _COUNTDOWN_RE.findall(prompt)
     if not m:
         raise ValueError(f"not a countdown prompt: {prompt!r}")
     target, nums = m[-1]
     return [int(x) for x in nums.split()], int(target)
-
-
-@register_reward("countdown")
-def countdown_reward(prompt: str, completion: str, metadata: Mapping[str, Any]) -> float:
-    """1.0 when the completion is a valid expression reaching the target (numbers from metadata or prompt)."""
-    if "numbers" in metadata and "target" in metadata:
-        numbers, target = list(metadata["numbers"]), int(metadata["target"])
-    else:
-        numbers, target = _parse_countdown(prompt)
-    return 1.0 if countdown_verify(completion, numbers, target) else 0.0
 
 
 def solve_countdown(numbers: Sequence[int], target: int) -> str | None:

@@ -20,7 +20,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from jaxrl_async.data.answers import extract_boxed
+from jaxrl_async.rewards.answers import extract_boxed, reference_answer
 from jaxrl_async.rewards.registry import Graded, register_reward
 
 MAX_ANSWERS = 8
@@ -133,9 +133,18 @@ def is_equivalent(completion: str, answer: str) -> bool:
 
 @register_reward("math")
 def math_reward(prompt: str, completion: str, metadata: Mapping[str, Any]) -> Graded:
-    """1.0 when the completion's answer equals metadata["answer"] mathematically (fractions, LaTeX, ...),
-    under the module's answer rule (last marked answer, no hedging, a single value)."""
-    return grade_math(completion, str(metadata["answer"]))
+    """1.0 when the completion's answer equals the final answer of metadata["answer"] (a bare answer, or a
+    GSM8K / MATH solution: see `reference_answer`) mathematically (fractions, LaTeX, ...), under the
+    module's answer rule (last marked answer, no hedging, a single value).
+
+    Raises:
+      ValueError: the reference has a `####` or `\\boxed` marker with nothing usable after it.
+    """
+    reference = str(metadata["answer"])
+    answer = reference_answer(reference)
+    if answer is None:
+        raise ValueError(f"the reference has no final answer: {reference[-200:]!r}")
+    return grade_math(completion, answer)
 
 
 @register_reward("format")

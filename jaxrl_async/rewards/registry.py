@@ -22,8 +22,8 @@ _REGISTRY: dict[str, RewardFn] = {}
 # Built-ins live in modules that register them when imported; importing lazily keeps e.g. math-verify
 # out of processes that never grade math.
 _BUILTIN_MODULES = {
-    "arithmetic": "jaxrl_async.data.synthetic",
-    "countdown": "jaxrl_async.data.synthetic",
+    "arithmetic": "jaxrl_async.rewards.synthetic",
+    "countdown": "jaxrl_async.rewards.synthetic",
     "math": "jaxrl_async.rewards.math",
     "format": "jaxrl_async.rewards.math",
     "code": "jaxrl_async.rewards.code",
@@ -63,13 +63,32 @@ def get_reward(name: str) -> RewardFn:
         if not callable(fn):
             raise TypeError(f"get_reward: {name!r} is not callable")
         return fn
-    known = sorted(set(_REGISTRY) | set(_BUILTIN_MODULES))
-    raise KeyError(f"unknown reward {name!r}; known: {known}, or use an import path 'pkg.module:fn'")
+    raise KeyError(_unknown(name))
+
+
+def check_reward_name(name: str) -> None:
+    """Raises KeyError unless `name` is registered, built in, or an import path "pkg.module:fn" (whose
+    module is not imported here); imports nothing."""
+    module, colon, attr = name.partition(":")
+    if colon:
+        if not module or not attr:
+            raise KeyError(f"reward {name!r}: an import path is 'pkg.module:fn'")
+    elif name not in _REGISTRY and name not in _BUILTIN_MODULES:
+        raise KeyError(_unknown(name))
+
+
+def is_builtin(name: str) -> bool:
+    """Whether `name` is one of the package's own rewards (loaded on first use)."""
+    return name in _BUILTIN_MODULES
 
 
 def list_rewards() -> list[str]:
     """Names available without an import path."""
     return sorted(set(_REGISTRY) | set(_BUILTIN_MODULES))
+
+
+def _unknown(name: str) -> str:
+    return f"unknown reward {name!r}; known: {list_rewards()}, or use an import path 'pkg.module:fn'"
 
 
 def as_graded(out: Any) -> Graded:

@@ -13,19 +13,19 @@ import importlib
 import itertools
 import logging
 import multiprocessing as mp
-import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import wait as mp_wait
-from typing import Any
+from typing import Any, NamedTuple
 
-from jaxrl_async.rewards.registry import as_graded, get_reward
+from jaxrl_async.rewards.registry import as_graded, check_reward_name, get_reward, is_builtin
 
 log = logging.getLogger(__name__)
 
 _REASON_OK = "ok"
 _LOG_FIRST_N = 5  # per reason; then every 100th, so a broken reward cannot flood the log
+_READY = "ready"  # a worker's first message: its imports are done
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,12 +34,14 @@ class RewardConfig:
 
     Attributes:
       reward: default reward (built-in name, registered name or "pkg.module:fn"); a request's
-        metadata["reward"] overrides it.
+        metadata["reward"] overrides it. Construction imports nothing: it rejects a name that is neither
+        known nor an import path (unless `imports` may register it); `RewardService` loads the rest.
       format_weight: adds `format_weight * format_reward` to every reward (0 disables).
       num_workers: worker processes.
       timeout_s: per-call limit on the whole reward function; past it the worker is killed and replaced.
       max_queue: requests waiting for a worker; `submit` blocks (or raises queue.Full) beyond it.
-      imports: modules each worker imports at start-up (to run their `@register_reward` decorators).
+      imports: modules each worker imports at start-up (to run their `@register_reward` decorators);
+        `RewardService` imports them first in its own process, so a bad name fails there.
       defaults: metadata defaults merged under each request's metadata (e.g. {"sandbox": {...}}).
       mp_context: "spawn" or "forkserver".
       overlong_buffer: DAPO's soft overlong punishment (rewards/shaping.py): completions within this many
@@ -72,10 +74,17 @@ class RewardConfig:
                 f"RewardConfig: overlong_buffer and overlong_penalty must be >= 0, got "
                 f"{self.overlong_buffer}, {self.overlong_penalty}"
             )
-        for mod in self.imports:
-            importlib.import_module(mod)
-        # Fail at start-up, not in a worker, on an unknown reward name.
-        get_reward(self.reward)
+        if not self.imports:  # a name the imports register is known only once they ran
+            check_reward_name(self.reward)
+
+
+class Request(NamedTuple):
+    """One request on the pipe to a worker (and the job a worker holds until it answers)."""
+
+    request_id: Any
+    prompt: str
+    completion: str
+    metadata: dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,26 +115,32 @@ def grade_one(cfg: RewardConfig, prompt: str, completion: str, metadata: Mapping
         return 0.0, f"error:{type(e).__name__}", str(e)[:300]
 
 
-def _worker_main(conn, cfg: RewardConfig):
-    """Worker loop: receives (request_id, prompt, completion, metadata), sends back a result tuple."""
+def _load(cfg: RewardConfig, builtins: bool) -> None:
+    """Imports `cfg.imports` and the default reward's module (with `builtins`, also the package's own
+    rewards and the format reward), raising what a bad name raises."""
     for mod in cfg.imports:
         importlib.import_module(mod)
-    # Load the default reward's modules now so their import time does not count against the first call.
-    get_reward(cfg.reward)
-    if cfg.format_weight:
+    if builtins or not is_builtin(cfg.reward):
+        get_reward(cfg.reward)
+    if builtins and cfg.format_weight:
         get_reward("format")
-    conn.send(("ready", os.getpid()))
+
+
+def _worker_main(conn, cfg: RewardConfig):
+    """Worker loop: receives a Request, sends back a RewardResult (None ends it)."""
+    # Loading now keeps the reward's import time out of the first call's timeout.
+    _load(cfg, builtins=True)
+    conn.send(_READY)
     while True:
         try:
-            msg = conn.recv()
+            req = conn.recv()
         except EOFError:
             return
-        if msg is None:
+        if req is None:
             return
-        rid, prompt, completion, metadata = msg
         start = time.monotonic()
-        reward, reason, info = grade_one(cfg, prompt, completion, metadata)
-        conn.send((rid, reward, reason, info, time.monotonic() - start))
+        reward, reason, info = grade_one(cfg, req.prompt, req.completion, req.metadata)
+        conn.send(RewardResult(req.request_id, reward, reason, time.monotonic() - start, info))
 
 
 @dataclasses.dataclass
@@ -133,7 +148,7 @@ class _Worker:
     proc: Any
     conn: Any
     ready: bool = False
-    job: tuple | None = None  # the request in flight
+    job: Request | None = None  # the request in flight
     started: float = 0.0
 
 
@@ -150,6 +165,9 @@ class RewardService:
     """
 
     def __init__(self, cfg: RewardConfig):
+        # A name a worker cannot load fails here, not in a loop of dying workers. The package's own
+        # rewards are known good and stay out of this process (math-verify pulls in sympy).
+        _load(cfg, builtins=False)
         self.cfg = cfg
         self._ctx = mp.get_context(cfg.mp_context)
         self._lock = threading.Lock()
@@ -179,7 +197,7 @@ class RewardService:
     ) -> None:
         """Queues one request; returns at once unless the queue is full (then blocks, or raises QueueFull
         when `block=False` or after `timeout` seconds)."""
-        item = (request_id, prompt, completion, dict(metadata or {}))
+        item = Request(request_id, prompt, completion, dict(metadata or {}))
         with self._cond:
             if self._closed:
                 raise RuntimeError("RewardService is closed")
@@ -317,7 +335,7 @@ class RewardService:
     def _replace(self, i: int, reason: str, info: str):
         w = self._workers[i]
         if w.job is not None:
-            self._deliver(RewardResult(w.job[0], 0.0, reason, time.monotonic() - w.started, info))
+            self._deliver(RewardResult(w.job.request_id, 0.0, reason, time.monotonic() - w.started, info))
         self._stop_worker(w, graceful=False)
         with self._lock:
             self._counts["worker_restarts"] += 1
@@ -339,7 +357,8 @@ class RewardService:
                 w.conn.send(item)
                 w.job = item
             except Exception as e:  # noqa: BLE001 - e.g. unpicklable metadata; the worker is fine
-                self._deliver(RewardResult(item[0], 0.0, f"error:{type(e).__name__}", 0.0, str(e)[:300]))
+                why = f"error:{type(e).__name__}"
+                self._deliver(RewardResult(item.request_id, 0.0, why, 0.0, str(e)[:300]))
 
     def _dispatch_loop(self):
         while not self._closed:
@@ -366,9 +385,8 @@ class RewardService:
             msg = w.conn.recv()
         except (EOFError, OSError):
             return  # the liveness check replaces it
-        if msg[0] == "ready":
+        if msg == _READY:
             w.ready = True
             return
-        rid, reward, reason, info, elapsed = msg
         w.job = None
-        self._deliver(RewardResult(rid, reward, reason, elapsed, info))
+        self._deliver(msg)

@@ -1,4 +1,4 @@
-"""Extracting final answers from reference solutions and completions (GSM8K `####`, MATH `\\boxed{}`)."""
+"""Final answers in text: GSM8K's `#### x`, MATH's `\\boxed{x}`, for reference solutions and completions."""
 
 from __future__ import annotations
 
@@ -30,3 +30,14 @@ def extract_gsm8k(text: str) -> str | None:
     if not m:
         return None
     return m.group(1).replace(",", "").strip()
+
+
+def reference_answer(reference: str) -> str | None:
+    """The final answer of a reference (a prompt's metadata["answer"]): the text after GSM8K's last `####`,
+    else the last `\\boxed{}` (MATH solutions), else the whole stripped text; None when a marker is there
+    but empty or unbalanced."""
+    if "####" in reference:
+        return extract_gsm8k(reference) or None
+    if "\\boxed" in reference or "\\fbox" in reference:
+        return extract_boxed(reference) or None
+    return reference.strip() or None

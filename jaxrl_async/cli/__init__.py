@@ -1,0 +1,45 @@
+"""Command-line programs. Each is a module here with absl flags and two entry points:
+
+  main(argv)  the program (absl passes the positional arguments left after the flags);
+  run()       `run_command(main, __name__)` (absl's `app.run`): what `[project.scripts]` in
+              pyproject.toml and the shim call.
+
+Conventions for a new command `x`:
+  - `jaxrl_async/cli/x.py` defines its flags at module level with absl (`flags.DEFINE_*`), named as a user
+    types them (`--max-new-tokens`, hyphens kept), and a docstring whose first line says what it does.
+  - `tools/x.py` (or `launch/x.py`) is a shim of three lines, `from jaxrl_async.cli.x import run` and
+    `run()` under `if __name__ == "__main__":`, so `python tools/x.py` keeps working; no `sys.path` edits:
+    the package is installed (`pip install -e .`).
+  - A console script `jaxrl-x = "jaxrl_async.cli.x:run"` in `[project.scripts]`.
+  - absl flags are process-global: one command per process, and a command never imports another command's
+    module (shared code belongs in the library).
+Config files (configs/*.py) that build on another config load it with `config_file.sibling`, so they need
+no checkout on `sys.path` either.
+"""
+
+import os
+import sys
+from collections.abc import Callable
+
+from absl import app, flags
+
+
+def run_command(main: Callable[[list[str]], None], module_name: str) -> None:
+    """`app.run(main)`, with `--help` showing the command's docstring and flags: absl shows those of
+    `__main__`, which here is a shim or a console script."""
+    for flag in flags.FLAGS.get_key_flags_for_module(module_name):
+        flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+    sys.modules["__main__"].__doc__ = sys.modules[module_name].__doc__
+    app.run(main)
+
+
+def hf_config_file(path: str, flag: str) -> str:
+    """The config.json a user means: `path` itself, or the one in the Hugging Face directory `path`.
+
+    Raises:
+      app.UsageError: neither exists (the message names `flag`).
+    """
+    candidate = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(candidate):
+        raise app.UsageError(f"{flag}: {path} is neither a config.json nor a directory holding one")
+    return candidate

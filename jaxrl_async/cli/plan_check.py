@@ -1,0 +1,136 @@
+"""Will this config fit? Compile its train step and decode step for the target meshes on fake CPU devices.
+
+  jaxrl-plan-check --config configs/math_8b.py:h100 --preset qwen3-8b --hardware h100
+  jaxrl-plan-check --config configs/math_8b.py --preset llama-3.1-8b --hardware tpu-v5p
+
+The model shape comes from `--preset` or from `--hf-config DIR` (an HF directory or its config.json; no
+weights are read); its numerics (compute dtype, master-weight dtype, attention) from the config's `model`
+section. Prints JSON with per-device bytes, the trainer state and sampler weight dtypes, and whether each
+role fits.
+Also the paged KV cache an accelerator sampler gets in the memory left beside the weights, the eval
+engine's cache and the decode temporaries: pages per device and the sequences that run at once (full
+length, and a long-tailed length mix: --median-len, --p99-len, --prompt-len; the group size is the
+config's samples_per_prompt). `python tools/plan_check.py` runs the same program.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+from absl import app, flags
+
+from jaxrl_async.cli import hf_config_file, run_command
+
+_CONFIG = flags.DEFINE_string("config", None, "configs/x.py[:arg]")
+_PRESET = flags.DEFINE_string("preset", "", "model shape preset (jaxrl_async.model.presets)")
+_HF_CONFIG = flags.DEFINE_string("hf-config", "", "an HF directory or its config.json: the model shape")
+_HARDWARE = flags.DEFINE_string("hardware", "h100", "memory per device from jaxrl_async.perf presets")
+_TOKEN_BUDGET = flags.DEFINE_integer("token-budget", 0, "override trainer.token_budget (row length)")
+_ATTENTION = flags.DEFINE_string("attention", "", "override model.attention (e.g. reference, to compare)")
+_OUT = flags.DEFINE_string("out", "", "also write the JSON report here")
+_MEDIAN_LEN = flags.DEFINE_float("median-len", 512, "paged KV plan: median response length")
+_P99_LEN = flags.DEFINE_float("p99-len", 4096, "paged KV plan: 99th percentile length")
+_PROMPT_LEN = flags.DEFINE_integer("prompt-len", 256, "paged KV plan: typical prompt length")
+flags.mark_flags_as_required(["config"])
+
+
+def load_config(spec: str):
+    path, _, arg = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location("plan_config", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(arg) if arg else module.get_config()
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    config = load_config(_CONFIG.value)
+    n = config.mesh.sampler[0] * config.mesh.sampler[1] + config.mesh.trainer[0] * config.mesh.trainer[1]
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", n)
+    jax.config.update("jax_platforms", "cpu")
+
+    from jaxrl_async.model import from_hf_config, presets
+    from jaxrl_async.perf.hardware import get_hardware
+    from jaxrl_async.perf.plan_check import paged_kv_plan, plan_check, target_platform
+    from jaxrl_async.run_config import SECTIONS, _section
+
+    m = config.model
+    numerics = dict(dtype=m.dtype, param_dtype=m.param_dtype, attention=_ATTENTION.value or m.attention)
+    if _HF_CONFIG.value:
+        with open(hf_config_file(_HF_CONFIG.value, "--hf-config")) as f:
+            model_cfg = from_hf_config(json.load(f), **numerics)
+    else:
+        model_cfg = presets.get(_PRESET.value or m.preset, **numerics)
+    if _TOKEN_BUDGET.value:
+        config.trainer.token_budget = _TOKEN_BUDGET.value
+    train_cfg = _section("trainer", SECTIONS["trainer"], dict(config.trainer.to_dict()))
+    sampler_cfg = _section("sampler", SECTIONS["sampler"], dict(config.sampler.to_dict()))
+    hw = get_hardware(_HARDWARE.value)
+    platform = target_platform(hw.name)
+    report = plan_check(model_cfg, train_cfg, sampler_cfg, config.mesh, platform, config.eval_slots)
+    report["hardware"] = {"name": hw.name, "mem_bytes": hw.mem_bytes}
+    report["fits"] = {
+        "trainer": report["trainer"]["peak_estimate"] <= hw.mem_bytes,
+        "sampler": report["sampler"]["peak"] <= hw.mem_bytes,
+    }
+    sa = report["sampler"]
+    not_kv = sa["peak"] - sa["decode_state"]  # weights, the eval cache, decode temporaries
+    group = int(config.get("samples_per_prompt", 1))
+    report["paged_kv"] = paged_kv_plan(
+        model_cfg, sampler_cfg, tuple(config.mesh.sampler), hw.mem_bytes - not_kv,
+        _MEDIAN_LEN.value, _P99_LEN.value, group, _PROMPT_LEN.value,
+    )  # fmt: skip
+    print(json.dumps(report, indent=2))
+    print(summary(report, config, train_cfg, sampler_cfg))
+    pk = report["paged_kv"]
+    print(
+        f"  paged KV ({pk['page_size']}-position pages of {pk['page_bytes'] / 2**20:.2f} MiB per device, in "
+        f"the {pk['free_bytes'] / 2**30:.2f} GiB left beside weights, eval cache and decode temporaries): "
+        f"{pk['pages_per_device']} pages per device; concurrent sequences: {pk['sequences_at_max_len']} at "
+        f"max_prompt_len + max_new_tokens = {sampler_cfg.max_seq_len}, {pk['sequences_long_tail']} on a "
+        f"long tail (prompt {_PROMPT_LEN.value}, median {_MEDIAN_LEN.value:.0f}, p99 {_P99_LEN.value:.0f}, "
+        f"group "
+        f"{group}) vs {pk['sequences_slotted']} for the slotted cache; num_slots={sampler_cfg.num_slots} "
+        f"caps the decode batch at {pk['decode_batch_long_tail']}"
+    )
+    if _OUT.value:
+        with open(_OUT.value, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+def summary(report: dict, config, train_cfg, sampler_cfg) -> str:
+    """The human-readable verdict printed after the JSON."""
+    gib = 2**30
+    g = lambda b: f"{b / gib:.2f} GiB"
+    tr, sa, hw, ok = report["trainer"], report["sampler"], report["hardware"], report["fits"]
+    verdict = lambda fits: "fits" if fits else "DOES NOT FIT"
+    att = tr["attention"]
+    an = sa["analytic"]
+    lines = [
+        f"\nper device, {hw['name']} has {hw['mem_bytes'] / gib:.0f} GiB",
+        f"  trainer {tuple(config.mesh.trainer)}: {train_cfg.rows_per_micro} rows x {train_cfg.token_budget} "
+        f"tokens per micro-batch; params {tr['dtypes']['params']}, optimizer state "
+        f"{tr['dtypes']['optimizer_state']}",
+        f"    attention {att['target']} (compiled as {att['compiled_as']}"
+        + (f", + dense segment masks {g(att['mask_bytes'])}" if att["mask_bytes"] else "")
+        + ")",
+        f"    micro-batch: args {g(tr['argument_size'])} + optimizer state {g(tr['optimizer_state_bytes'])}, "
+        f"temps {g(tr['temp_size'])}; update: temps {g(tr['apply']['temp_size'])}",
+        f"    peak ~{g(tr['peak_estimate'])} -> {verdict(ok['trainer'])}",
+        f"  sampler {tuple(config.mesh.sampler)}: weights {sa['dtypes']} {g(sa['weights'])} (once), "
+        f"KV cache + state {g(sa['decode_state'])} ({sampler_cfg.num_slots} slots x {sampler_cfg.slot_len}), "
+        f"eval engine {g(sa['eval_decode_state'])} ({sa['eval_slots']} slots)",
+        f"    analytic: weights {g(an['weights'])} + KV {g(an['kv_cache'])} + eval KV "
+        f"{g(an['eval_kv_cache'])} = {g(an['total'])}; compiled held {g(sa['held'])}",
+        f"    temps {g(sa['temp_size_accelerator'])} (XLA:CPU {g(sa['generate']['temp_size'])}), weight "
+        f"update +{g(sa['update_transient'])}; peak ~{g(sa['peak'])} -> {verdict(ok['sampler'])}",
+    ]
+    return "\n".join(lines)
+
+
+def run() -> None:
+    run_command(main, __name__)

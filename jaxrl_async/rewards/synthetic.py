@@ -1,0 +1,63 @@
+"""Verifiers of the built-in synthetic tasks (jaxrl_async.data's "arithmetic" and "countdown").
+
+They read the problem from the prompt's metadata, never from its text: arithmetic compares with
+metadata["answer"], countdown checks against metadata["numbers"] and metadata["target"]. A request
+without them is an error (reward 0 with reason "error:KeyError").
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
+from typing import Any
+
+from jaxrl_async.rewards.registry import register_reward
+
+_EXPR_CHARS = set("0123456789+-*/() ")
+_MAX_EXPR_LEN = 200
+
+
+@register_reward("arithmetic")
+def arithmetic_reward(prompt: str, completion: str, metadata: Mapping[str, Any]) -> float:
+    """1.0 when the stripped completion is exactly metadata["answer"]."""
+    return 1.0 if completion.strip() == str(metadata["answer"]) else 0.0
+
+
+def _eval_node(node: ast.AST, used: list[int]) -> Fraction:
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        used.append(node.value)
+        return Fraction(node.value)
+    if isinstance(node, ast.BinOp) and type(node.op) in (ast.Add, ast.Sub, ast.Mult, ast.Div):
+        a, b = _eval_node(node.left, used), _eval_node(node.right, used)
+        if isinstance(node.op, ast.Add):
+            return a + b
+        if isinstance(node.op, ast.Sub):
+            return a - b
+        if isinstance(node.op, ast.Mult):
+            return a * b
+        if b == 0:
+            raise ZeroDivisionError
+        return a / b
+    raise ValueError(f"disallowed syntax {type(node).__name__}")
+
+
+def countdown_verify(expression: str, numbers: Sequence[int], target: int) -> bool:
+    """True when `expression` uses each of `numbers` exactly once (+ - * / and parentheses) and equals
+    `target` (exact rational arithmetic)."""
+    expr = expression.strip()
+    if not expr or len(expr) > _MAX_EXPR_LEN or set(expr) - _EXPR_CHARS:
+        return False
+    try:
+        used: list[int] = []
+        value = _eval_node(ast.parse(expr, mode="eval").body, used)
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
+        return False
+    return sorted(used) == sorted(numbers) and value == target
+
+
+@register_reward("countdown")
+def countdown_reward(prompt: str, completion: str, metadata: Mapping[str, Any]) -> float:
+    """1.0 when the completion is a valid expression over metadata["numbers"] reaching metadata["target"]."""
+    numbers, target = list(metadata["numbers"]), int(metadata["target"])
+    return 1.0 if countdown_verify(completion, numbers, target) else 0.0

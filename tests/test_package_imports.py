@@ -1,0 +1,48 @@
+"""Package layering: jaxrl_async.data and jaxrl_async.rewards never import each other, and building a
+RewardConfig imports nothing. Each check runs in a fresh interpreter, whose sys.modules it inspects."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_IMPORT_ALL = """
+import importlib, json, pkgutil, sys
+pkg = importlib.import_module({package!r})
+for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+    importlib.import_module(info.name)
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def _modules_after(code: str) -> list[str]:
+    """sys.modules of a fresh interpreter (run from the repository root) after `code`."""
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300, check=True
+    )
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("package, forbidden", [("jaxrl_async.rewards", "jaxrl_async.data"),
+                                                ("jaxrl_async.data", "jaxrl_async.rewards")])
+def test_data_and_rewards_do_not_import_each_other(package, forbidden):
+    modules = _modules_after(_IMPORT_ALL.format(package=package))
+    assert f"{package}.synthetic" in modules  # the walk reached the submodules
+    assert [m for m in modules if m == forbidden or m.startswith(forbidden + ".")] == []
+
+
+def test_building_a_reward_config_imports_nothing():
+    code = """
+import json, sys
+from jaxrl_async.rewards import RewardConfig
+before = set(sys.modules)
+RewardConfig(reward="math", format_weight=0.5)
+RewardConfig(reward="code")
+RewardConfig(reward="my_pkg.not_imported:fn", imports=("my_pkg.also_not_imported",))
+print(json.dumps(sorted(set(sys.modules) - before)))
+"""
+    assert _modules_after(code) == []
