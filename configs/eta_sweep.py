@@ -7,7 +7,9 @@ own it idles most of the time, so admission runs the full eta ahead and head sta
 The sweep overrides max_staleness / mode, trainer.loss, seed and total_steps per cell.
 """
 
-from configs import tiny_arith
+from jaxrl_async.cli.config_file import sibling
+
+tiny_arith = sibling(__file__, "tiny_arith")
 
 
 def get_config():

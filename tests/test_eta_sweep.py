@@ -30,7 +30,7 @@ def test_report_compares_cells_at_the_common_step_and_skips_ppo_at_eta_zero(tmp_
         os.makedirs(tmp_path / name)
         (tmp_path / name / "summary.json").write_text(json.dumps(_summary(accs, stale)))
     cmd = [sys.executable, TOOL, "--out", str(tmp_path), "--etas", "0,4", "--losses", "decoupled_ppo,ppo",
-           "--seeds", "0,1", "--report_only"]  # fmt: skip
+           "--seeds", "0,1", "--report-only"]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=REPO)
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 0, res.stderr
