@@ -10,9 +10,13 @@ import pytest
 from jaxrl_async.trainer.losses import LOSSES, combine_metrics, finalize_metrics, policy_loss
 
 LN = math.log
+# The goldens below were computed with symmetric clipping and no behaviour weight unless a test says
+# otherwise (LossHParams's defaults are clip-higher 0.28 and a truncated behaviour weight).
+GOLDEN_HP = dict(eps_high=0.2, behav_mode="none")
 
 
 def _loss(kind, logp, prox, behav, adv, mask=None, **hp):
+    hp = {**GOLDEN_HP, **hp}
     arr = lambda x: jnp.asarray(np.asarray(x, np.float32).reshape(len(x), -1) if np.ndim(x) == 2 else [x])
     logp, prox, behav, adv = (arr(x) for x in (logp, prox, behav, adv))
     mask = jnp.ones_like(logp) if mask is None else arr(mask)

@@ -139,6 +139,7 @@ def run_cells(todo: list[tuple[list[str], str]], parallel: int, pin: bool, deadl
             p = subprocess.Popen(cmd, env=_env(), stdout=f, stderr=subprocess.STDOUT, preexec_fn=pre)
             running[p] = (core, f)
             print(f"[{time.monotonic() - t0:6.0f}s] start {os.path.basename(log)} core={core}", flush=True)
+            time.sleep(0.2)  # staggered: each cell picks free localhost ports for its processes
         for p in [p for p in running if p.poll() is not None]:
             core, f = running.pop(p)
             f.close()
@@ -166,11 +167,39 @@ def _tb_means(workdir: str) -> dict[str, float]:
     return out
 
 
+def _from_events(cell: dict, workdir: str) -> dict:
+    """What a cell's TensorBoard events hold when it wrote no summary (it failed, e.g. while stopping):
+    its evaluations and staleness, flagged `no_summary`; an error if there are no evaluations either."""
+    from jaxrl_async.metrics import read_scalars
+
+    try:
+        scalars = read_scalars(os.path.join(workdir, "tb"))
+    except Exception:  # noqa: BLE001 - no events at all
+        scalars = {}
+    if not scalars.get("eval/accuracy"):
+        return {**cell, "error": f"no summary.json and no evaluations in {workdir} (see {workdir}.log)"}
+    evals = {int(s): float(a) for s, a in scalars["eval/accuracy"]}
+    head = [v for _, v in scalars.get("staleness/mean", [])]
+    return {
+        **cell,
+        "no_summary": True,
+        "steps": max(s for s, _ in scalars["loss/policy"]),
+        "evals": evals,
+        "initial_accuracy": evals.get(0),
+        "final_accuracy": evals[max(evals)],
+        "best_accuracy": max((a for st, a in evals.items() if st > 0), default=None),
+        "head_staleness_mean": float(np.mean(head)) if head else None,
+        "head_staleness_max": max((v for _, v in scalars.get("staleness/max", [])), default=None),
+        "token_staleness_mean": _mean([v for _, v in scalars.get("staleness/token_mean", [])]),
+        **_tb_means(workdir),
+    }
+
+
 def read_cell(cell: dict, workdir: str) -> dict:
-    """A cell's results from its summary.json and TensorBoard events (missing: it failed to finish)."""
+    """A cell's results from its summary.json and TensorBoard events (see _from_events without one)."""
     path = os.path.join(workdir, "summary.json")
     if not os.path.exists(path):
-        return {**cell, "error": f"no summary.json in {workdir} (see {workdir}.log)"}
+        return _from_events(cell, workdir)
     with open(path) as f:
         s = json.load(f)
     evals = {int(e["step"]): float(e["accuracy"]) for e in s.get("evals", [])}
@@ -295,6 +324,8 @@ def main(argv):
     for r in results:
         if "error" in r:
             print(f"cell {r['name']}: {r['error']}", file=sys.stderr)
+        elif r.get("no_summary"):
+            print(f"cell {r['name']}: no summary.json (it failed); results from its events", file=sys.stderr)
     common, rows = aggregate(results)
     report = {"steps": _STEPS.value, "common_eval_step": common, "cpus": len(os.sched_getaffinity(0)),
               "overrides": _SET.value, "settings": rows, "cells": results}  # fmt: skip

@@ -8,6 +8,7 @@ from jaxrl_async.trainer.advantages import ADVANTAGES, KL_ESTIMATORS
 from jaxrl_async.trainer.losses import LOSSES, LossHParams
 
 PROX_MODES = ("recompute", "loglinear")
+_LOSS = LossHParams()  # the loss fields' defaults (declared once, in losses.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,7 +18,7 @@ class TrainConfig:
     Attributes:
       loss: policy loss kind (losses.LOSSES).
       eps_low, eps_high, dual_clip, behav_mode, behav_level, behav_cap, behav_floor, aggregation,
-        constant: the loss hyper-parameters (see losses.LossHParams).
+        constant: the loss hyper-parameters, with losses.LossHParams's defaults and meaning.
       advantage: advantage estimator (advantages.ADVANTAGES).
       lr, warmup_steps, total_steps, end_lr_ratio: linear warmup from 0 to `lr`, then cosine decay to
         `lr * end_lr_ratio` at `total_steps` (counted in optimizer updates).
@@ -53,15 +54,15 @@ class TrainConfig:
     """
 
     loss: str = "decoupled_ppo"
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    dual_clip: float | None = None
-    behav_mode: str = "truncate"
-    behav_level: str = "token"
-    behav_cap: float = 5.0
-    behav_floor: float = 0.0
-    aggregation: str = "token_mean"
-    constant: float = 1.0
+    eps_low: float = _LOSS.eps_low
+    eps_high: float = _LOSS.eps_high
+    dual_clip: float | None = _LOSS.dual_clip
+    behav_mode: str = _LOSS.behav_mode
+    behav_level: str = _LOSS.behav_level
+    behav_cap: float = _LOSS.behav_cap
+    behav_floor: float = _LOSS.behav_floor
+    aggregation: str = _LOSS.aggregation
+    constant: float = _LOSS.constant
     advantage: str = "grpo"
     lr: float = 1e-6
     warmup_steps: int = 0

@@ -33,7 +33,8 @@ AGGREGATIONS = ("token_mean", "seq_mean", "constant")
 
 @dataclasses.dataclass(frozen=True)
 class LossHParams:
-    """Hyper-parameters shared by the policy losses.
+    """Hyper-parameters shared by the policy losses; the one place their defaults are declared
+    (TrainConfig's loss fields take theirs from here).
 
     Attributes:
       eps_low, eps_high: the ratio u = pi_theta / pi_prox is clipped to [1 - eps_low, 1 + eps_high]
@@ -49,9 +50,9 @@ class LossHParams:
     """
 
     eps_low: float = 0.2
-    eps_high: float = 0.2
+    eps_high: float = 0.28  # DAPO's clip-higher
     dual_clip: float | None = None
-    behav_mode: str = "none"
+    behav_mode: str = "truncate"  # stale samples never get a behaviour weight above behav_cap
     behav_level: str = "token"
     behav_cap: float = 5.0
     behav_floor: float = 0.0
