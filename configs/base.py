@@ -74,6 +74,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.data = dataclass_section(DataConfig)
     c.reward = dataclass_section(RewardConfig)
     c.sampler = dataclass_section(SamplerConfig)  # update_mode: keep_kv | recompute_kv | finish.
-    c.trainer = dataclass_section(TrainConfig)
+    # trainer.total_steps: the learning-rate schedule's length; 0 = config.total_steps. trainer.temperature
+    # is not set here: it is the sampler's (config.sampler.temperature).
+    c.trainer = dataclass_section(TrainConfig, total_steps=0)
     c.warm_start = dataclass_section(WarmStartConfig, enabled=False)
     return c

@@ -72,12 +72,10 @@ def get_config(layout: str = "v5p"):
     c.trainer.advantage = "grpo"
     c.trainer.lr = 1e-6
     c.trainer.warmup_steps = 10
-    c.trainer.total_steps = 500
     c.trainer.token_budget = 32768  # one row holds the longest prompt + completion (28,672 tokens)
     # Several optimizer updates per batch (AReaL's ppo_n_minibatches=4): with one, pi_prox equals
     # pi_theta and decoupled PPO's clip never binds.
     c.trainer.minibatches = 4
     c.trainer.compute_dtype = "bfloat16"
     c.trainer.remat = True
-    c.trainer.temperature = 1.0
     return c

@@ -51,7 +51,6 @@ def get_config():
 
     c.trainer.lr = 1e-6
     c.trainer.warmup_steps = 5
-    c.trainer.total_steps = 300
     c.trainer.token_budget = 32768  # one row holds the longest prompt + completion (28,160 tokens)
     c.trainer.rows_per_micro = 2
     # Several optimizer updates per batch (AReaL's ppo_n_minibatches=4): with one, pi_prox equals
@@ -59,5 +58,4 @@ def get_config():
     c.trainer.minibatches = 4
     c.trainer.compute_dtype = "bfloat16"
     c.trainer.remat = True
-    c.trainer.temperature = 1.0
     return c

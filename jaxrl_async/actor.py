@@ -36,7 +36,6 @@ class ActorConfig:
       index: this actor's number (0 measures held-out accuracy).
       samples_per_prompt: G, completions per prompt.
       seed: the run's seed (each prompt's sampling stream derives from it and the group id).
-      update_mode: how running sequences take new weights (keep_kv | recompute_kv | finish).
       eval_every: versions between evaluations (0 = only the first and the last).
       total_steps: the last version (always evaluated).
       verify_weights: checksum every received version (a host read of the weights; for tests).
@@ -46,7 +45,6 @@ class ActorConfig:
     index: int
     samples_per_prompt: int
     seed: int
-    update_mode: str
     eval_every: int
     total_steps: int
     verify_weights: bool = False
@@ -227,7 +225,8 @@ class Actor:
             due = self.cfg.index == 0 and (self.version is None or self._eval_due(m.version))
             if due or m is messages[-1]:
                 first = self.version is None
-                self.loop.update_params(params, m.version, None if first else self.cfg.update_mode)
+                mode = None if first else self.engine.cfg.update_mode  # sampler.update_mode
+                self.loop.update_params(params, m.version, mode)
                 self.version = m.version
             if due:
                 self._evaluate(m.version)

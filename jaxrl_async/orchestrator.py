@@ -227,7 +227,6 @@ def _build_actor(proc, run, cluster, transport, tokenizer, model_cfg, scfg, t_me
         index=index,
         samples_per_prompt=run.samples_per_prompt,
         seed=run.seed,
-        update_mode=run.sampler.update_mode,
         eval_every=run.eval_every,
         total_steps=run.total_steps,
         verify_weights=run.verify_weights,

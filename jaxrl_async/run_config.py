@@ -32,6 +32,11 @@ SECTIONS = {
     "warm_start": WarmStartConfig,
 }
 MODES = ("async", "sync")
+# Fields a config file never sets: each is derived from the one knob named here, so two knobs that must
+# agree cannot disagree.
+DERIVED = {
+    ("trainer", "temperature"): "config.sampler.temperature (the trainer's logprobs use the sampler's)",
+}
 
 
 class ConfigError(ValueError):
@@ -46,10 +51,14 @@ def _placeholder_type(hint) -> type:
 
 
 def dataclass_section(cls, **overrides) -> ml_collections.ConfigDict:
-    """A ConfigDict with `cls`'s fields and defaults (None defaults become typed placeholders)."""
+    """A ConfigDict with `cls`'s fields and defaults (None defaults become typed placeholders), without
+    the fields `validate` derives (DERIVED)."""
     hints = typing.get_type_hints(cls)
     out = ml_collections.ConfigDict()
+    section = next((name for name, c in SECTIONS.items() if c is cls), None)
     for f in dataclasses.fields(cls):
+        if (section, f.name) in DERIVED:
+            continue
         if f.default is not dataclasses.MISSING:
             value = f.default
         elif f.default_factory is not dataclasses.MISSING:
@@ -68,7 +77,11 @@ def dataclass_section(cls, **overrides) -> ml_collections.ConfigDict:
     return out
 
 
-def _section(name: str, cls, values: dict[str, Any]):
+def _section(name: str, cls, values: dict[str, Any], derived: dict[str, Any] | None = None):
+    for field in values:
+        if (name, field) in DERIVED:
+            raise ConfigError(f"config.{name}.{field}: derived from {DERIVED[name, field]}; set that instead")
+    values = {**values, **(derived or {})}
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
@@ -207,7 +220,14 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     ckpt = c["model"].get("checkpoint")
     if ckpt and not os.path.isdir(ckpt):
         raise ConfigError(f"config.model.checkpoint: directory {ckpt!r} not found")
-    sections = {name: _section(name, cls, dict(c[name])) for name, cls in SECTIONS.items()}
+    other = {name: cls for name, cls in SECTIONS.items() if name != "trainer"}
+    sections = {name: _section(name, cls, dict(c[name])) for name, cls in other.items()}
+    trainer = dict(c["trainer"])
+    if not trainer.get("total_steps"):  # 0: the schedule spans the run
+        trainer["total_steps"] = c["total_steps"]
+    sections["trainer"] = _section(
+        "trainer", TrainConfig, trainer, derived={"temperature": sections["sampler"].logprob_temperature}
+    )
     for field in ("path", "eval_path"):
         path = getattr(sections["data"], field)
         if path and not os.path.exists(path):

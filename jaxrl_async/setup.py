@@ -105,11 +105,6 @@ def sampler_config(run: RunConfig, tokenizer: Tokenizer) -> SamplerConfig:
     cfg = run.sampler
     if not cfg.stop_tokens:
         cfg = dataclasses.replace(cfg, stop_tokens=(tokenizer.eos_id,))
-    if abs(cfg.logprob_temperature - run.trainer.temperature) > 1e-9:
-        raise ConfigError(
-            f"config.trainer.temperature={run.trainer.temperature} must equal the sampler's "
-            f"logprob temperature {cfg.logprob_temperature} (config.sampler.temperature)"
-        )
     return cfg
 
 

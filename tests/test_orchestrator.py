@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 
@@ -73,14 +74,26 @@ def test_config_errors_name_the_field(tmp_path):
         validate(_small(tmp_path, **one), n)
     with pytest.raises(ConfigError, match=r"config\.sampler: .*top_p"):
         validate(_small(tmp_path, **{"sampler.top_p": 1.5}), n)
-    with pytest.raises(ConfigError, match=r"config\.trainer\.temperature"):
-        run_from_config(_small(tmp_path, **{"trainer.temperature": 0.5}))
+    with pytest.raises(ConfigError, match=r"config\.trainer\.temperature: derived from config\.sampler"):
+        validate(ml_collections.ConfigDict({**_small(tmp_path).to_dict(),
+                                            "trainer": {"temperature": 0.5}}), n)  # fmt: skip
     with pytest.raises(ConfigError, match=r"config\.mesh\.sampler_processes"):
         validate(_small(tmp_path, **{"mesh.sampler_processes": (-1,)}), n)
     with pytest.raises(ConfigError, match=r"config\.trainer\.token_budget=8: a packed row must hold"):
         validate(_small(tmp_path, **{"trainer.token_budget": 8}), n)
     with pytest.raises(ConfigError, match=r"config\.length_caps"):
         validate(_small(tmp_path, length_caps="lognormal:median=24"), n)
+
+
+def test_knobs_that_must_agree_are_derived(tmp_path):
+    n = len(jax.devices())
+    run = validate(_small(tmp_path, **{"sampler.temperature": 0.7}), n)
+    assert run.trainer.temperature == 0.7  # the trainer's logprobs use the sampler's temperature
+    assert run.trainer.total_steps == 1000  # tiny_arith's schedule, set on purpose
+    run = validate(_small(tmp_path, **{"trainer.total_steps": 0, "trainer.warmup_steps": 1}), n)
+    assert run.trainer.total_steps == run.total_steps == 4  # trainer.total_steps = 0: the run's length
+    assert validate(_small(tmp_path, **{"sampler.temperature": 0.0}), n).trainer.temperature == 1.0
+    assert "temperature" not in _small(tmp_path).trainer  # not a knob of its own
 
 
 def test_async_run_trains_syncs_respects_eta_and_writes_tags(tmp_path):
