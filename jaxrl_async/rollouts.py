@@ -34,6 +34,14 @@ class Rollout:
     def start_version(self) -> int:
         return int(self.versions[0]) if len(self.versions) else 0
 
+    @classmethod
+    def for_trainer(cls, prompt_tokens, completion_tokens, behav_logprobs, versions, reward: float,
+                    group_id: int) -> Rollout:  # fmt: skip
+        """A record holding only what the trainer reads (benchmarks and tests build batches so)."""
+        return cls(uid="", group_id=group_id, sample_index=0, prompt_tokens=np.asarray(prompt_tokens),
+                   completion_tokens=np.asarray(completion_tokens), behav_logprobs=np.asarray(behav_logprobs),
+                   versions=np.asarray(versions), reward=float(reward))  # fmt: skip
+
 
 @dataclasses.dataclass
 class StalenessController:

@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 
 from jaxrl_async.model import attention, init_params, presets
+from jaxrl_async.rollouts import Rollout
 from jaxrl_async.sampler import decode
 from jaxrl_async.sharding import make_mesh
-from jaxrl_async.trainer import Rollout, TrainConfig, create_train_state, loss_and_grads, prepare_batch
+from jaxrl_async.trainer import TrainConfig, create_train_state, loss_and_grads, prepare_batch
+
+sample = Rollout.for_trainer  # the run's record, built as the trainer reads it
 
 FAST = ("dot_product", "splash")
 MODEL = presets.tiny(vocab_size=64, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffw_size=128)
@@ -63,7 +66,7 @@ def _rollouts(seed=0):
     for i in range(10):
         p, c = int(rng.integers(2, 10)), int(rng.integers(3, 30))
         out.append(
-            Rollout(
+            sample(
                 rng.integers(0, 64, p),
                 rng.integers(0, 64, c),
                 -4.0 + 0.3 * rng.normal(size=c),

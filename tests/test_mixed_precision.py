@@ -9,10 +9,11 @@ import pytest
 
 from configs import base, math_8b, qwen_1p5b_math
 from jaxrl_async.model import from_hf_config, init_params, presets
+from jaxrl_async.rollouts import Rollout
 from jaxrl_async.run_config import ConfigError, validate
 from jaxrl_async.sampler import Engine, SamplerConfig
 from jaxrl_async.sharding import make_mesh
-from jaxrl_async.trainer import Rollout, TrainConfig, create_train_state, prepare_batch, train_step
+from jaxrl_async.trainer import TrainConfig, create_train_state, prepare_batch, train_step
 from jaxrl_async.weight_sync import WeightSync
 
 MODEL = presets.tiny(vocab_size=64, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffw_size=128)
@@ -23,7 +24,7 @@ CFG = TrainConfig(lr=1e-6, token_budget=48, rows_per_micro=4, weight_decay=0.0, 
 def _rollouts(n=8, seed=0):
     rng = np.random.default_rng(seed)
     return [
-        Rollout(
+        sample(
             rng.integers(0, 64, 6),
             rng.integers(0, 64, 10),
             -4.0 + 0.1 * rng.normal(size=10),
@@ -123,3 +124,6 @@ def test_model_numerics_are_validated_naming_the_field(tmp_path, field, value):
         validate(c)
     with pytest.raises(ValueError, match=f"ModelConfig.{field}"):
         MODEL.replace(**{field: value})
+
+
+sample = Rollout.for_trainer  # the run's record, built as the trainer reads it

@@ -3,7 +3,10 @@
 import numpy as np
 import pytest
 
-from jaxrl_async.trainer.packing import Rollout, ffd_bins, pack_rollouts, pad_rollouts
+from jaxrl_async.rollouts import Rollout
+from jaxrl_async.trainer.packing import ffd_bins, pack_rollouts, pad_rollouts
+
+sample = Rollout.for_trainer  # the run's record, built as the trainer reads it
 
 
 def test_ffd_places_longest_first_and_prefers_bins_with_fewest_sequences():
@@ -30,7 +33,7 @@ def test_ffd_respects_capacity_min_bins_and_multiple():
 
 
 def _rollout(p, c, v=0, reward=0.0, group=0):
-    return Rollout(list(range(100, 100 + p)), list(range(200, 200 + c)), [-0.5] * c, [v] * c, reward, group)
+    return sample(list(range(100, 100 + p)), list(range(200, 200 + c)), [-0.5] * c, [v] * c, reward, group)
 
 
 def test_packed_layout_of_two_sequences():
@@ -65,7 +68,7 @@ def test_every_completion_token_appears_once_and_micro_shape_is_fixed():
 
 
 def test_rejects_mismatched_rollouts():
-    bad = Rollout([1, 2], [3, 4], [-0.1], [0, 0], 0.0, 0)
+    bad = sample([1, 2], [3, 4], [-0.1], [0, 0], 0.0, 0)
     with pytest.raises(ValueError, match="must match"):
         pack_rollouts([bad], [0.0], token_budget=16)
     with pytest.raises(ValueError, match="advantages"):

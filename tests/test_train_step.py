@@ -1,6 +1,7 @@
 """Train step: packed == unpacked, micro-batched == one batch, sharded == single device, skips, metrics."""
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -8,9 +9,9 @@ import numpy as np
 import pytest
 
 from jaxrl_async.model import forward, init_params, presets, token_logprobs
+from jaxrl_async.rollouts import Rollout
 from jaxrl_async.sharding import make_mesh
 from jaxrl_async.trainer import (
-    Rollout,
     TrainConfig,
     compute_advantages,
     compute_logprobs,
@@ -50,7 +51,7 @@ def make_rollouts(n=16, seed=0, version=0):
         p, c = int(rng.integers(1, 12)), int(rng.integers(1, 20))
         behav = -4.2 + 0.3 * rng.normal(size=c)
         out.append(
-            Rollout(
+            sample(
                 rng.integers(0, 64, p),
                 rng.integers(0, 64, c),
                 behav,
@@ -123,6 +124,9 @@ def test_packed_and_micro_batched_equal_unpacked(params, overrides):
         assert float(loss) == pytest.approx(float(ref_loss), rel=1e-4, abs=1e-6)
         tree_close(grads, ref_grads)
         assert float(metrics["tokens"]) == batch.num_loss_tokens
+
+
+sample = Rollout.for_trainer  # the run's record, built as the trainer reads it
 
 
 def test_trainer_logprobs_of_packed_rows_match_single_sequences(params):
@@ -337,10 +341,12 @@ def test_schedule_and_config_validation(params):
         )
 
 
-def test_pack_rollouts_accepts_mappings():
+def test_pack_rollouts_reads_the_train_sample_protocol_only():
+    # Any object with the TrainSample attributes packs like the run's record (structural typing).
     r = make_rollouts(2)
-    as_dicts = [dataclasses.asdict(x) for x in r]
-    a = pack_rollouts(as_dicts, [0.0, 1.0], 48).arrays
+    fields = ("prompt_tokens", "completion_tokens", "behav_logprobs", "versions", "reward", "group_id")
+    plain = [types.SimpleNamespace(**{f: getattr(x, f) for f in fields}) for x in r]
+    a = pack_rollouts(plain, [0.0, 1.0], 48).arrays
     b = pack_rollouts(r, [0.0, 1.0], 48).arrays
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])

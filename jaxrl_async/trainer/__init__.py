@@ -4,7 +4,7 @@ from jaxrl_async.trainer.advantages import ADVANTAGES, compute_advantages, kl_es
 from jaxrl_async.trainer.config import TrainConfig
 from jaxrl_async.trainer.losses import LOSSES, finalize_metrics, policy_loss, register_loss
 from jaxrl_async.trainer.optimizer import learning_rate_schedule, make_optimizer
-from jaxrl_async.trainer.packing import PackedBatch, Rollout, ffd_bins, pack_rollouts, pad_rollouts
+from jaxrl_async.trainer.packing import PackedBatch, TrainSample, ffd_bins, pack_rollouts, pad_rollouts
 from jaxrl_async.trainer.train_step import (
     TrainState,
     compute_logprobs,
@@ -19,7 +19,7 @@ __all__ = [
     "ADVANTAGES",
     "LOSSES",
     "PackedBatch",
-    "Rollout",
+    "TrainSample",
     "TrainConfig",
     "TrainState",
     "compute_advantages",

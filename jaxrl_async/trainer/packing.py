@@ -9,7 +9,8 @@ padding; positions restart at 0 in every segment), so the train step compiles on
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -35,9 +36,8 @@ FIELD_DTYPES = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Rollout:
-    """One sampled sequence as the trainer consumes it (any object with these attributes also works).
+class TrainSample(Protocol):
+    """What the trainer reads of one sampled sequence: the run's record is `jaxrl_async.rollouts.Rollout`.
 
     Attributes:
       prompt_tokens: [P] int token ids (P >= 1).
@@ -54,10 +54,6 @@ class Rollout:
     versions: Sequence[int]
     reward: float
     group_id: int
-
-
-def _get(r, name):
-    return r[name] if isinstance(r, Mapping) else getattr(r, name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,11 +124,11 @@ def ffd_bins(
         min_bins = len(bins) + (-len(bins) % bins_multiple)
 
 
-def _sequence_fields(r, advantage: float) -> dict:
-    prompt = np.asarray(_get(r, "prompt_tokens"), np.int32).reshape(-1)
-    completion = np.asarray(_get(r, "completion_tokens"), np.int32).reshape(-1)
-    behav = np.asarray(_get(r, "behav_logprobs"), np.float32).reshape(-1)
-    versions = np.asarray(_get(r, "versions"), np.int32).reshape(-1)
+def _sequence_fields(r: TrainSample, advantage: float) -> dict:
+    prompt = np.asarray(r.prompt_tokens, np.int32).reshape(-1)
+    completion = np.asarray(r.completion_tokens, np.int32).reshape(-1)
+    behav = np.asarray(r.behav_logprobs, np.float32).reshape(-1)
+    versions = np.asarray(r.versions, np.int32).reshape(-1)
     if prompt.size < 1 or completion.size < 1:
         raise ValueError("a rollout needs at least one prompt and one completion token")
     if behav.size != completion.size or versions.size != completion.size:
@@ -155,9 +151,9 @@ def _sequence_fields(r, advantage: float) -> dict:
     }
 
 
-def sequence_length(r) -> int:
+def sequence_length(r: TrainSample) -> int:
     """Row positions a rollout occupies (prompt + completion - 1)."""
-    return len(_get(r, "prompt_tokens")) + len(_get(r, "completion_tokens")) - 1
+    return len(r.prompt_tokens) + len(r.completion_tokens) - 1
 
 
 def _fill(rollouts, advantages, rows: list[list[int]], rows_per_micro: int, row_len: int) -> PackedBatch:
@@ -180,12 +176,16 @@ def _fill(rollouts, advantages, rows: list[list[int]], rows_per_micro: int, row_
 
 
 def pack_rollouts(
-    rollouts: Sequence, advantages, token_budget: int, rows_per_micro: int = 1, min_micro: int = 1
+    rollouts: Sequence[TrainSample],
+    advantages,
+    token_budget: int,
+    rows_per_micro: int = 1,
+    min_micro: int = 1,
 ) -> PackedBatch:
     """Packs rollouts into micro-batches of `rows_per_micro` rows of `token_budget` positions.
 
     Args:
-      rollouts: `Rollout`s (or objects / mappings with the same fields).
+      rollouts: TrainSamples (the run's `jaxrl_async.rollouts.Rollout`s).
       advantages: [N] per-sequence advantages (broadcast to the sequence's completion tokens).
       token_budget: positions per packed row (the compiled sequence length).
       rows_per_micro: rows per micro-batch (a multiple of the trainer mesh's fsdp size).
@@ -202,7 +202,7 @@ def pack_rollouts(
 
 
 def pad_rollouts(
-    rollouts: Sequence, advantages, row_len: int | None = None, rows_per_micro: int = 1
+    rollouts: Sequence[TrainSample], advantages, row_len: int | None = None, rows_per_micro: int = 1
 ) -> PackedBatch:
     """The padded baseline: one sequence per row of `row_len` (default: the longest sequence)."""
     lengths = [sequence_length(r) for r in rollouts]

@@ -41,7 +41,7 @@ from jaxrl_async.trainer.losses import (
     reads_prox,
 )
 from jaxrl_async.trainer.optimizer import learning_rate_schedule, make_optimizer
-from jaxrl_async.trainer.packing import FIELD_DTYPES, PackedBatch, pack_rollouts
+from jaxrl_async.trainer.packing import FIELD_DTYPES, PackedBatch, TrainSample, pack_rollouts
 
 
 @struct.dataclass
@@ -163,17 +163,14 @@ def create_train_state(
     )
 
 
-def prepare_batch(cfg: TrainConfig, rollouts: Sequence) -> PackedBatch:
+def prepare_batch(cfg: TrainConfig, rollouts: Sequence[TrainSample]) -> PackedBatch:
     """Advantages (cfg.advantage over reward / group_id) + packing into cfg's micro-batch shape.
 
     With cfg.skip_zero_advantage, sequences whose advantage is 0 are left out (all of them are kept when
     none has a non-zero advantage, so a step always has a batch); `batch.num_skipped` counts them.
     """
-    get = lambda r, k: r[k] if isinstance(r, dict) else getattr(r, k)
     adv = np.asarray(
-        compute_advantages(
-            cfg.advantage, [get(r, "reward") for r in rollouts], [get(r, "group_id") for r in rollouts]
-        )
+        compute_advantages(cfg.advantage, [r.reward for r in rollouts], [r.group_id for r in rollouts])
     )
     skipped = 0
     if cfg.skip_zero_advantage:
