@@ -72,7 +72,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh.trainer_processes = ()
 
     c.data = dataclass_section(DataConfig)
-    c.reward = dataclass_section(RewardConfig)
+    # reward.reward: "" = the data task's reward (run_config.TASK_REWARD); a row's metadata may name its own.
+    c.reward = dataclass_section(RewardConfig, reward="")
     c.sampler = dataclass_section(SamplerConfig)  # update_mode: keep_kv | recompute_kv | finish.
     # trainer.total_steps: the learning-rate schedule's length; 0 = config.total_steps. trainer.temperature
     # is not set here: it is the sampler's (config.sampler.temperature).

@@ -24,7 +24,7 @@ def get_config():
     c.length_caps = "lognormal:median=24,p99=96,max=128,seed=1"
 
     c.model.n_layers = 2
-    c.data.reward = "format"
+    c.reward.reward = "format"
     c.reward.defaults = {"format_regex": "[0-9]"}
 
     # Exactly the devices the one-process runs use (sampler 1 + trainer 1): every further fake CPU device

@@ -57,7 +57,6 @@ def get_config(layout: str = "v5p"):
     c.data.use_chat_template = True
     c.data.num_epochs = None
     c.data.max_prompt_tokens = 1024
-    c.reward.reward = "math"
     c.reward.num_workers = 16
     c.reward.timeout_s = 10.0
 

@@ -37,7 +37,6 @@ def get_config():
     c.data.template = "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
     c.data.num_epochs = None
     c.data.max_prompt_tokens = 512
-    c.reward.reward = "math"
     c.reward.num_workers = 4
 
     # Long context: completions of up to 27,648 tokens (AReaL's boba math setting); 32 slots per sampler

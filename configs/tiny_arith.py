@@ -41,7 +41,6 @@ def get_config():
     c.data.digits = 2
     c.data.operators = "+"
     c.data.num_epochs = None
-    c.reward.reward = "arithmetic"
     c.reward.num_workers = 1
     c.reward.timeout_s = 5.0
 

@@ -32,6 +32,16 @@ SECTIONS = {
     "warm_start": WarmStartConfig,
 }
 MODES = ("async", "sync")
+# The reward that grades each data task when config.reward.reward is "" (a row's own metadata["reward"]
+# still overrides it).
+TASK_REWARD = {
+    "arithmetic": "arithmetic",
+    "countdown": "countdown",
+    "gsm8k": "math",
+    "math": "math",
+    "jsonl": "math",
+    "parquet": "math",
+}
 # Fields a config file never sets: each is derived from the one knob named here, so two knobs that must
 # agree cannot disagree.
 DERIVED = {
@@ -220,8 +230,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     ckpt = c["model"].get("checkpoint")
     if ckpt and not os.path.isdir(ckpt):
         raise ConfigError(f"config.model.checkpoint: directory {ckpt!r} not found")
-    other = {name: cls for name, cls in SECTIONS.items() if name != "trainer"}
+    other = {name: cls for name, cls in SECTIONS.items() if name not in ("trainer", "reward")}
     sections = {name: _section(name, cls, dict(c[name])) for name, cls in other.items()}
+    reward = dict(c["reward"])
+    reward["reward"] = reward.get("reward") or TASK_REWARD[sections["data"].task]  # "": the task's
+    sections["reward"] = _section("reward", RewardConfig, reward)
     trainer = dict(c["trainer"])
     if not trainer.get("total_steps"):  # 0: the schedule spans the run
         trainer["total_steps"] = c["total_steps"]

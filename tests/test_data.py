@@ -17,6 +17,7 @@ from jaxrl_async.data import (
 )
 from jaxrl_async.rewards import get_reward
 from jaxrl_async.rewards.synthetic import countdown_verify
+from jaxrl_async.run_config import TASK_REWARD
 from jaxrl_async.tokenizer import CHAR_VOCAB, CharTokenizer, HFTokenizer
 
 TOK = CharTokenizer()
@@ -36,8 +37,8 @@ def test_arithmetic_format_and_reference():
         assert m, p.text
         assert p.answer == str(int(m[1]) + int(m[2])) == reference_completion(p.text)
         assert TOK.decode(p.tokens) == p.text and p.tokens.dtype == np.int32
-        assert p.metadata == {"answer": p.answer, "reward": "arithmetic", "task": "arithmetic"}
-        assert get_reward(p.metadata["reward"])(p.text, p.answer, p.metadata) == 1.0
+        assert p.metadata == {"answer": p.answer, "task": "arithmetic"}  # the run names the reward
+        assert get_reward(TASK_REWARD[p.metadata["task"]])(p.text, p.answer, p.metadata) == 1.0
 
 
 def test_arithmetic_operators_and_digits_configurable():
@@ -70,7 +71,7 @@ def test_countdown_tasks_solvable_and_verified():
         nums, target = p.metadata["numbers"], p.metadata["target"]
         assert countdown_verify(p.metadata["solution"], nums, target)
         ref = reference_completion(p.text)
-        assert get_reward(p.metadata["reward"])(p.text, ref, p.metadata) == 1.0
+        assert get_reward(TASK_REWARD[p.metadata["task"]])(p.text, ref, p.metadata) == 1.0
     train = {p.text for p in make_prompt_iterator(cfg, TOK)}
     assert not train & {p.text for p in held_out_prompts(cfg, TOK, 100)}
 
@@ -141,7 +142,7 @@ def test_gsm8k_solution_passes_to_the_reward_as_given(tmp_path):
     gsm = _write_jsonl(tmp_path / "gsm.jsonl", [json.dumps({"question": "How many?", "answer": solution})])
     cfg = DataConfig(task="gsm8k", path=gsm, template="Q: {prompt}\nA:", heldout_fraction=0)
     (p,) = list(make_prompt_iterator(cfg, TOK))
-    assert p.answer == solution and p.text == "Q: How many?\nA:" and p.metadata["reward"] == "math"
+    assert p.answer == solution and p.text == "Q: How many?\nA:" and TASK_REWARD[p.metadata["task"]] == "math"
 
 
 def test_file_heldout_split_by_uid_hash(tmp_path):

@@ -40,7 +40,7 @@ def _small(workdir, **overrides):
     c.trainer.rows_per_micro = 2
     c.warm_start.enabled = False
     # A random tiny model never solves addition; reward "contains a digit" (~50%) gives every group signal.
-    c.data.reward = "format"
+    c.reward.reward = "format"
     c.reward.defaults = {"format_regex": "[0-9]"}
     for k, v in overrides.items():
         target = c
@@ -94,6 +94,9 @@ def test_knobs_that_must_agree_are_derived(tmp_path):
     assert run.trainer.total_steps == run.total_steps == 4  # trainer.total_steps = 0: the run's length
     assert validate(_small(tmp_path, **{"sampler.temperature": 0.0}), n).trainer.temperature == 1.0
     assert "temperature" not in _small(tmp_path).trainer  # not a knob of its own
+    # The reward: "" = the data task's; a name set in config.reward.reward is the run's.
+    assert validate(_small(tmp_path, **{"reward.reward": ""}), n).reward.reward == "arithmetic"
+    assert run.reward.reward == "format"
 
 
 def test_async_run_trains_syncs_respects_eta_and_writes_tags(tmp_path):

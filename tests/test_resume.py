@@ -33,7 +33,7 @@ def get_config():
     c.sampler.num_slots = 8
     c.trainer.token_budget, c.trainer.rows_per_micro = 64, 2
     c.warm_start.enabled = False
-    c.data.reward = "format"
+    c.reward.reward = "format"
     c.reward.defaults = {"format_regex": "[0-9]"}
     return c
 """

@@ -11,15 +11,6 @@ import numpy as np
 
 TASKS = ("arithmetic", "countdown", "jsonl", "parquet", "gsm8k", "math")
 SYNTHETIC_TASKS = ("arithmetic", "countdown")
-# Reward used for each task unless DataConfig.reward says otherwise (names from jaxrl_async.rewards).
-DEFAULT_REWARD = {
-    "arithmetic": "arithmetic",
-    "countdown": "countdown",
-    "gsm8k": "math",
-    "math": "math",
-    "jsonl": "math",
-    "parquet": "math",
-}
 # (prompt field, answer field) for each file task unless DataConfig overrides them.
 DEFAULT_FIELDS = {
     "jsonl": ("prompt", "answer"),
@@ -39,7 +30,8 @@ class Prompt:
       tokens: int32 token ids of `text`.
       answer: the reference answer: the synthetic task's result, or a file's answer field as given (a
         GSM8K or MATH solution included: the reward takes the final answer out of it).
-      metadata: what the reward function receives; always holds "answer", "reward" and "task".
+      metadata: what the reward function receives; always holds "answer" and "task" (and "reward" when
+        the row names its own reward: it overrides the run's, config.reward.reward).
       key: this draw of the example in the training stream, "<epoch>:<row>" (row: its index in one
         epoch of the source, before shuffling); the coordinator's ledger and trained_uids.jsonl use it.
     """
@@ -67,7 +59,6 @@ class DataConfig:
       system_prompt: optional system message for the chat template.
       use_chat_template: apply the tokenizer's chat template when it has one.
       add_bos: prepend the tokenizer's bos id (when it has one and the text does not already carry it).
-      reward: reward name for Prompt.metadata["reward"] (default per task in DEFAULT_REWARD).
       seed: shuffling and synthetic generation seed.
       shuffle: reshuffle every epoch (the "test" split is never shuffled).
       num_epochs: passes over the data; None repeats forever.
@@ -90,7 +81,6 @@ class DataConfig:
     system_prompt: str | None = None
     use_chat_template: bool = True
     add_bos: bool = False
-    reward: str | None = None
     seed: int = 0
     shuffle: bool = True
     num_epochs: int | None = 1
@@ -143,10 +133,6 @@ class DataConfig:
         """(prompt field, answer field) after defaults."""
         default = DEFAULT_FIELDS.get(self.task, (None, None))
         return self.prompt_field or default[0], self.answer_field or default[1]
-
-    @property
-    def reward_name(self) -> str:
-        return self.reward or DEFAULT_REWARD[self.task]
 
 
 def unit_hash(key: str) -> float:

@@ -126,7 +126,7 @@ def render_prompt(cfg: DataConfig, tokenizer, raw_prompt: str) -> tuple[str, np.
 def to_prompt(cfg: DataConfig, tokenizer, record: dict[str, Any]) -> Prompt:
     """Turns a raw record into a tokenized Prompt whose metadata is ready for the reward service."""
     text, tokens = render_prompt(cfg, tokenizer, record["prompt"])
-    meta = {**record["metadata"], "answer": record["answer"], "reward": cfg.reward_name, "task": cfg.task}
+    meta = {**record["metadata"], "answer": record["answer"], "task": cfg.task}
     key = f"{record.get('epoch', 0)}:{record['row']}" if "row" in record else ""
     answer = record["answer"]
     return Prompt(uid=record["uid"], text=text, tokens=tokens, answer=answer, metadata=meta, key=key)
