@@ -10,7 +10,7 @@ import ml_collections
 
 from jaxrl_async.data import DataConfig
 from jaxrl_async.rewards import RewardConfig
-from jaxrl_async.run_config import dataclass_section
+from jaxrl_async.run_config import MeshConfig, ModelSection, dataclass_section
 from jaxrl_async.sampler import SamplerConfig
 from jaxrl_async.trainer import TrainConfig
 from jaxrl_async.warmstart import WarmStartConfig
@@ -46,30 +46,10 @@ def get_config() -> ml_collections.ConfigDict:
     # Benchmarks: per-prompt generation caps "lognormal:median=24,p99=96,max=128,seed=1"; "" = off.
     c.length_caps = ""
 
-    c.model = ml_collections.ConfigDict()
-    c.model.preset = "tiny"  # Shape preset (jaxrl_async.model.presets) when no checkpoint is given.
-    c.model.checkpoint = ""  # Local HF checkpoint directory; overrides the preset's shape.
-    c.model.dtype = "float32"  # Compute dtype (activations, matmuls, sampler weights): float32 | bfloat16.
-    # Storage dtype of the trainer's master weights and optimizer state: float32 | bfloat16. Keep float32:
-    # at lr 1e-6 an AdamW step is below half a bf16 ulp of most weights, so bf16 masters do not move.
-    c.model.param_dtype = "float32"
-    # Training and prefill attention: "auto" (cuDNN flash via jax.nn.dot_product_attention on GPU, the
-    # splash Pallas kernel on TPU, "reference" on CPU) | "reference" | "dot_product" | "splash".
-    c.model.attention = "auto"
-    c.model.vocab_size = 0  # Preset override; 0 = the tokenizer's vocabulary size (rounded up to 8).
-    c.model.n_layers = 0  # Preset override; 0 = the preset's layer count.
-
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.sampler = (4, 1)  # Sampler submesh (data, tensor); takes the first devices.
-    c.mesh.trainer = (4, 1)  # Trainer submesh (fsdp, tensor); takes the devices after the sampler's.
-    c.mesh.fake_cpu_devices = 8  # On a CPU-only machine, create this many fake devices.
-    # Sampler and trainer share the first devices (one GPU): the two roles then take turns on them.
-    c.mesh.colocate = False
-    # Several processes (launch/local_cluster.py, a TPU pod, SLURM): which process ids sample (one sampler
-    # replica of `mesh.sampler` each) and which train (one trainer mesh over their devices; the first is
-    # the learner lead). () and () = this one process does both.
-    c.mesh.sampler_processes = ()
-    c.mesh.trainer_processes = ()
+    # Which model and numerics (jaxrl_async.run_config.ModelSection documents each field).
+    c.model = dataclass_section(ModelSection)
+    # How the devices split between sampler and trainer (jaxrl_async.run_config.MeshConfig).
+    c.mesh = dataclass_section(MeshConfig)
 
     c.data = dataclass_section(DataConfig)
     # reward.reward: "" = the data task's reward (run_config.TASK_REWARD); a row's metadata may name its own.

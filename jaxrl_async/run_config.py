@@ -101,8 +101,44 @@ def _section(name: str, cls, values: dict[str, Any], derived: dict[str, Any] | N
             values[f.name] = tuple(values[f.name])
     try:
         return cls(**values)
+    except ConfigError:
+        raise  # already names its field
     except (ValueError, TypeError, KeyError) as e:
         raise ConfigError(f"config.{name}: {e}") from e
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """Which model a run trains, and in which numerics (config.model; the shape itself is a ModelConfig,
+    built from the checkpoint's config.json or the preset once the tokenizer is known)."""
+
+    preset: str = "tiny"  # Shape preset (jaxrl_async.model.presets) when no checkpoint is given.
+    checkpoint: str = ""  # Local HF checkpoint directory; overrides the preset's shape.
+    dtype: str = "float32"  # Compute dtype (activations, matmuls, sampler weights): float32 | bfloat16.
+    # Storage dtype of the trainer's master weights and optimizer state: float32 | bfloat16. Keep float32:
+    # at lr 1e-6 an AdamW step is below half a bf16 ulp of most weights, so bf16 masters do not move.
+    param_dtype: str = "float32"
+    # Training and prefill attention: "auto" (cuDNN flash via jax.nn.dot_product_attention on GPU, the
+    # splash Pallas kernel on TPU, "reference" on CPU) | "reference" | "dot_product" | "splash".
+    attention: str = "auto"
+    vocab_size: int = 0  # Preset override; 0 = the tokenizer's vocabulary size (rounded up to 8).
+    n_layers: int = 0  # Preset override; 0 = the preset's layer count.
+
+    def __post_init__(self):
+        if not self.preset and not self.checkpoint:
+            raise ConfigError(
+                "config.model.checkpoint: required (a local HF checkpoint directory), "
+                "or set config.model.preset"
+            )
+        for name, allowed in (("dtype", DTYPES), ("param_dtype", DTYPES), ("attention", ATTENTION)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"config.model.{name}: {getattr(self, name)!r} not in {allowed}")
+        for name, what in (("n_layers", "preset"), ("vocab_size", "the tokenizer's")):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ConfigError(f"config.model.{name}: must be an integer >= 0 (0 = {what}), got {v!r}")
+        if self.checkpoint and not os.path.isdir(self.checkpoint):
+            raise ConfigError(f"config.model.checkpoint: directory {self.checkpoint!r} not found")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,12 +150,28 @@ class MeshConfig:
     devices; the trainer mesh spans the devices of the trainer processes, in process order.
     """
 
-    sampler: tuple[int, int]  # (data, tensor) of one sampler replica
-    trainer: tuple[int, int]  # (fsdp, tensor)
-    fake_cpu_devices: int  # device count to create on a CPU-only machine (per process)
-    colocate: bool = False  # both submeshes on the first devices (e.g. a single GPU)
-    sampler_processes: tuple[int, ...] = ()  # process ids running a sampler replica; () = one process
-    trainer_processes: tuple[int, ...] = ()  # process ids running the trainer; the first is the lead
+    sampler: tuple[int, int] = (4, 1)  # (data, tensor) of one sampler replica; takes the first devices
+    trainer: tuple[int, int] = (4, 1)  # (fsdp, tensor); takes the devices after the sampler's
+    fake_cpu_devices: int = 8  # device count to create on a CPU-only machine (per process)
+    # Both submeshes on the first devices (one GPU): the two roles then take turns on them.
+    colocate: bool = False
+    # Several processes (launch/local_cluster.py, a TPU pod, SLURM): the process ids running a sampler
+    # replica of `sampler` each, and those running the trainer (one mesh over their devices; the first is
+    # the learner lead). () and () = this one process does both.
+    sampler_processes: tuple[int, ...] = ()
+    trainer_processes: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("sampler", "trainer"):
+            shape = getattr(self, name)
+            if len(shape) != 2 or any(not isinstance(x, int) or x < 1 for x in shape):
+                raise ConfigError(f"config.mesh.{name}: must be two positive integers, got {shape!r}")
+        for name in ("sampler_processes", "trainer_processes"):
+            ids = getattr(self, name)
+            if any(not isinstance(p, int) or p < 0 for p in ids):
+                raise ConfigError(f"config.mesh.{name}: must be a tuple of process ids, got {ids!r}")
+        if self.colocate and (self.sampler_processes or self.trainer_processes):
+            raise ConfigError("config.mesh.colocate: only for a single process (the roles share its devices)")
 
     @property
     def sampler_devices(self) -> int:
@@ -148,7 +200,7 @@ class RunConfig:
     total_steps: int
     prompts_per_step: int
     samples_per_prompt: int
-    model: dict[str, Any]
+    model: ModelSection
     tokenizer: str
     mesh: MeshConfig
     eval_every: int
@@ -180,6 +232,23 @@ def _positive(values: dict, *names: str, allow_zero: tuple[str, ...] = ()) -> No
             raise ConfigError(
                 f"config.{name}: must be an integer >= {0 if name in allow_zero else 1}, got {v!r}"
             )
+
+
+def component_sections(c: dict[str, Any]) -> dict[str, Any]:
+    """The component dataclasses of a config (its `to_dict()`), derived fields filled in (DERIVED, the
+    task's reward, the schedule's length); raises ConfigError naming the first bad field."""
+    other = {name: cls for name, cls in SECTIONS.items() if name not in ("trainer", "reward")}
+    sections = {name: _section(name, cls, dict(c[name])) for name, cls in other.items()}
+    reward = dict(c["reward"])
+    reward["reward"] = reward.get("reward") or TASK_REWARD[sections["data"].task]  # "": the task's
+    sections["reward"] = _section("reward", RewardConfig, reward)
+    trainer = dict(c["trainer"])
+    if not trainer.get("total_steps"):  # 0: the schedule spans the run
+        trainer["total_steps"] = c["total_steps"]
+    sections["trainer"] = _section(
+        "trainer", TrainConfig, trainer, derived={"temperature": sections["sampler"].logprob_temperature}
+    )
+    return sections
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> RunConfig:
@@ -216,54 +285,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     head = c.get("max_head_staleness")
     if head is not None and head < 0:
         head = None  # negative = off
-    if not c["model"].get("preset") and not c["model"].get("checkpoint"):
-        raise ConfigError(
-            "config.model.checkpoint: required (a local HF checkpoint directory), or set config.model.preset"
-        )
-    for name, allowed in (("dtype", DTYPES), ("param_dtype", DTYPES), ("attention", ATTENTION)):
-        value = c["model"].get(name)
-        if value not in allowed:
-            raise ConfigError(f"config.model.{name}: {value!r} not in {allowed}")
-    n_layers = c["model"].get("n_layers", 0)
-    if not isinstance(n_layers, int) or n_layers < 0:
-        raise ConfigError(f"config.model.n_layers: must be an integer >= 0 (0 = preset), got {n_layers!r}")
-    ckpt = c["model"].get("checkpoint")
-    if ckpt and not os.path.isdir(ckpt):
-        raise ConfigError(f"config.model.checkpoint: directory {ckpt!r} not found")
-    other = {name: cls for name, cls in SECTIONS.items() if name not in ("trainer", "reward")}
-    sections = {name: _section(name, cls, dict(c[name])) for name, cls in other.items()}
-    reward = dict(c["reward"])
-    reward["reward"] = reward.get("reward") or TASK_REWARD[sections["data"].task]  # "": the task's
-    sections["reward"] = _section("reward", RewardConfig, reward)
-    trainer = dict(c["trainer"])
-    if not trainer.get("total_steps"):  # 0: the schedule spans the run
-        trainer["total_steps"] = c["total_steps"]
-    sections["trainer"] = _section(
-        "trainer", TrainConfig, trainer, derived={"temperature": sections["sampler"].logprob_temperature}
-    )
+    model = _section("model", ModelSection, dict(c["model"]))
+    sections = component_sections(c)
     for field in ("path", "eval_path"):
         path = getattr(sections["data"], field)
         if path and not os.path.exists(path):
             raise ConfigError(f"config.data.{field}: file {path!r} not found")
-    m = c["mesh"]
-    for name in ("sampler", "trainer"):
-        shape = tuple(m[name])
-        if len(shape) != 2 or any(not isinstance(x, int) or x < 1 for x in shape):
-            raise ConfigError(f"config.mesh.{name}: must be two positive integers, got {m[name]!r}")
-    for name in ("sampler_processes", "trainer_processes"):
-        ids = m.get(name) or ()
-        if not isinstance(ids, list | tuple) or any(not isinstance(p, int) or p < 0 for p in ids):
-            raise ConfigError(f"config.mesh.{name}: must be a tuple of process ids, got {ids!r}")
-    mesh = MeshConfig(
-        tuple(m["sampler"]),
-        tuple(m["trainer"]),
-        int(m["fake_cpu_devices"]),
-        bool(m.get("colocate")),
-        tuple(m.get("sampler_processes") or ()),
-        tuple(m.get("trainer_processes") or ()),
-    )
-    if mesh.colocate and (mesh.sampler_processes or mesh.trainer_processes):
-        raise ConfigError("config.mesh.colocate: only for a single process (the roles share its devices)")
+    mesh = _section("mesh", MeshConfig, dict(c["mesh"]))
     need = mesh.devices_needed
     if mesh.sampler_processes and num_devices is not None:
         need = 0  # checked per role by jaxrl_async.setup once the processes have joined
@@ -279,10 +307,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
                 f"config.sampler.{name}: 'cpu_kernel' runs on one CPU device, config.mesh.sampler is "
                 f"{mesh.sampler} (use 'xla')"
             )
-        if c["model"]["dtype"] != "float32":
+        if model.dtype != "float32":
             raise ConfigError(
-                f"config.sampler.{name}: 'cpu_kernel' needs config.model.dtype='float32', "
-                f"got {c['model']['dtype']!r}"
+                f"config.sampler.{name}: 'cpu_kernel' needs config.model.dtype='float32', got {model.dtype!r}"
             )
     caps = c.get("length_caps", "")
     if caps:
@@ -319,7 +346,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         total_steps=c["total_steps"],
         prompts_per_step=c["prompts_per_step"],
         samples_per_prompt=c["samples_per_prompt"],
-        model=dict(c["model"]),
+        model=model,
         tokenizer=c["tokenizer"],
         mesh=mesh,
         eval_every=c["eval_every"],

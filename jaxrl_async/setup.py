@@ -59,7 +59,7 @@ def validate_for(config, cluster) -> RunConfig:
 
 
 def tokenizer_path(run: RunConfig) -> str:
-    path = run.tokenizer or run.model.get("checkpoint") or "char"
+    path = run.tokenizer or run.model.checkpoint or "char"
     return path if path == "char" else os.path.abspath(path)
 
 
@@ -75,22 +75,22 @@ def build_tokenizer(run: RunConfig) -> Tokenizer:
 def model_config(run: RunConfig, tokenizer: Tokenizer) -> ModelConfig:
     """The model's shape from the HF checkpoint's config.json or the preset (no weights are read)."""
     m = run.model
-    if m.get("checkpoint"):
-        with open(os.path.join(m["checkpoint"], "config.json")) as f:
-            cfg = from_hf_config(json.load(f), m["dtype"], m["param_dtype"], m["attention"])
+    if m.checkpoint:
+        with open(os.path.join(m.checkpoint, "config.json")) as f:
+            cfg = from_hf_config(json.load(f), m.dtype, m.param_dtype, m.attention)
     else:
-        vocab = m.get("vocab_size") or -(-tokenizer.vocab_size // 8) * 8
+        vocab = m.vocab_size or -(-tokenizer.vocab_size // 8) * 8
         if vocab < tokenizer.vocab_size:
             raise ConfigError(f"config.model.vocab_size={vocab} < the tokenizer's {tokenizer.vocab_size}")
         cfg = presets.get(
-            m["preset"],
+            m.preset,
             vocab_size=vocab,
-            dtype=m["dtype"],
-            param_dtype=m["dtype"],
+            dtype=m.dtype,
+            param_dtype=m.dtype,
             eos_token_id=tokenizer.eos_id,
         )
-        if m.get("n_layers"):
-            cfg = cfg.replace(n_layers=int(m["n_layers"]))
+        if m.n_layers:
+            cfg = cfg.replace(n_layers=m.n_layers)
         if cfg.max_seq_len < run.sampler.slot_len:
             cfg = cfg.replace(max_seq_len=run.sampler.slot_len)
     if run.sampler.slot_len > cfg.max_seq_len:
@@ -150,9 +150,9 @@ def initial_params(run: RunConfig, model_cfg: ModelConfig, mesh):
     """Fresh parameters on the trainer mesh: the HF checkpoint's or a random init (every trainer process
     calls this: it is one SPMD computation)."""
     m = run.model
-    if m.get("checkpoint"):
-        kw = dict(param_dtype=m["param_dtype"], attention=m["attention"], mesh=mesh, rules=TRAINER_RULES)
-        return load_hf(m["checkpoint"], dtype=m["dtype"], **kw)[1]
+    if m.checkpoint:
+        kw = dict(param_dtype=m.param_dtype, attention=m.attention, mesh=mesh, rules=TRAINER_RULES)
+        return load_hf(m.checkpoint, dtype=m.dtype, **kw)[1]
     return init_params(model_cfg, jax.random.key(run.seed), mesh, TRAINER_RULES)
 
 

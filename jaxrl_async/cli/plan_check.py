@@ -56,7 +56,7 @@ def main(argv) -> None:
     from jaxrl_async.model import from_hf_config, presets
     from jaxrl_async.perf.hardware import get_hardware
     from jaxrl_async.perf.plan_check import paged_kv_plan, plan_check, target_platform
-    from jaxrl_async.run_config import SECTIONS, _section
+    from jaxrl_async.run_config import component_sections
 
     m = config.model
     numerics = dict(dtype=m.dtype, param_dtype=m.param_dtype, attention=_ATTENTION.value or m.attention)
@@ -67,8 +67,8 @@ def main(argv) -> None:
         model_cfg = presets.get(_PRESET.value or m.preset, **numerics)
     if _TOKEN_BUDGET.value:
         config.trainer.token_budget = _TOKEN_BUDGET.value
-    train_cfg = _section("trainer", SECTIONS["trainer"], dict(config.trainer.to_dict()))
-    sampler_cfg = _section("sampler", SECTIONS["sampler"], dict(config.sampler.to_dict()))
+    sections = component_sections(config.to_dict())
+    train_cfg, sampler_cfg = sections["trainer"], sections["sampler"]
     hw = get_hardware(_HARDWARE.value)
     platform = target_platform(hw.name)
     report = plan_check(model_cfg, train_cfg, sampler_cfg, config.mesh, platform, config.eval_slots)
