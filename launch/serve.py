@@ -51,11 +51,12 @@ def _parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     args = ap.parse_args(argv)
     try:
-        args.mesh = tuple(int(x) for x in args.mesh.split(","))
-        if len(args.mesh) != 2 or min(args.mesh) < 1:
+        mesh = tuple(int(x) for x in args.mesh.split(","))
+        if len(mesh) != 2 or min(mesh) < 1:
             raise ValueError
     except ValueError:
         ap.error(f"--mesh {args.mesh}: expected DATA,TENSOR, two positive integers")
+    args.mesh = mesh
     return args
 
 
@@ -63,20 +64,21 @@ def main(argv=None) -> None:
     args = _parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # JetStream imports TensorFlow (through seqio)
     try:
-        from jaxrl_async.serving.driver import EngineDriver
-        from jaxrl_async.serving.jetstream_engine import JetStreamEngine
-        from jaxrl_async.serving.server import serve
+        import jetstream.core.orchestrator  # noqa: F401
     except ImportError as e:
         raise SystemExit(f'{e}: serving needs the extra, pip install -e ".[serve]"') from None
+    # Importing JetStream's orchestrator sets the root logger to DEBUG, with a handler on stdout.
+    logging.getLogger().setLevel(args.log_level.upper())
     import jax
 
     from jaxrl_async.sampler import Engine, SamplerConfig
+    from jaxrl_async.serving.driver import EngineDriver
+    from jaxrl_async.serving.jetstream_engine import JetStreamEngine
     from jaxrl_async.serving.load import load_checkpoint, stop_tokens
+    from jaxrl_async.serving.server import serve
     from jaxrl_async.sharding import make_mesh
     from jaxrl_async.tokenizer import load_tokenizer
 
-    # JetStream's orchestrator module sets the root logger to DEBUG when imported.
-    logging.getLogger().setLevel(args.log_level.upper())
     n = args.mesh[0] * args.mesh[1]
     if n > len(jax.devices()):
         raise SystemExit(f"--mesh {args.mesh}: needs {n} devices, {len(jax.devices())} visible")

@@ -189,12 +189,13 @@ def test_driver_with_jetstream_mock_engine():
 
 def test_driver_serves_our_engine(params):
     # More requests than slots, at once, with different lengths and both input kinds: each gets its own
-    # greedy tokens; a request that cannot be served fails alone and the server goes on.
+    # greedy tokens, at most the engine's max_new_tokens (16) even when it asks for more; a request that
+    # cannot be served fails alone and the server goes on.
     eos = TOK.eos_id
     driver = EngineDriver(_adapter(params, num_slots=2, stop_tokens=(eos,)))
     client = orchestrator.LLMOrchestrator(driver=driver)
     prompts = ["12+34=", "9*9=", "3", "(1+2)*3=", "40/5=", "1+1="]
-    limits = [6, 3, 9, 1, 5, 2]
+    limits = [6, 3, 40, 6, 1, 2]  # "(1+2)*3=" stops at EOS after 4 tokens, "3" would run for 40
 
     async def run():
         jobs = [_decode(client, n, text=p) for p, n in zip(prompts[:-1], limits, strict=False)]
@@ -215,7 +216,7 @@ def test_driver_serves_our_engine(params):
         driver.stop()
     assert health.is_live and not driver.live
     for (texts, tokens), prompt, n in zip(results, [*prompts, "77-7="], [*limits, 4], strict=True):
-        ref = _greedy_reference(params, TOK.encode(prompt), n, stop=(eos,))
+        ref = _greedy_reference(params, TOK.encode(prompt), min(n, 16), stop=(eos,))
         assert [t for step in tokens for t in step] == ref, prompt
         assert "".join(texts) == ("" if prompt == "77-7=" else TOK.decode(ref))  # ids in, ids out
         assert len(tokens) == len(ref) + 1  # a token per step, then the end of the stream
@@ -249,11 +250,10 @@ def test_grpc_server_returns_the_generate_cli_text(tmp_path):
     cmd += ["--max-new-tokens", "32"]
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     try:
-        line = server.stdout.readline()
-        assert line.startswith("listening on localhost:"), (
-            line,
-            server.stderr.read() if server.poll() else "",
-        )
+        for line in server.stdout:  # until the server is up (or has exited)
+            if line.startswith("listening on localhost:"):
+                break
+        assert server.poll() is None, server.stderr.read()[-4000:]
         port = int(line.strip().rsplit(":", 1)[1])
         with grpc.insecure_channel(f"localhost:{port}") as channel:
             stub = jetstream_pb2_grpc.OrchestratorStub(channel)

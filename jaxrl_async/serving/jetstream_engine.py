@@ -7,8 +7,9 @@ JetStream's contract, and how it maps onto `jaxrl_async.sampler.Engine`:
     new weights (sampler layout, validated) and returns the new handle.
   - `prefill(params=, padded_tokens=, true_length=)` -> our `Prefix` (the prompt's keys/values). JetStream
     0.2.2's prefill returns no token: our `generate` samples every token, the first included.
-  - `insert(prefix, decode_state, slot)` -> decode state: the slot may run until the engine's sequence
-    capacity; JetStream ends a request at its `max_tokens` by the lengths `generate` reports.
+  - `insert(prefix, decode_state, slot)` -> decode state: the slot generates up to the engine's
+    SamplerConfig.max_new_tokens; JetStream ends a request earlier, at its `max_tokens`, by the lengths
+    `generate` reports.
   - `generate(params, decode_state)` -> (decode state, `ResultTokens` [slots, 3]: the token, whether the slot
     was live when it was produced, and the number of tokens the slot has generated).
 
@@ -189,15 +190,15 @@ class JetStreamEngine(engine_api.Engine):
         return self._engine.prefill(tokens[:true_length])
 
     def insert(self, prefix: Prefix, decode_state: dict, slot: int) -> dict:
-        """Places `prefix` in `slot` (donating `decode_state`); the slot generates until a stop token or the
-        engine's sequence capacity."""
+        """Places `prefix` in `slot` (donating `decode_state`); the slot generates until a stop token or
+        SamplerConfig.max_new_tokens."""
         state = self._engine.insert(
             decode_state["engine"],
             prefix,
             slot,
             seed=self._seed,
             sample_index=next(self._request_index),
-            max_new_tokens=self._engine.capacity - prefix.prompt_len,
+            max_new_tokens=self._engine.cfg.max_new_tokens,
         )
         return {"engine": state, "lengths": self._reset_length(decode_state["lengths"], slot)}
 
