@@ -41,6 +41,7 @@ def test_console_scripts_name_a_run_function():
         ("tools/perf_model.py", "--roles-bench"),
         ("tools/plan_check.py", "--hf-config"),
         ("launch/run.py", "--coordinator_address"),
+        ("launch/serve.py", "--max-prompt-len"),
     ],
 )
 def test_shims_run_the_command_and_show_its_flags(shim, flag):

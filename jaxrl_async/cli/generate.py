@@ -12,16 +12,13 @@ Prints each completion as text and as a line `ids: ...` (generated ids only). Te
 
 from __future__ import annotations
 
-import os
-
 import jax
 from absl import app, flags
 
-from jaxrl_async.checkpoint import find_checkpoints, load_policy
 from jaxrl_async.cli import run_command
-from jaxrl_async.model import load_hf
 from jaxrl_async.sampler import Engine, Request, SamplerConfig, SamplerLoop
-from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
+from jaxrl_async.serving.load import encode_prompt, load_checkpoint, stop_tokens
+from jaxrl_async.sharding import make_mesh
 from jaxrl_async.tokenizer import load_tokenizer
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Hugging Face directory or a run (see above)")
@@ -39,25 +36,6 @@ _STEP = flags.DEFINE_integer("step", None, "policy version of a run (default: ne
 _CPU_KERNELS = flags.DEFINE_bool("cpu-kernels", False, "the sampler's C++ attention and matmul kernels (f32)")
 flags.mark_flags_as_required(["checkpoint", "max-new-tokens"])
 flags.mark_flags_as_mutual_exclusive(["prompt", "prompt-ids"], required=True)
-
-
-def load_checkpoint(path: str, mesh, dtype: str = "float32", step: int | None = None):
-    """(ModelConfig, params on `mesh` in the sampler layout, default tokenizer) from a checkpoint.
-
-    Raises:
-      FileNotFoundError: `path` is neither a Hugging Face directory nor one of our runs.
-    """
-    if os.path.exists(os.path.join(path, "config.json")):
-        model_cfg, params = load_hf(path, dtype=dtype, mesh=mesh, rules=SAMPLER_RULES, param_dtype=dtype)
-        return model_cfg, params, path
-    if find_checkpoints(path) is None:
-        raise FileNotFoundError(
-            f"--checkpoint {path}: neither a Hugging Face directory (config.json) nor a run of ours "
-            "(model.json in it, in its checkpoints/ or beside it)"
-        )
-    model_cfg, params, tokenizer, version = load_policy(path, mesh, SAMPLER_RULES, step)
-    print(f"policy version {version} from {find_checkpoints(path)}")
-    return model_cfg, params, tokenizer
 
 
 def _tokenizer(path: str, needed: bool):
@@ -90,14 +68,7 @@ def main(argv) -> None:
     mesh = make_mesh((1, 1), ("data", "tensor"), jax.devices()[:1])
     model_cfg, params, tokenizer = load_checkpoint(_CHECKPOINT.value, mesh, _DTYPE.value, _STEP.value)
     tok = _tokenizer(_TOKENIZER.value or tokenizer, needed=prompt_ids is None)
-    if prompt_ids is None:
-        prompt = tok.encode(_PROMPT.value)
-        char = (_TOKENIZER.value or tokenizer) == "char"
-        if tok.bos_id is not None and not char and (not prompt or prompt[0] != tok.bos_id):
-            prompt = [tok.bos_id, *prompt]
-    else:
-        prompt = prompt_ids
-    stops = {t for t in (tok and tok.eos_id, model_cfg.eos_token_id) if t is not None}
+    prompt = encode_prompt(tok, _PROMPT.value) if prompt_ids is None else prompt_ids
     cfg = SamplerConfig(
         num_slots=_NUM_SAMPLES.value,
         max_prompt_len=len(prompt),
@@ -107,7 +78,7 @@ def main(argv) -> None:
         temperature=_TEMPERATURE.value,
         top_k=_TOP_K.value,
         top_p=_TOP_P.value,
-        stop_tokens=tuple(sorted(stops)),
+        stop_tokens=stop_tokens(tok, model_cfg),
         **({"attention": "cpu_kernel", "linear": "cpu_kernel"} if _CPU_KERNELS.value else {}),
     )
     loop = SamplerLoop(Engine(model_cfg, params, mesh, cfg))
