@@ -55,7 +55,7 @@ def main(argv) -> None:
 
     from jaxrl_async.model import from_hf_config, presets
     from jaxrl_async.perf.hardware import get_hardware
-    from jaxrl_async.perf.plan_check import paged_kv_plan, plan_check, target_platform
+    from jaxrl_async.plan_check import paged_kv_plan, plan_check, target_platform
     from jaxrl_async.run_config import component_sections
 
     m = config.model

@@ -3,6 +3,7 @@
 Modules: `hardware` (device rooflines), `shapes` (model FLOPs and bytes), `workload` (batch and length
 distributions), `latency` (decode step time t(b) and its fit), `system` (what is evaluated), `model`
 (analytic rates and staleness per split), `simulator` (discrete-event check), `shared_host` (both roles on
-the same cores, from role benches), `scenario` and `report` (files in and out), `plan_check` (compile the
-train and decode steps for a target mesh on abstract arrays and read per-device memory).
+the same cores, from role benches), `scenario` and `report` (files in and out). Everything here is
+analytic: nothing compiles a step (`jaxrl_async.plan_check` compiles the train and decode steps for a
+target mesh and reads their per-device memory).
 """
