@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -25,7 +26,8 @@ def _scripts() -> dict[str, str]:
 
 def test_console_scripts_name_a_run_function():
     scripts = _scripts()
-    assert {"jaxrl-run", "jaxrl-generate", "jaxrl-perf"} <= set(scripts)
+    often = {"jaxrl-run", "jaxrl-generate", "jaxrl-perf", "jaxrl-local-cluster", "jaxrl-bench-async"}
+    assert often <= set(scripts)
     for name, target in scripts.items():
         module, _, attr = target.partition(":")
         # One command per interpreter: absl flags are process-global.
@@ -40,8 +42,22 @@ def test_console_scripts_name_a_run_function():
         ("tools/export_hf.py", "--out"),
         ("tools/perf_model.py", "--roles-bench"),
         ("tools/plan_check.py", "--hf-config"),
+        ("tools/eta_sweep.py", "--deadline-s"),
+        ("tools/bench_async.py", "--processes"),
+        ("tools/bench_checkpoint.py", "--reps"),
+        ("tools/bench_decode.py", "--latency-only"),
+        ("tools/bench_kernels.py", "--march"),
+        ("tools/bench_rewards.py", "--[no]no-throughput"),
+        ("tools/bench_roles.py", "--[no]decode_curve"),
+        ("tools/bench_sync_one_process.py", "--json-out"),
+        ("tools/bench_train.py", "--tail-seqs"),
+        ("tools/bench_transport.py", "--tokens"),
+        ("tools/split_sweep.py", "--splits"),
+        ("tools/window_check.py", "--max-len"),
+        ("tools/device_check_report.py", "device_check.sh"),
         ("launch/run.py", "--coordinator_address"),
         ("launch/serve.py", "--max-prompt-len"),
+        ("launch/local_cluster.py", "--num-processes"),
     ],
 )
 def test_shims_run_the_command_and_show_its_flags(shim, flag):
@@ -51,9 +67,43 @@ def test_shims_run_the_command_and_show_its_flags(shim, flag):
 
 
 def test_no_tool_edits_sys_path():
-    files = glob.glob(os.path.join(REPO, "tools", "*.py")) + [os.path.join(REPO, "launch", "run.py")]
-    texts = {f: open(f).read() for f in files}
+    files = [os.path.join(REPO, d, "*.py") for d in ("tools", "launch", os.path.join("jaxrl_async", "cli"))]
+    texts = {f: open(f).read() for f in sum((glob.glob(pattern) for pattern in files), [])}
     assert [f for f, text in texts.items() if "sys.path.insert" in text or "sys.path.append" in text] == []
+
+
+def test_every_python_tool_is_a_shim_of_a_command():
+    paths = glob.glob(os.path.join(REPO, "tools", "*.py")) + glob.glob(os.path.join(REPO, "launch", "*.py"))
+    for path in paths:
+        text = open(path).read()
+        found = re.search(r"^from jaxrl_async\.cli\.(\w+) import run$", text, re.MULTILINE)
+        assert found and len(text.splitlines()) <= 7, path
+        assert os.path.exists(os.path.join(REPO, "jaxrl_async", "cli", found.group(1) + ".py")), path
+
+
+def _defaults(shim: str) -> dict[str, str]:
+    """flag -> default as `--help` shows them."""
+    res = _python(shim, "--help")
+    pattern = r"^  --(?:\[no\])?([\w-]+):.*?\n\s+\(default: '([^']*)'\)"
+    return dict(re.findall(pattern, res.stdout, re.MULTILINE | re.DOTALL))
+
+
+def test_benchmarks_sharing_the_workload_flags_keep_their_own_defaults():
+    keys = ("steps", "prompts", "slots", "median", "eta")
+    expected = {
+        "tools/bench_async.py": dict(zip(keys, ("30", "16", "256", "24.0", "4"), strict=True)),
+        "tools/split_sweep.py": dict(zip(keys, ("30", "64", "128", "24.0", "4"), strict=True)),
+        "tools/window_check.py": dict(zip(keys, ("40", "8", "256", "12.0", "1"), strict=True)),
+    }
+    for shim, want in expected.items():
+        got = _defaults(shim)
+        assert {k: got.get(k) for k in want} == want, shim
+        assert got["samples"] == "4" and got["max-len"] == "128" and got["layers"] == "2", shim
+
+
+def test_local_cluster_passes_only_what_follows_the_separator():
+    res = _python("launch/local_cluster.py", "--num-processes", "1", "stray", "--", "--config=x")
+    assert res.returncode != 0 and "['stray']" in res.stdout + res.stderr and "after `--`" in res.stderr
 
 
 def test_config_files_load_without_the_repository_on_sys_path():

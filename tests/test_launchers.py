@@ -2,12 +2,10 @@
 
 import os
 import subprocess
-import sys
+
+from jaxrl_async.cli.local_cluster import child_env, core_blocks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "launch"))
-
-from local_cluster import child_env, core_blocks  # noqa: E402
 
 
 def _dry(script: str, *args: str, **env: str) -> str:

@@ -10,9 +10,11 @@ Conventions for a new command `x`:
   - `tools/x.py` (or `launch/x.py`) is a shim of three lines, `from jaxrl_async.cli.x import run` and
     `run()` under `if __name__ == "__main__":`, so `python tools/x.py` keeps working; no `sys.path` edits:
     the package is installed (`pip install -e .`).
-  - A console script `jaxrl-x = "jaxrl_async.cli.x:run"` in `[project.scripts]`.
+  - A console script `jaxrl-x = "jaxrl_async.cli.x:run"` in `[project.scripts]`, for the commands run often.
   - absl flags are process-global: one command per process, and a command never imports another command's
-    module (shared code belongs in the library).
+    module (shared code belongs in the library; flags shared by several commands are defined once in a
+    module here that defines no command, e.g. `bench_workload`). A command starts another in a process
+    of its own with `module_command`; the started module ends with `if __name__ == "__main__": run()`.
 Config files (configs/*.py) that build on another config load it with `config_file.sibling`, so they need
 no checkout on `sys.path` either.
 """
@@ -31,6 +33,14 @@ def run_command(main: Callable[[list[str]], None], module_name: str) -> None:
         flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
     sys.modules["__main__"].__doc__ = sys.modules[module_name].__doc__
     app.run(main)
+
+
+def module_command(module: str, *args: str, python: str = sys.executable) -> list[str]:
+    """The command line that runs the command `jaxrl_async.cli.<module>` in a fresh interpreter: how one
+    command starts another (no checkout paths, so an installed package works too). `-P`: the package comes
+    from PYTHONPATH or the installation, as for a script, never from a directory the user happens to be in.
+    """
+    return [python, "-P", "-m", f"jaxrl_async.cli.{module}", *args]
 
 
 def hf_config_file(path: str, flag: str) -> str:

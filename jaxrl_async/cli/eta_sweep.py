@@ -3,10 +3,10 @@
   jaxrl-eta-sweep --out runs/eta_sweep --etas 0,1,2,4,8,16 --losses decoupled_ppo,ppo,reinforce_tis \
       --seeds 0,1 --steps 200 --processes-per-cell 2 --pin-cores --cores-per-cell 2
 
-(or `python tools/eta_sweep.py ...`). Every cell is `launch/run.py --config=configs/eta_sweep.py`
+(or `python tools/eta_sweep.py ...`). Every cell is `jaxrl-run --config=configs/eta_sweep.py`
 (AReaL's setting: four minibatch updates per batch) with eta (mode=sync at eta 0), the loss and the seed
 overridden. With --processes-per-cell 2 a cell's learner and sampler run in processes of their own
-(launch/local_cluster.py), each on a core of its own with --pin-cores --cores-per-cell 2: only then does
+(jaxrl-local-cluster), each on a core of its own with --pin-cores --cores-per-cell 2: only then does
 the sampler outpace the trainer so that admission runs the full eta ahead. Cells run --parallel at a
 time. The warm start of each seed is computed once first (cached), so the cells of a seed start from the
 same policy.
@@ -35,9 +35,9 @@ import time
 import numpy as np
 from absl import flags
 
-from jaxrl_async.cli import run_command
+from jaxrl_async.cli import module_command, run_command
 
-# The checkout: configs/ and launch/ are not part of the installed package.
+# The checkout: configs/ is not part of the installed package.
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _OUT = flags.DEFINE_string("out", "runs/eta_sweep", "Directory for the cells' workdirs and the report.")
@@ -51,7 +51,7 @@ _PARALLEL = flags.DEFINE_integer("parallel", 0, "Cells at a time; 0 = one per av
 _PIN = flags.DEFINE_bool("pin-cores", False, "Pin each running cell to cores of its own.")
 _PROCESSES = flags.DEFINE_integer(
     "processes-per-cell", 1, "2: each cell runs the learner and the sampler in processes of their own "
-    "(launch/local_cluster.py --pin-cores: a core each with --cores-per-cell 2), as on separate hosts.")
+    "(jaxrl-local-cluster --pin-cores: a core each with --cores-per-cell 2), as on separate hosts.")
 _CORES = flags.DEFINE_integer("cores-per-cell", 1, "With --pin-cores: cores per cell (the sampler and the "
                               "trainer overlap only on cores of their own).")  # fmt: skip
 _DEADLINE = flags.DEFINE_float("deadline-s", 0.0, "SIGTERM the cells still running after this; 0 = off.")
@@ -97,10 +97,9 @@ def cell_command(cell: dict, workdir: str, steps: int, overrides: list[str]) -> 
     run_flags = [f"--config={_CONFIG.value}", *(f"--config.{k}={v}" for k, v in values.items())]
     run_flags += [f"--config.{kv}" for kv in overrides]
     if _PROCESSES.value == 1:
-        return [sys.executable, os.path.join(REPO, "launch", "run.py"), *run_flags]
+        return module_command("run", *run_flags)
     run_flags += ["--config.mesh.trainer_processes=(0,)", "--config.mesh.sampler_processes=(1,)"]
-    cluster = [sys.executable, os.path.join(REPO, "launch", "local_cluster.py"), "--num-processes", "2"]
-    return [*cluster, "--pin-cores", "--", *run_flags]
+    return module_command("local_cluster", "--num-processes", "2", "--pin-cores", "--", *run_flags)
 
 
 def _env() -> dict[str, str]:
@@ -110,7 +109,7 @@ def _env() -> dict[str, str]:
 
 def core_block(cpus: list[int], k: int, i: int) -> tuple[int, ...]:
     """The `k` cores of the i-th cell started: consecutive blocks, shifted by one core each time the cores
-    run out. launch/local_cluster.py gives a block's lowest core to the learner, so the shift spreads the
+    run out. jaxrl-local-cluster gives a block's lowest core to the learner, so the shift spreads the
     learners (busy) and the samplers (mostly idle) over every core when cells outnumber blocks."""
     n = len(cpus)
     if k >= n:

@@ -85,3 +85,7 @@ def run() -> None:
     logging.set_verbosity(logging.WARNING)
     std_logging.getLogger("jaxrl_async").setLevel(std_logging.INFO)
     run_command(main, __name__)
+
+
+if __name__ == "__main__":  # `python -m jaxrl_async.cli.run`: how jaxrl-local-cluster starts each process
+    run()

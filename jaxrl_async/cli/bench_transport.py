@@ -1,0 +1,223 @@
+"""What crosses between processes, measured: weights (the transfer server) and rollouts (ZeroMQ), against
+local copies of the same bytes.
+
+  python tools/bench_transport.py --preset llama_100m --reps 5 --out /tmp/transport.json
+
+Starts two JAX processes on localhost (one CPU device each; process 0 plays the trainer, process 1 the
+sampler) and moves the model's parameters from one to the other every repetition with
+`jaxrl_async.weight_sync`: the trainer casts its shards into a fresh copy and offers them
+(`jax.experimental.transfer.await_pull`), the sampler pulls them and lays them out. Reports the median
+seconds on the sampler side (GB/s) and on the trainer side (what the trainer's loop pays per version),
+beside `numpy` copying the same bytes and `jax.device_put` between two devices of one process (the
+one-process runs' weight sync). Then the sampler sends train batches of rollouts (`--samples` completions
+of `--tokens` tokens each, as the actor does) to the learner lead's ZeroMQ hub: median seconds per batch
+from send to receipt, and MB/s of the pickled messages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+from absl import flags
+
+from jaxrl_async.cli import module_command, run_command
+
+# The directory holding this `jaxrl_async`: the worker processes import the same package.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_PRESET = flags.DEFINE_string("preset", "llama_100m", "Model shape (jaxrl_async.model.presets).")
+_REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions (medians are reported).", lower_bound=1)
+_SAMPLES = flags.DEFINE_integer("samples", 512, "Completions per rollout batch (a multiple of 8).", 8)
+_TOKENS = flags.DEFINE_integer("tokens", 1024, "Tokens per completion.", lower_bound=1)
+_OUT = flags.DEFINE_string("out", "", "Also write the JSON here.")
+# The two worker processes this command starts get these; a user passes none of them.
+_ROLE = flags.DEFINE_integer("role", -1, "Internal: the worker's process id (0 trainer, 1 sampler).")
+_PORT = flags.DEFINE_integer("port", 0, "Internal: the workers' coordinator port.")
+_TMP = flags.DEFINE_string("tmp", "", "Internal: where the workers write their measurements.")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(pid: int, port: int, tmp: str, preset: str, reps: int, samples: int, tokens: int) -> None:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 1)
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+    import numpy as np
+    from jax._src.distributed import global_state
+
+    from jaxrl_async.cluster import Cluster, Roles
+    from jaxrl_async.model import init_params, presets
+    from jaxrl_async.sharding import TRAINER_RULES, make_mesh
+    from jaxrl_async.transport import Hello, Rollouts, ZmqTransport
+    from jaxrl_async.weight_sync import TransferPublisher, TransferReceiver
+
+    cluster = Cluster(Roles(2, (1,), (0,)), pid, global_state.client)
+    cfg = presets.get(preset, vocab_size=32000 if preset != "tiny" else 64)
+    devices = jax.devices()
+    t_mesh = make_mesh((1, 1), ("fsdp", "tensor"), [devices[0]])
+    s_mesh = make_mesh((1, 1), ("data", "tensor"), [devices[1]])
+    out: dict = {"preset": preset}
+    if pid == 0:
+        params = init_params(cfg, jax.random.key(0), t_mesh, TRAINER_RULES)
+        nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
+        pub = TransferPublisher(cluster, cfg, t_mesh, cfg.param_dtype, num_actors=1)
+        trainer_s = []
+        for v in range(reps + 1):
+            cluster.barrier(f"transfer_{v}")
+            t0 = time.perf_counter()
+            pub.publish(v, params)
+            trainer_s.append(time.perf_counter() - t0)
+            cluster.barrier(f"pulled_{v}")
+        host = jax.tree.map(np.asarray, params)
+        copies = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.tree.map(np.copy, host)
+            copies.append(time.perf_counter() - t0)
+        out.update(bytes=nbytes, transfer_trainer_s=trainer_s[1:], memcpy_s=copies)
+        hub = ZmqTransport(["learner", "hello"], lead=True, address="127.0.0.1", process_id=0)
+        hub.route("actor:0", 1)
+        cluster.publish("hub", hub.address)
+        while not hub.recv("hello"):
+            hub.wait(0.05)
+        received = []
+        for _ in range(reps + 1):
+            got = []
+            while not got:
+                hub.wait(0.01)
+                got = hub.recv("learner")
+            received.append((time.perf_counter(), got[0].stats["sent"], got[0].stats["bytes"]))
+        out.update(rollout_s=[t - sent for t, sent, _ in received[1:]], rollout_bytes=received[0][2])
+        hub.close()
+    else:
+        recv = TransferReceiver(cluster, 0, cfg, t_mesh, s_mesh, cfg.param_dtype)
+        from jaxrl_async.transport import NewWeights
+
+        pulled = []
+        for v in range(reps + 1):
+            cluster.barrier(f"transfer_{v}")
+            t0 = time.perf_counter()
+            recv.receive(NewWeights(v))
+            pulled.append(time.perf_counter() - t0)
+            cluster.barrier(f"pulled_{v}")
+        out.update(transfer_sampler_s=pulled[1:])
+        import pickle
+
+        from jaxrl_async.rollouts import Rollout
+
+        rng = np.random.default_rng(0)
+        batch = [
+            [
+                Rollout(
+                    uid=f"0:{g}", group_id=g, sample_index=i,
+                    prompt_tokens=rng.integers(0, 1000, 256, dtype=np.int32),
+                    completion_tokens=rng.integers(0, 1000, tokens, dtype=np.int32),
+                    behav_logprobs=rng.standard_normal(tokens).astype(np.float32),
+                    versions=np.zeros(tokens, np.int32), reward=1.0, finish_reason="stop",
+                    metadata={"text": "x" * tokens * 3, "prompt": "p" * 600, "reason": "ok"},
+                )
+                for i in range(8)
+            ]
+            for g in range(samples // 8)
+        ]  # fmt: skip
+        size = len(pickle.dumps(batch, protocol=5))
+        actor = ZmqTransport(["actor:0"], lead=False, address=cluster.lookup("hub"), process_id=1)
+        actor.send("hello", Hello(1))
+        for _ in range(reps + 1):
+            time.sleep(0.2)  # one batch at a time: the latency of each
+            actor.send("learner", Rollouts(0, batch, {"sent": time.perf_counter(), "bytes": size}))
+        time.sleep(1.0)
+        actor.close()
+    with open(f"{tmp}/weight_sync_{pid}.json", "w") as f:
+        json.dump(out, f)
+    cluster.barrier("end")
+
+
+def _local_device_put(preset: str, reps: int) -> float:
+    """Median seconds of `jax.device_put` of the parameters between two devices of one process."""
+    code = f"""
+import time, statistics, jax
+jax.config.update("jax_num_cpu_devices", 2)
+from jaxrl_async.model import init_params, param_shardings, presets
+from jaxrl_async.sharding import SAMPLER_RULES, TRAINER_RULES, make_mesh
+cfg = presets.get({preset!r}, vocab_size=32000 if {preset!r} != "tiny" else 64)
+d = jax.devices()
+p = init_params(cfg, jax.random.key(0), make_mesh((1, 1), ("fsdp", "tensor"), [d[0]]), TRAINER_RULES)
+t = param_shardings(cfg, make_mesh((1, 1), ("data", "tensor"), [d[1]]), SAMPLER_RULES)
+ts = []
+for _ in range({reps} + 1):
+    t0 = time.perf_counter(); jax.block_until_ready(jax.device_put(p, t)); ts.append(time.perf_counter() - t0)
+print(statistics.median(ts[1:]))
+"""
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return float(res.stdout.strip().splitlines()[-1])
+
+
+def main(argv) -> None:
+    del argv
+    preset, reps, samples, tokens = _PRESET.value, _REPS.value, _SAMPLES.value, _TOKENS.value
+    if _ROLE.value >= 0:
+        return _worker(_ROLE.value, _PORT.value, _TMP.value, preset, reps, samples, tokens)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        port = _free_port()
+        env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+        env.pop("XLA_FLAGS", None)
+        procs = [
+            subprocess.Popen(
+                module_command("bench_transport", f"--role={i}", f"--port={port}", f"--tmp={tmp}",
+                               f"--preset={preset}", f"--reps={reps}", f"--samples={samples}",
+                               f"--tokens={tokens}"),
+                env=env,
+            )  # fmt: skip
+            for i in range(2)
+        ]
+        codes = [proc.wait(timeout=1800) for proc in procs]
+        if any(codes):
+            raise SystemExit(f"worker processes failed: {codes}")
+        trainer = json.load(open(f"{tmp}/weight_sync_0.json"))
+        sampler = json.load(open(f"{tmp}/weight_sync_1.json"))
+    med = statistics.median
+    gb = trainer["bytes"] / 1e9
+    local_put = _local_device_put(preset, reps)
+    rows = {
+        "transfer (pull)": (med(sampler["transfer_sampler_s"]), med(trainer["transfer_trainer_s"])),
+        "numpy copy (one process)": (med(trainer["memcpy_s"]), None),
+        "device_put (two devices, one process)": (local_put, None),
+    }
+    out = {"preset": preset, "gbytes": gb, "reps": reps, "rows": {}}
+    print(f"\n{preset}: {gb:.3f} GB of parameters, median of {reps}\n")
+    print("| method | seconds (receiver) | GB/s | trainer seconds per sync |\n|---|---|---|---|")
+    for name, (s, t) in rows.items():
+        out["rows"][name] = {"seconds": s, "gb_per_s": gb / s, "trainer_seconds": t}
+        print(f"| {name} | {s:.4f} | {gb / s:.2f} | {'' if t is None else f'{t:.4f}'} |")
+    mb = trainer["rollout_bytes"] / 1e6
+    roll = med(trainer["rollout_s"])
+    out["rollouts"] = {"mbytes": mb, "seconds": roll, "mb_per_s": mb / roll, "samples": samples}
+    print(f"\nrollouts over ZeroMQ: {samples} completions x {tokens} tokens = {mb:.1f} MB pickled; "
+          f"median {roll * 1e3:.1f} ms per batch ({mb / roll:.0f} MB/s)")  # fmt: skip
+    if _OUT.value:
+        with open(_OUT.value, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+def run() -> None:
+    run_command(main, __name__)
+
+
+if __name__ == "__main__":  # `python -m jaxrl_async.cli.bench_transport`: how the workers start
+    run()

@@ -1,0 +1,175 @@
+"""Runs a multi-process job on this machine: N controllers of the main job (`jaxrl-run`) on localhost (CPU).
+
+  jaxrl-local-cluster --num-processes 2 --pin-cores -- \\
+      --config=configs/tiny_arith.py --config.workdir=runs/tiny2 \\
+      --config.mesh.sampler_processes='(0,)' --config.mesh.trainer_processes='(1,)'
+
+(or `python launch/local_cluster.py ...`). The flags after `--` go to every process's `jaxrl-run`. Every
+process also gets --coordinator_address (a free localhost port), --num_processes and --process_id, and
+`--devices-per-process` fake CPU devices. `--pin-cores` gives each process its own block of cores
+(os.sched_setaffinity), so the roles run in parallel as they would on separate hosts. Output lines are
+prefixed with the process id (and kept in --log-dir when given). When a process fails, the launcher says
+which, gives the others `--grace-s` seconds to stop on their own, then ends them; its exit status is the
+first failure's (0 when every process succeeded).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from absl import app, flags
+
+from jaxrl_async.cli import module_command, run_command
+
+_NUM = flags.DEFINE_integer("num-processes", None, "Processes to start.", lower_bound=1)
+_DEVICES = flags.DEFINE_integer("devices-per-process", 1, "Fake CPU devices in each process.", lower_bound=1)
+_PIN = flags.DEFINE_bool("pin-cores", False, "Give each process its own block of cores.")
+_PORT = flags.DEFINE_integer("port", 0, "Coordinator port (0: a free one).")
+_LOG_DIR = flags.DEFINE_string("log-dir", "", "Also write process_<i>.log files here.")
+_GRACE = flags.DEFINE_float("grace-s", 45.0, "After a failure, wait this long for the rest.")
+_HEARTBEAT = flags.DEFINE_integer("heartbeat-timeout-s", 10, "Each process's --heartbeat_timeout_s.")
+_PYTHON = flags.DEFINE_string("python", sys.executable, "The interpreter that runs each process.")
+flags.mark_flags_as_required(["num-processes"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def core_blocks(num_processes: int, cores: list[int]) -> list[list[int]]:
+    """Contiguous blocks of the available cores, one per process (shared round-robin if too few)."""
+    per = max(1, len(cores) // num_processes)
+    return [[cores[(i * per + j) % len(cores)] for j in range(per)] for i in range(num_processes)]
+
+
+def child_env(devices: int) -> dict[str, str]:
+    env = dict(os.environ)
+    xla = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
+    env["XLA_FLAGS"] = f"{xla} --xla_force_host_platform_device_count={devices}".strip()
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _pump(i: int, stream, log_file) -> None:
+    for line in iter(stream.readline, ""):
+        sys.stdout.write(f"[p{i}] {line}")
+        sys.stdout.flush()
+        if log_file is not None:
+            log_file.write(line)
+            log_file.flush()
+
+
+def describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _run_flags(argv: list[str]) -> list[str]:
+    """The flags after `--` (absl leaves them, verbatim, as the positional arguments).
+
+    Raises:
+      app.UsageError: a positional argument before `--`.
+    """
+    after = sys.argv[sys.argv.index("--") + 1 :] if "--" in sys.argv else []
+    stray = argv[1 : len(argv) - len(after)]
+    if stray:
+        raise app.UsageError(f"unexpected arguments {stray}: the main job's flags go after `--`")
+    return argv[len(argv) - len(after) :]
+
+
+def main(argv: list[str]) -> int:
+    run_flags = _run_flags(argv)
+    n = _NUM.value
+    port = _PORT.value or free_port()
+    cores = sorted(os.sched_getaffinity(0))
+    blocks = core_blocks(n, cores) if _PIN.value else [None] * n
+    if _LOG_DIR.value:
+        os.makedirs(_LOG_DIR.value, exist_ok=True)
+    env = child_env(_DEVICES.value)
+    procs, pumps, logs = [], [], []
+    for i in range(n):
+        cmd = module_command("run", *run_flags, f"--coordinator_address=127.0.0.1:{port}",
+                             f"--num_processes={n}", f"--process_id={i}",
+                             f"--config.mesh.fake_cpu_devices={_DEVICES.value}",
+                             f"--heartbeat_timeout_s={_HEARTBEAT.value}", python=_PYTHON.value)  # fmt: skip
+        block = blocks[i]
+        pre = (lambda block=block: os.sched_setaffinity(0, block)) if block else None
+        log_file = open(os.path.join(_LOG_DIR.value, f"process_{i}.log"), "w") if _LOG_DIR.value else None
+        logs.append(log_file)
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=pre
+        )
+        procs.append(proc)
+        t = threading.Thread(target=_pump, args=(i, proc.stdout, log_file), daemon=True)
+        t.start()
+        pumps.append(t)
+        where = f" on cores {block}" if block else ""
+        print(f"[launcher] process {i}{where}: pid {proc.pid}", flush=True)
+
+    def forward(signum, _frame):
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    status = _supervise(procs, _GRACE.value)
+    for t in pumps:
+        t.join(timeout=5)
+    for f in logs:
+        if f is not None:
+            f.close()
+    return status
+
+
+def _supervise(procs: list, grace_s: float) -> int:
+    """Waits for every process; after the first failure, stops the rest within `grace_s`."""
+    first_failure, deadline = None, None
+    while True:
+        codes = [proc.poll() for proc in procs]
+        if first_failure is None:
+            for i, code in enumerate(codes):
+                if code not in (None, 0):
+                    first_failure = (i, code)
+                    deadline = time.monotonic() + grace_s
+                    print(f"[launcher] process {i} {describe(code)}; the others stop too", flush=True)
+                    break
+        if all(c is not None for c in codes):
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            for i, proc in enumerate(procs):
+                if proc.poll() is None:
+                    print(f"[launcher] process {i} still runs after {grace_s:.0f} s: killing it", flush=True)
+                    proc.kill()
+            deadline = None
+        time.sleep(0.2)
+    if first_failure is None:
+        print("[launcher] every process finished", flush=True)
+        return 0
+    for j, proc in enumerate(procs):
+        print(f"[launcher] process {j} {describe(proc.returncode)}", flush=True)
+    i, code = first_failure
+    print(f"[launcher] run failed: process {i} {describe(code)}", flush=True)
+    return code if code > 0 else 128 - code
+
+
+def run() -> None:
+    run_command(main, __name__)
+
+
+if __name__ == "__main__":
+    run()
