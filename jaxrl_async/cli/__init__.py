@@ -12,9 +12,10 @@ Conventions for a new command `x`:
     the package is installed (`pip install -e .`).
   - A console script `jaxrl-x = "jaxrl_async.cli.x:run"` in `[project.scripts]`, for the commands run often.
   - absl flags are process-global: one command per process, and a command never imports another command's
-    module (shared code belongs in the library; flags shared by several commands are defined once in a
-    module here that defines no command, e.g. `bench_workload`). A command starts another in a process
-    of its own with `module_command`; the started module ends with `if __name__ == "__main__": run()`.
+    module: what several commands share lives in a module here that is no command (`bench_workload`: flags
+    defined once, each command setting its own defaults; `decode_timing`) or in the library. A command
+    starts another in a process of its own with `module_command`; that module ends with
+    `if __name__ == "__main__": run()`.
 Config files (configs/*.py) that build on another config load it with `config_file.sibling`, so they need
 no checkout on `sys.path` either.
 """
