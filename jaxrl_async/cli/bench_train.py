@@ -22,8 +22,8 @@ from absl import flags
 from jaxrl_async.cli import run_command
 from jaxrl_async.model import ModelConfig, init_params, presets
 from jaxrl_async.perf.hardware import get_hardware
+from jaxrl_async.rollouts import Rollout
 from jaxrl_async.trainer import (
-    Rollout,
     TrainConfig,
     compute_advantages,
     create_train_state,
@@ -89,7 +89,7 @@ def long_tailed_rollouts(n: int, max_len: int, vocab: int, seed: int) -> list[Ro
         p = int(rng.integers(16, 49))
         c = int(min(max_len - p + 1, 8 + rng.pareto(1.2) * 24))
         out.append(
-            Rollout(
+            Rollout.for_trainer(
                 rng.integers(0, vocab, p),
                 rng.integers(0, vocab, c),
                 -3.0 + 0.1 * rng.normal(size=c),
@@ -105,7 +105,7 @@ def uniform_rollouts(rows: int, budget: int, vocab: int, seed: int) -> list[Roll
     """Full rows: one sequence of exactly `budget` positions per row (the FACTS.md throughput shape)."""
     rng = np.random.default_rng(seed)
     return [
-        Rollout(
+        Rollout.for_trainer(
             rng.integers(0, vocab, 32),
             rng.integers(0, vocab, budget - 31),
             -3.0 + 0.1 * rng.normal(size=budget - 31),
