@@ -10,7 +10,7 @@ Why the transfer server and not a cross-process `jax.device_put`: `device_put` a
 collective point (both sides must enter it together, only between same-spec shardings, and a sender that
 enters another collective while the receiver still waits deadlocks), which would make the trainer wait for
 the sampler every step. A pull lets the trainer offer a version and go on training; the actor takes it
-between decode calls. `tools/bench_weight_sync.py` measures both against a local copy of the same bytes.
+between decode calls. `tools/bench_transport.py` measures both against a local copy of the same bytes.
 """
 
 from __future__ import annotations
