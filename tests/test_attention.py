@@ -11,7 +11,7 @@ import pytest
 
 from jaxrl_async.model import attention, init_params, presets
 from jaxrl_async.rollouts import Rollout
-from jaxrl_async.sampler import decode
+from jaxrl_async.sampler import decode, layout
 from jaxrl_async.sharding import make_mesh
 from jaxrl_async.trainer import TrainConfig, create_train_state, loss_and_grads, prepare_batch
 
@@ -108,7 +108,7 @@ def test_sharded_splash_runs_per_device_and_matches_the_reference():
 @pytest.mark.parametrize("impl", FAST)
 def test_prefill_keys_and_values_match_the_reference(impl):
     params = init_params(MODEL, jax.random.key(2))
-    dparams = decode.to_decode_layout(MODEL, params, fuse=True)
+    dparams = layout.to_decode_layout(MODEL, params, fuse=True)
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, 64, (2, 24)), jnp.int32)
     ref_k, ref_v = decode.prefill_kv(MODEL, dparams, tokens)
     got_k, got_v = decode.prefill_kv(MODEL.replace(attention=impl), dparams, tokens)

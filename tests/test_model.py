@@ -12,7 +12,6 @@ from jaxrl_async.model import (
     forward,
     forward_logits,
     from_hf_config,
-    init_cache,
     init_params,
     load_hf,
     presets,
@@ -242,26 +241,42 @@ def test_packed_equals_separate():
     assert np.isfinite(np.asarray(logits)).all()
 
 
-def test_cached_decode_equals_full_forward_with_ragged_rows():
-    params = init_params(TINY, jax.random.key(4))
-    tokens = _tokens(b=2, t=10, v=61, seed=5)
-    full = np.asarray(forward_logits(TINY, params, tokens))
-    cache = init_cache(TINY, batch=2, max_len=16)
-    # Ragged prefill: row 0 takes 6 prompt tokens, row 1 takes 4 (its 2 extra slots are padding, overwritten).
-    lens = np.array([6, 4])
-    pre = tokens[:, :6].copy()
-    pos = np.broadcast_to(np.arange(6), (2, 6)).astype(np.int32)
-    logits, cache = forward(TINY, params, jnp.asarray(pre), jnp.asarray(pos), cache=cache)
-    np.testing.assert_allclose(np.asarray(logits[0, 5]), full[0, 5], atol=1e-5)
-    np.testing.assert_allclose(np.asarray(logits[1, 3]), full[1, 3], atol=1e-5)
-    for _ in range(4):
-        step_tok = tokens[np.arange(2), lens][:, None]
-        logits, cache = forward(
-            TINY, params, jnp.asarray(step_tok), jnp.asarray(lens[:, None].astype(np.int32)), cache=cache
-        )
-        for r in range(2):
-            np.testing.assert_allclose(np.asarray(logits[r, 0]), full[r, lens[r]], atol=1e-5)
-        lens = lens + 1
+def _scale_q_heads(params, factors_H):
+    """Query projections of head h multiplied by factors_H[h] (in every layer)."""
+    q = params["layers"]["q"] * jnp.asarray(factors_H, jnp.float32)[None, None, :, None]
+    return dict(params, layers=dict(params["layers"], q=q))
+
+
+@pytest.mark.parametrize("all_heads", [False, True])
+def test_qk_norm_normalizes_per_head_or_over_all_heads(all_heads):
+    # Without biases a query head's scale reaches the logits only through the norm: a per-head norm removes
+    # any per-head scale, the norm over all heads only a scale shared by every head.
+    cfg = TINY.replace(qkv_bias=False, qk_norm_all_heads=all_heads)
+    params = init_params(cfg, jax.random.key(7))
+    qn = params["layers"]["q_norm"]
+    assert qn.shape == ((2, 4, 32) if all_heads else (2, 32)) and cfg.num_params == sum(
+        x.size for x in jax.tree.leaves(params)
+    )
+    rng = np.random.default_rng(0)
+    params["layers"]["q_norm"] = qn * jnp.asarray(1 + 0.3 * rng.standard_normal(qn.shape), jnp.float32)
+    tokens = _tokens(b=2, t=9, v=61)
+    base = np.asarray(forward_logits(cfg, params, tokens))
+    shared = np.asarray(forward_logits(cfg, _scale_q_heads(params, [3.0] * 4), tokens))
+    one_head = np.asarray(forward_logits(cfg, _scale_q_heads(params, [3.0, 1.0, 1.0, 1.0]), tokens))
+    np.testing.assert_allclose(shared, base, atol=1e-4)
+    if all_heads:
+        assert np.abs(one_head - base).max() > 1e-2
+    else:
+        np.testing.assert_allclose(one_head, base, atol=1e-4)
+    with pytest.raises(ValueError, match="qk_norm_all_heads=True needs qk_norm=True"):
+        TINY.replace(qk_norm=False, qk_norm_all_heads=True)
+
+
+def test_qk_norm_all_heads_has_no_hf_export(tmp_path):
+    cfg = presets.tiny(vocab_size=61, n_layers=1, qk_norm=True, qk_norm_all_heads=True, arch="qwen3")
+    with pytest.raises(ValueError, match="qk_norm_all_heads"):
+        save_hf(cfg, init_params(cfg, jax.random.key(0)), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()  # refused before anything is written
 
 
 def test_remat_same_gradients():

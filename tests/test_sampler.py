@@ -1,6 +1,7 @@
 """Sampler engine and loop: cached decode == full forward, logprob parity, slot independence, weight updates,
 no recompilation inside a bucket, sharded == single device, and the generate CLI."""
 
+import functools
 import os
 import shutil
 import subprocess
@@ -12,7 +13,16 @@ import numpy as np
 import pytest
 
 from jaxrl_async.model import forward_logits, init_params, presets, save_hf, token_logprobs
-from jaxrl_async.sampler import Engine, Request, SamplerConfig, SamplerLoop, cpu_kernels, sampling
+from jaxrl_async.sampler import (
+    Engine,
+    Request,
+    SamplerConfig,
+    SamplerLoop,
+    cpu_kernels,
+    decode,
+    layout,
+    sampling,
+)
 from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,12 +89,30 @@ def params():
     return _params()
 
 
-@pytest.mark.parametrize("fuse,tied", [(True, False), (False, True)])
-def test_greedy_cached_decode_equals_full_forward(params, fuse, tied):
-    cfg = TINY.replace(tie_embeddings=tied)
+def _perturb_norms(params, seed=0):
+    """Norm weights away from their all-ones init, so a norm applied wrongly (or not at all) shows."""
+    rng = np.random.default_rng(seed)
+    layers = {
+        k: v * (1 + 0.3 * rng.standard_normal(v.shape)).astype(np.float32) if "norm" in k else v
+        for k, v in params["layers"].items()
+    }
+    return dict(params, layers=layers)
+
+
+# The model-family flag QK-norm over all heads (`ModelConfig.qk_norm_all_heads`), with perturbed norms.
+ALL_HEADS = TINY.replace(qk_norm_all_heads=True)
+
+
+@pytest.mark.parametrize(
+    "fuse,tied,all_heads", [(True, False, False), (False, True, False), (True, False, True)]
+)
+def test_greedy_cached_decode_equals_full_forward(params, fuse, tied, all_heads):
+    cfg = TINY.replace(tie_embeddings=tied, qk_norm_all_heads=all_heads)
     if tied:  # unit-variance embeddings used as the unembedding give logits ~20: scale to a realistic range
         params = _params(cfg=cfg)
         params["embed"] = params["embed"] * 0.25
+    if all_heads:
+        params = _perturb_norms(_params(cfg=cfg))
     loop = _loop(params, cfg=cfg, fuse_projections=fuse)
     prompts = _prompts(6, seed=1)
     for i, p in enumerate(prompts):
@@ -115,6 +143,50 @@ def test_sampled_logprobs_match_trainer_and_truncation(params):
         kth = np.sort(logits[len(p) - 1 : -1], axis=-1)[:, -top_k]
         chosen = logits[np.arange(len(p) - 1, len(p) - 1 + len(c.tokens)), c.tokens]
         assert np.all(chosen >= kth)  # every token came from the top-k set
+
+
+@pytest.mark.parametrize("kernels", [("xla", "xla"), ("cpu_kernel", "cpu_kernel")])
+def test_qk_norm_all_heads_sampled_logprobs_match_the_trainer(kernels):
+    if "cpu_kernel" in kernels:
+        _need_cxx()
+    params = _perturb_norms(_params(cfg=ALL_HEADS), seed=1)
+    attention, linear = kernels
+    loop = _loop(params, cfg=ALL_HEADS, temperature=0.8, attention=attention, linear=linear)
+    prompts = _prompts(3, seed=12)
+    for i, p in enumerate(prompts):
+        loop.add_request(Request(i, p, n_samples=2, seed=i, max_new_tokens=6))
+    out = loop.run()
+    assert len(out) == 6
+    for c in out:
+        want = _trainer_logprobs(params, prompts[c.uid], c.tokens, 0.8, ALL_HEADS)
+        np.testing.assert_allclose(c.logprobs, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "attention,fuse,pack", [("xla", True, False), ("xla", False, False), ("cpu_kernel", False, True)]
+)
+def test_decode_step_with_ragged_rows_equals_full_forward(params, attention, fuse, pack):
+    """The decode path below the engine: prefill, then steps at a different position in each row."""
+    if attention == "cpu_kernel":
+        _need_cxx()
+    params = jax.device_get(params)  # the CPU kernels run on one unsharded device
+    tokens = np.random.default_rng(5).integers(0, TINY.vocab_size, (2, 10)).astype(np.int32)
+    full = np.asarray(forward_logits(TINY, params, tokens))
+    dparams = layout.to_decode_layout(TINY, params, fuse, pack)
+    # Row 0 prefills its 6 first tokens, row 1 only 4: its positions 4 and 5 hold another sequence's keys
+    # and values until the decode steps write them.
+    prompt = tokens[:, :6].copy()
+    prompt[1, 4:] = (prompt[1, 4:] + 1) % TINY.vocab_size
+    keys, values = decode.prefill_kv(TINY, dparams, jnp.asarray(prompt))
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 10), (0, 0)))  # a cache of 16 positions
+    keys, values = [pad(k) for k in keys], [pad(v) for v in values]
+    step = jax.jit(functools.partial(decode.decode_step, TINY, attention=attention))
+    lens = np.array([6, 4], np.int32)
+    for _ in range(4):
+        logits, keys, values = step(dparams, keys, values, tokens[np.arange(2), lens], lens)
+        for r in range(2):
+            np.testing.assert_allclose(np.asarray(logits[r]), full[r, lens[r]], atol=1e-5)
+        lens = lens + 1
 
 
 def test_output_independent_of_slot_and_batch(params):

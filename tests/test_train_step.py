@@ -128,10 +128,19 @@ def test_packed_and_micro_batched_equal_unpacked(params, overrides):
 
 sample = Rollout.for_trainer  # the run's record, built as the trainer reads it
 
+# The model-family flag QK-norm over all heads, with norm weights away from their all-ones init.
+ALL_HEADS = MODEL.replace(qk_norm=True, qk_norm_all_heads=True)
 
-def test_trainer_logprobs_of_packed_rows_match_single_sequences(params):
+
+@pytest.mark.parametrize("model", [MODEL, ALL_HEADS], ids=["base", "qk_norm_all_heads"])
+def test_trainer_logprobs_of_packed_rows_match_single_sequences(params, model):
+    if model is ALL_HEADS:
+        params = init_params(model, jax.random.key(0))
+        noise = lambda x, i: x * (1 + 0.3 * jax.random.normal(jax.random.key(i), x.shape))
+        layers = dict(params["layers"], q_norm=noise(params["layers"]["q_norm"], 1))
+        params = dict(params, layers=dict(layers, k_norm=noise(layers["k_norm"], 2)))
     rollouts = make_rollouts(6)
-    state = create_train_state(dataclasses.replace(BASE, rows_per_micro=2), MODEL, params)
+    state = create_train_state(dataclasses.replace(BASE, rows_per_micro=2), model, params)
     batch = pack_rollouts(rollouts, np.arange(6), state.cfg.token_budget, rows_per_micro=2)
     assert (batch.arrays["segment_ids"].max(axis=-1) > 1).any(), (
         "the test needs rows holding several sequences"
@@ -140,7 +149,7 @@ def test_trainer_logprobs_of_packed_rows_match_single_sequences(params):
     # Plain forward: one sequence a row at positions 0.. with right padding and no segment ids.
     plain = pad_rollouts(rollouts, np.arange(6), rows_per_micro=6).micro_batch(0)
     pos = jnp.broadcast_to(jnp.arange(plain["tokens"].shape[1]), plain["tokens"].shape)
-    logp = jax.jit(lambda p, x, t: token_logprobs(forward(MODEL, p, x, pos)[0], t)[0])
+    logp = jax.jit(lambda p, x, t: token_logprobs(forward(model, p, x, pos)[0], t)[0])
     want = np.asarray(logp(params, jnp.asarray(plain["tokens"]), jnp.asarray(plain["targets"])))
     for i in range(6):  # the advantage field carries the sequence index
         got = packed[(batch.arrays["advantages"] == i) & (batch.arrays["loss_mask"] > 0)]

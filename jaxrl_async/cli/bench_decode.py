@@ -8,8 +8,7 @@
 Measures, in one run on one device:
   - memory read bandwidth (sum over a 1 GiB array) and the batch-1 decode roofline it implies;
   - decode step time vs batch size (the engine's `generate`, k steps per call) -> `--latency-out` points;
-  - decode-path ablation at the largest batch: the model's scan `forward` vs the sampler's decode path
-    without / with fused projections;
+  - decode-path ablation at the largest batch: the decode path without / with fused projections;
   - end-to-end greedy generation (prefill + decode) vs Hugging Face transformers `generate` on the same
     weights (exported with save_hf), batch 1 and the largest batch;
   - static vs continuous batching on a long-tailed (lognormal) length distribution;
@@ -25,7 +24,6 @@ Measures, in one run on one device:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import tempfile
@@ -38,7 +36,7 @@ from absl import app, flags
 
 from jaxrl_async.cli import run_command
 from jaxrl_async.cli.decode_timing import bench_engine, engine_step_time, measure_bandwidth, median_time
-from jaxrl_async.model import forward, init_cache, init_params, presets, save_hf
+from jaxrl_async.model import init_params, presets, save_hf
 from jaxrl_async.sampler import Engine, Request, SamplerConfig, SamplerLoop, cpu_kernels
 from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
 
@@ -69,24 +67,6 @@ def largest_batch(cfg, slot_len: int, cap: int, fraction: float = 0.8) -> int:
     per_slot += 4 * cfg.vocab_size * 4  # float32 logits and sampling temporaries per row
     n = int((fraction * limit - weights) // per_slot)
     return max(1, min(cap, n // 8 * 8))
-
-
-def model_forward_step_time(cfg, params, batch: int, cache_len: int, pos: int, reps: int) -> float:
-    """Baseline: one decode step through the model's own `forward` (layer scan, stacked cache)."""
-
-    @functools.partial(jax.jit, donate_argnums=1)
-    def step(params, cache, tok_B, pos_B):
-        logits, cache = forward(cfg, params, tok_B[:, None], pos_B[:, None], cache=cache)
-        return jnp.argmax(logits[:, 0], -1).astype(jnp.int32), cache
-
-    box = [init_cache(cfg, batch, cache_len)]
-    tok, p = jnp.zeros((batch,), jnp.int32), jnp.full((batch,), pos, jnp.int32)
-
-    def call():
-        t, box[0] = step(params, box[0], tok, p)
-        t.block_until_ready()
-
-    return median_time(call, reps, warmup=2)
 
 
 def _run_once(eng: Engine, prompts, new_tokens: int) -> tuple[float, list]:
@@ -443,11 +423,8 @@ def main(argv) -> None:
             f: bench_engine(cfg, params, mesh, bmax, prompt_len, new_tokens, k, fuse=f, **engine_kw)
             for f in (False, True)
         }
-        ablation = {"model_forward_scan": [], "decode_unfused": [], "decode_fused": []}
+        ablation = {"decode_unfused": [], "decode_fused": []}
         for _ in range(2):
-            ablation["model_forward_scan"].append(
-                model_forward_step_time(cfg, params, bmax, prompt_len + new_tokens, ctx, reps)
-            )
             for fuse, eng in variants.items():
                 ablation["decode_fused" if fuse else "decode_unfused"].append(
                     engine_step_time(eng, prompt_len, reps)

@@ -11,17 +11,14 @@ from jaxrl_async.model.params import (
     param_specs,
 )
 from jaxrl_async.model.transformer import (
-    CACHE_LOGICAL_AXES,
     chunked_token_logprobs,
     forward,
     forward_logits,
-    init_cache,
     token_logprobs,
     unembed,
 )
 
 __all__ = [
-    "CACHE_LOGICAL_AXES",
     "ModelConfig",
     "ParamSpec",
     "RopeScaling",
@@ -30,7 +27,6 @@ __all__ = [
     "forward",
     "forward_logits",
     "from_hf_config",
-    "init_cache",
     "init_params",
     "load_hf",
     "param_shardings",

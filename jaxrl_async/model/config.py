@@ -55,6 +55,9 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2: biases on q, k, v projections.
     o_bias: bool = False  # Llama attention_bias=True also puts a bias on o_proj.
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE.
+    # With qk_norm: one RMSNorm over all heads of a position's q (and one over its k) instead of one per head,
+    # as OLMo 2 (whose other differences, post-norms, are not modelled): no Hugging Face export.
+    qk_norm_all_heads: bool = False
     max_seq_len: int = 4096
     dtype: str = "float32"  # compute dtype of activations and matmuls
     param_dtype: str = "float32"  # storage dtype of the weights (the trainer's master copy)
@@ -78,6 +81,8 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} not in {DTYPES}")
         if self.attention not in ATTENTION:
             raise ValueError(f"ModelConfig.attention={self.attention!r} not in {ATTENTION}")
+        if self.qk_norm_all_heads and not self.qk_norm:
+            raise ValueError("ModelConfig.qk_norm_all_heads=True needs qk_norm=True")
         if self.arch not in _HF_ARCH:
             raise ValueError(f"ModelConfig.arch={self.arch!r} not in {sorted(_HF_ARCH)}")
 
@@ -93,7 +98,8 @@ class ModelConfig:
             self.vocab_size,
         )
         per_layer = d * h * k + 2 * d * g * k + h * k * d + 3 * d * f + 2 * d
-        per_layer += (h * k + 2 * g * k) * self.qkv_bias + d * self.o_bias + 2 * k * self.qk_norm
+        per_layer += (h * k + 2 * g * k) * self.qkv_bias + d * self.o_bias
+        per_layer += ((h + g) * k if self.qk_norm_all_heads else 2 * k) * self.qk_norm
         return v * d * (1 if self.tie_embeddings else 2) + self.n_layers * per_layer + d
 
     def replace(self, **kw) -> ModelConfig:
@@ -197,6 +203,10 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
         raise ValueError("Qwen2 export needs qkv_bias=True and o_bias=False")
     if cfg.arch == "llama" and cfg.qkv_bias != cfg.o_bias:
         raise ValueError("Llama export needs qkv_bias == o_bias (attention_bias)")
+    if cfg.qk_norm_all_heads:
+        raise ValueError(
+            "no supported Hugging Face architecture has qk_norm_all_heads=True; export needs False"
+        )
     hf: dict[str, Any] = {
         "architectures": [_HF_ARCH[cfg.arch]],
         "model_type": _MODEL_TYPE[cfg.arch],

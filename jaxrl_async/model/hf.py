@@ -250,6 +250,7 @@ def save_hf(
       tokenizer_dir: copy tokenizer files from here, if given.
       max_shard_bytes: split into several files with an index beyond this size.
     """
+    hf_config = to_hf_config(cfg)  # fails before anything is written when no HF config represents cfg
     layout, flat = _hf_layout(cfg), _flat_from_tree(params)
     dtype = ml_dtypes.bfloat16 if cfg.param_dtype == "bfloat16" else np.float32
     tensors, shapes = {}, {}
@@ -290,7 +291,7 @@ def save_hf(
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(to_hf_config(cfg), f, indent=2)
+        json.dump(hf_config, f, indent=2)
     if tokenizer_dir:
         for name in TOKENIZER_FILES:
             src = os.path.join(tokenizer_dir, name)

@@ -74,7 +74,10 @@ def param_specs(cfg: ModelConfig) -> dict:
         layer["v_bias"] = p((L, G, K), ("layers", "kv_heads", "head_dim"), "zeros")
     if cfg.o_bias:
         layer["o_bias"] = p((L, D), ("layers", None), "zeros")
-    if cfg.qk_norm:
+    if cfg.qk_norm and cfg.qk_norm_all_heads:
+        layer["q_norm"] = p((L, H, K), ("layers", "q_heads", "head_dim"), "ones")
+        layer["k_norm"] = p((L, G, K), ("layers", "kv_heads", "head_dim"), "ones")
+    elif cfg.qk_norm:
         layer["q_norm"] = p((L, K), ("layers", None), "ones")
         layer["k_norm"] = p((L, K), ("layers", None), "ones")
     specs = {

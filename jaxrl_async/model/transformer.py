@@ -1,4 +1,4 @@
-"""The decoder-only transformer: one `forward` for training (packed, no cache) and decoding (KV cache).
+"""The decoder-only transformer: one `layer`, run by `forward` (training, scoring) and the sampler's decode.
 
 Einsum letters: B batch, T query positions, S key positions, D d_model, H query heads, G KV heads,
 R = H / G query heads per KV head, K head dim, F MLP width, V vocabulary, L layers.
@@ -6,8 +6,10 @@ R = H / G query heads per KV head, K head dim, F MLP width, V vocabulary, L laye
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -16,10 +18,10 @@ from jaxrl_async.model import attention
 from jaxrl_async.model.config import ModelConfig
 
 
-def rms_norm(x, weight, eps: float):
-    """RMSNorm in float32, cast back to the input dtype before scaling (as HF does)."""
+def rms_norm(x, weight, eps: float, axes: int | tuple[int, ...] = -1):
+    """RMSNorm over `axes` in float32, cast back to the input dtype before scaling (as HF does)."""
     x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axes, keepdims=True) + eps)
     return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
@@ -56,43 +58,110 @@ def apply_rope(x_BxTxNxK, positions_BxT, inv_freq):
     return out.astype(x_BxTxNxK.dtype)
 
 
-def _write_cache(cache_BxSxGxK, new_BxTxGxK, start_B):
-    """Writes each row's T new entries at its own start index (ragged per-slot lengths)."""
-    write = lambda c, u, s: jax.lax.dynamic_update_slice(c, u, (s, 0, 0))
-    return jax.vmap(write)(cache_BxSxGxK, new_BxTxGxK.astype(cache_BxSxGxK.dtype), start_B)
+@dataclasses.dataclass(frozen=True)
+class Projections:
+    """The matmuls of a transformer layer for one weight layout; the rest of the layer is layout-free.
 
+    The model's own layout (`param_specs`, layers stacked) uses `EINSUM`; the sampler decodes with its
+    decode layout's (`jaxrl_async.sampler.decode.PROJECTIONS`: 2-D output-major, optionally fused or packed
+    weights). Each function returns activations in its input's dtype, without biases.
 
-def _layer(cfg: ModelConfig, lp: dict, x_BxTxD, positions_BxT, inv_freq, attend, kv=None):
-    """One transformer block; `kv` is this layer's (k_BxSxGxK, v_BxSxGxK) cache or None.
-
-    `attend(q, k, v)` is the attention over the layer's keys and values (with the row's mask).
+    Attributes:
+      qkv: (cfg, lp, h_BxTxD) -> (q_BxTxHxK, k_BxTxGxK, v_BxTxGxK).
+      out: (lp, attn_BxTxHxK) -> [B, T, D], the attention output projection.
+      gate_up: (lp, h_BxTxD) -> (gate_BxTxF, up_BxTxF).
+      down: (lp, act_BxTxF) -> [B, T, D].
     """
-    dt = x_BxTxD.dtype
-    h_BxTxD = rms_norm(x_BxTxD, lp["attn_norm"], cfg.rms_eps)
+
+    qkv: Callable
+    out: Callable
+    gate_up: Callable
+    down: Callable
+
+
+def _einsum_qkv(cfg: ModelConfig, lp: dict, h_BxTxD):
+    dt = h_BxTxD.dtype
     q = jnp.einsum("btd,dhk->bthk", h_BxTxD, lp["q"].astype(dt))
     k = jnp.einsum("btd,dgk->btgk", h_BxTxD, lp["k"].astype(dt))
     v = jnp.einsum("btd,dgk->btgk", h_BxTxD, lp["v"].astype(dt))
+    return q, k, v
+
+
+def _einsum_gate_up(lp: dict, h_BxTxD):
+    dt = h_BxTxD.dtype
+    gate = jnp.einsum("btd,df->btf", h_BxTxD, lp["gate"].astype(dt))
+    return gate, jnp.einsum("btd,df->btf", h_BxTxD, lp["up"].astype(dt))
+
+
+EINSUM = Projections(
+    qkv=_einsum_qkv,
+    out=lambda lp, a_BxTxHxK: jnp.einsum("bthk,hkd->btd", a_BxTxHxK, lp["o"].astype(a_BxTxHxK.dtype)),
+    gate_up=_einsum_gate_up,
+    down=lambda lp, a_BxTxF: jnp.einsum("btf,fd->btd", a_BxTxF, lp["down"].astype(a_BxTxF.dtype)),
+)
+
+
+def embed(cfg: ModelConfig, params: dict, tokens):
+    """Embeddings of int32 tokens (any shape) in the compute dtype."""
+    return params["embed"].astype(jnp.dtype(cfg.dtype))[tokens]
+
+
+def qk_norm(cfg: ModelConfig, lp: dict, q_BxTxHxK, k_BxTxGxK):
+    """RMSNorm of queries and keys before RoPE (`cfg.qk_norm`): per head (Qwen3), or with
+    `cfg.qk_norm_all_heads` over all heads of the position at once (OLMo 2)."""
+    if not cfg.qk_norm:
+        return q_BxTxHxK, k_BxTxGxK
+    axes = (-2, -1) if cfg.qk_norm_all_heads else -1
+    norm = lambda x, w: rms_norm(x, w, cfg.rms_eps, axes)
+    return norm(q_BxTxHxK, lp["q_norm"]), norm(k_BxTxGxK, lp["k_norm"])
+
+
+def attention_inputs(cfg: ModelConfig, proj: Projections, lp: dict, x_BxTxD, positions_BxT, inv_freq):
+    """A layer's first half: pre-norm, q/k/v projections with their biases, QK-norm and RoPE.
+
+    Returns:
+      (q_BxTxHxK, k_BxTxGxK, v_BxTxGxK) in x's dtype.
+    """
+    dt = x_BxTxD.dtype
+    h_BxTxD = rms_norm(x_BxTxD, lp["attn_norm"], cfg.rms_eps)
+    q, k, v = proj.qkv(cfg, lp, h_BxTxD)
     if cfg.qkv_bias:
         q, k, v = q + lp["q_bias"].astype(dt), k + lp["k_bias"].astype(dt), v + lp["v_bias"].astype(dt)
-    if cfg.qk_norm:
-        q, k = rms_norm(q, lp["q_norm"], cfg.rms_eps), rms_norm(k, lp["k_norm"], cfg.rms_eps)
-    q, k = apply_rope(q, positions_BxT, inv_freq), apply_rope(k, positions_BxT, inv_freq)
-    if kv is not None:
-        k_cache, v_cache = kv
-        k_cache = _write_cache(k_cache, k, positions_BxT[:, 0])
-        v_cache = _write_cache(v_cache, v, positions_BxT[:, 0])
-        kv = (k_cache, v_cache)
-        k, v = k_cache.astype(dt), v_cache.astype(dt)
-    attn_BxTxHxK = attend(q, k, v)
-    out = jnp.einsum("bthk,hkd->btd", attn_BxTxHxK, lp["o"].astype(dt))
+    q, k = qk_norm(cfg, lp, q, k)
+    return apply_rope(q, positions_BxT, inv_freq), apply_rope(k, positions_BxT, inv_freq), v
+
+
+def layer_output(cfg: ModelConfig, proj: Projections, lp: dict, x_BxTxD, attn_BxTxHxK):
+    """A layer's second half: output projection, residual, the MLP block and its residual."""
+    dt = x_BxTxD.dtype
+    out_BxTxD = proj.out(lp, attn_BxTxHxK.astype(dt))
     if cfg.o_bias:
-        out = out + lp["o_bias"].astype(dt)
-    x_BxTxD = x_BxTxD + out
+        out_BxTxD = out_BxTxD + lp["o_bias"].astype(dt)
+    x_BxTxD = x_BxTxD + out_BxTxD
     h_BxTxD = rms_norm(x_BxTxD, lp["mlp_norm"], cfg.rms_eps)
-    gate = jnp.einsum("btd,df->btf", h_BxTxD, lp["gate"].astype(dt))
-    up = jnp.einsum("btd,df->btf", h_BxTxD, lp["up"].astype(dt))
-    x_BxTxD = x_BxTxD + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp["down"].astype(dt))
-    return x_BxTxD, kv
+    gate, up = proj.gate_up(lp, h_BxTxD)
+    return x_BxTxD + proj.down(lp, jax.nn.silu(gate) * up)
+
+
+def layer(cfg: ModelConfig, proj: Projections, lp: dict, x_BxTxD, positions_BxT, inv_freq, attend):
+    """One transformer block, the only definition of it: the trainer, prefill and every decode back-end
+    run this with their own weight layout (`proj`) and attention (`attend`).
+
+    Args:
+      attend: (q_BxTxHxK, k_BxTxGxK, v_BxTxGxK) -> (attention [B, T, H, K], aux): the attention over the
+        layer's keys and values with the row's mask; `aux` is returned as is (a decode step's updated cache).
+
+    Returns:
+      (x_BxTxD, aux).
+    """
+    q, k, v = attention_inputs(cfg, proj, lp, x_BxTxD, positions_BxT, inv_freq)
+    attn_BxTxHxK, aux = attend(q, k, v)
+    return layer_output(cfg, proj, lp, x_BxTxD, attn_BxTxHxK), aux
+
+
+def final_norm(cfg: ModelConfig, params: dict, x_BxTxD):
+    """The norm after the last layer."""
+    return rms_norm(x_BxTxD, params["final_norm"], cfg.rms_eps)
 
 
 def forward(
@@ -101,61 +170,47 @@ def forward(
     tokens_BxT,
     positions_BxT,
     segment_ids=None,
-    cache=None,
     remat: bool = False,
     return_hidden: bool = False,
     mesh=None,
 ):
-    """Runs the model.
+    """Runs the model over whole (packed) rows: training, scoring and `forward_logits` (the sampler decodes
+    with the same `layer` over its own layout, `jaxrl_async.sampler.decode`).
 
     Args:
       cfg: model config (static).
       params: parameter tree from `param_specs`.
       tokens_BxT: int32 tokens.
-      positions_BxT: int32 absolute positions (per segment when packed; cache index when decoding).
-      segment_ids: int32 [B, T] with 0 = padding; without a cache, a token attends to earlier tokens (in
-        index order) of its own segment. None = one segment per row.
-      cache: None (training) or {"k", "v": [L, B, S, G, K]}; row b's T new entries are written at cache
-        index positions[b, 0] ... and each query attends to cache indices <= its position.
+      positions_BxT: int32 absolute positions (per segment when packed).
+      segment_ids: int32 [B, T] with 0 = padding; a token attends to earlier tokens (in index order) of its
+        own segment. None = one segment per row.
       remat: rematerialize each layer in the backward pass.
       return_hidden: return the final normed hidden states [B, T, D] instead of logits.
       mesh: the mesh the call is sharded on (a kernel such as splash attention runs per device on it).
 
     Returns:
-      (logits [B, T, V] float32 (or hidden), the updated cache or None).
+      (logits [B, T, V] float32 (or hidden), None); the pair is kept for callers that unpack it.
     """
-    dt = jnp.dtype(cfg.dtype)
     b, t = tokens_BxT.shape
-    x_BxTxD = params["embed"].astype(dt)[tokens_BxT]
+    x_BxTxD = embed(cfg, params, tokens_BxT)
     inv_freq = rope_inv_freq(cfg)
-    if cache is not None:  # decoding attends to cache indices <= each query's position
-        s = cache["k"].shape[2]
-        mask_BxTxS = jnp.arange(s)[None, None, :] <= positions_BxT[:, :, None]
-        attend = lambda q, k, v: attention.reference_attention(q, k, v, mask_BxTxS)
-    elif attention.resolve(cfg.attention) == "reference":
+    if attention.resolve(cfg.attention) == "reference":
         # Padding rows attend to themselves so softmax stays finite; their outputs are masked downstream.
         mask_BxTxS = attention.packed_causal_mask(segment_ids, t, b)
-        attend = lambda q, k, v: attention.reference_attention(q, k, v, mask_BxTxS)
+        attend = lambda q, k, v: (attention.reference_attention(q, k, v, mask_BxTxS), None)
     else:
-        attend = lambda q, k, v: attention.attend(cfg.attention, q, k, v, segment_ids, mesh)
+        attend = lambda q, k, v: (attention.attend(cfg.attention, q, k, v, segment_ids, mesh), None)
 
-    def body(carry, lp):
-        x, layer_idx, kc, vc = carry
-        kv = None if cache is None else (kc[layer_idx], vc[layer_idx])
-        x, kv = _layer(cfg, lp, x, positions_BxT, inv_freq, attend, kv)
-        if cache is not None:
-            kc, vc = kc.at[layer_idx].set(kv[0]), vc.at[layer_idx].set(kv[1])
-        return (x, layer_idx + 1, kc, vc), None
+    def body(x, lp):
+        return layer(cfg, EINSUM, lp, x, positions_BxT, inv_freq, attend)
 
     if remat:
         body = jax.checkpoint(body, prevent_cse=False)
-    kc, vc = (None, None) if cache is None else (cache["k"], cache["v"])
-    (x_BxTxD, _, kc, vc), _ = jax.lax.scan(body, (x_BxTxD, jnp.int32(0), kc, vc), params["layers"])
-    x_BxTxD = rms_norm(x_BxTxD, params["final_norm"], cfg.rms_eps)
-    new_cache = None if cache is None else {"k": kc, "v": vc}
+    x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, params["layers"])
+    x_BxTxD = final_norm(cfg, params, x_BxTxD)
     if return_hidden:
-        return x_BxTxD, new_cache
-    return unembed(cfg, params, x_BxTxD), new_cache
+        return x_BxTxD, None
+    return unembed(cfg, params, x_BxTxD), None
 
 
 def unembed(cfg: ModelConfig, params: dict, x_BxTxD):
@@ -223,16 +278,3 @@ def chunked_token_logprobs(
     tgts = targets_BxT.reshape(b, n, chunk).swapaxes(0, 1)
     logp_NxBxC, ent_NxBxC = jax.lax.map(piece, (xs, tgts))
     return logp_NxBxC.swapaxes(0, 1).reshape(b, t), ent_NxBxC.swapaxes(0, 1).reshape(b, t)
-
-
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = None, sharding=None) -> dict:
-    """An empty KV cache {"k", "v": [L, B, S, G, K]}; `sharding` places it (e.g. on the sampler mesh)."""
-    shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
-    dt = jnp.dtype(dtype or cfg.dtype)
-    make = lambda: {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
-    if sharding is None:
-        return make()
-    return jax.jit(make, out_shardings={"k": sharding, "v": sharding})()
-
-
-CACHE_LOGICAL_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")

@@ -10,14 +10,12 @@ Contract (after JetStream's engine, with one deliberate difference):
     sampling, logprobs, version stamps and stop handling live in one code path; JetStream samples the
     first token in prefill instead.
 
-Decode state (a dict pytree, sharded by slot over "data" and by KV head over "tensor"):
-  k, v: per layer the cache. Slotted (attention "xla" / "cpu_kernel"): [B, G, S, K], cache index ==
-  absolute position, slot b holds valid entries at 0..pos[b]-1. Paged ("paged_kernel"): page pools
-  [G, pages, page_size, K] (`paged`), addressed through per-slot page tables that the host owns
-  (`page_table.PageTable`, kept by the loop) and passes to insert / generate / recompute_kv.
-  next_token [B]: the token at position pos[b], fed by the next step; last_pos [B]: position of the last
-  token the slot may generate; done [B]: the slot is free or finished (it is frozen); key [B, 2]: the row
-  key (seed, sample index). Attention masks each slot to its own valid positions.
+Decode state (`layout.decode_state`, a dict pytree sharded by slot over "data" and by KV head over
+"tensor"): per layer the KV cache, slotted [B, G, S, K] (attention "xla" / "cpu_kernel"; cache index ==
+absolute position) or page pools [G, pages, page_size, K] ("paged_kernel", `paged`) addressed through
+per-slot page tables that the host owns (`page_table.PageTable`, kept by the loop) and passes to insert /
+generate / recompute_kv; and per slot its next token, position, last position, done flag and random key.
+Attention masks each slot to its own valid positions.
 
 "auto" kernels are resolved when the engine is built (`kernel_choice`); `cfg` holds the concrete ones.
 
@@ -31,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,10 +37,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_async.model import ModelConfig, abstract_params
-from jaxrl_async.sampler import decode, kernel_choice, paged, sampling
+from jaxrl_async.sampler import decode, kernel_choice, layout, paged, sampling
 from jaxrl_async.sampler.config import SamplerConfig
 from jaxrl_async.sampler.page_table import SCRATCH, PageTable, pages_for
-from jaxrl_async.sharding import SAMPLER_RULES
+from jaxrl_async.sharding import SAMPLER_RULES, tree_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +66,26 @@ class Round:
     valid: jax.Array  # the slot was live when the token was produced
     done: jax.Array  # [B] after the call
     version: int  # the weight version every token of this round was produced with
+
+
+class InsertRow(NamedTuple):
+    """What `insert` writes into a slot; it travels to the device as one int32 vector (one transfer)."""
+
+    slot: int
+    last_token: int  # the prompt's last token: the slot's next input
+    pos: int  # its position, prompt_len - 1
+    last_pos: int  # position of the last token the slot may generate
+    seed: int  # the request's seed, its uint32 bits as an int32
+    sample_index: int
+    src: int  # the prefix's row in its prefilled batch
+
+    def to_array(self) -> np.ndarray:
+        return np.asarray(self, np.int32)
+
+    @classmethod
+    def from_array(cls, row) -> InsertRow:
+        """The fields of an int32 vector (traced inside `insert`)."""
+        return cls(*(row[i] for i in range(len(cls._fields))))
 
 
 def check_params(params, expected) -> None:
@@ -176,28 +195,16 @@ class Engine:
         self._layout_kw = dict(fuse=cfg.fuse_projections and not pack, pack=pack)
         self._expected = abstract_params(model_cfg, mesh, SAMPLER_RULES)
         shard = lambda axes, shape=None: SAMPLER_RULES.sharding(mesh, axes, shape)
-        to_layout = functools.partial(decode.to_decode_layout, model_cfg, **self._layout_kw)
-        dshapes = jax.eval_shape(to_layout, abstract_params(model_cfg))
-        dspecs = decode.decode_layout_axes(model_cfg, **self._layout_kw)
-        is_axes = lambda x: isinstance(x, tuple)
-        self._dparams_sh = jax.tree.map(
-            lambda axes, x: shard(axes, x.shape), dspecs, dshapes, is_leaf=is_axes
-        )
-        b, g, s, k = cfg.num_slots, model_cfg.n_kv_heads, cfg.slot_len, model_cfg.head_dim
+        self._dparams_specs = layout.specs_of(layout.decode_layout(model_cfg, **self._layout_kw))
+        self._dparams_sh = tree_shardings(self._dparams_specs, mesh, SAMPLER_RULES)
+        b, g, k = cfg.num_slots, model_cfg.n_kv_heads, model_cfg.head_dim
         if self.paged:
-            cache_sh = NamedSharding(mesh, self.page_layout.pool_spec)
+            cache = (self.page_layout.pool_shape, layout.POOL_AXES)
         else:
-            cache_sh = shard(decode.CACHE_AXES, (b, g, s, k))
+            cache = ((b, g, cfg.slot_len, k), layout.CACHE_AXES)
+        self._state_specs = layout.decode_state(model_cfg, b, *cache)
+        self._state_sh = tree_shardings(self._state_specs, mesh, SAMPLER_RULES)
         row_sh = shard(("batch",), (b,))
-        self._state_sh = {
-            "k": [cache_sh] * model_cfg.n_layers,
-            "v": [cache_sh] * model_cfg.n_layers,
-            "next_token": row_sh,
-            "pos": row_sh,
-            "last_pos": row_sh,
-            "done": row_sh,
-            "key": shard(("batch", None), (b, 2)),
-        }
         replicated = NamedSharding(mesh, PartitionSpec())
         steps_sh = shard((None, "batch"), (cfg.steps_per_call, b))
         round_sh = {
@@ -208,12 +215,15 @@ class Engine:
             "done": row_sh,
         }
         # Prefilled keys/values: replicated over "data" (any slot may take any row), whatever the batch.
-        kv_in = shard((None, "kv_heads", "seq", "head_dim"), (1, g, cfg.max_prompt_len, k))
+        kv_in = shard(layout.PREFIX_AXES, (1, g, cfg.max_prompt_len, k))
         self._kv_in_sh = kv_in
         table_sh = NamedSharding(mesh, PartitionSpec("data", None))  # page tables and per-slot page lists
         self._table_sh = table_sh
         paged_args = (table_sh,) if self.paged else ()
-        self._executables: dict[int, dict] = {}  # prompt bucket -> batch -> compiled prefill / insert
+        # name -> signature -> executable: each jitted entry point is compiled ahead of time once per
+        # signature (a call with another one fails instead of compiling silently).
+        self._executables: dict[str, dict] = {}
+        to_layout = functools.partial(layout.to_decode_layout, model_cfg, **self._layout_kw)
         self._to_layout = jax.jit(to_layout, out_shardings=self._dparams_sh)
         self._prefill = jax.jit(
             self._prefill_fn, in_shardings=(self._dparams_sh, replicated), out_shardings=(kv_in, kv_in)
@@ -242,7 +252,9 @@ class Engine:
             in_shardings=(self._state_sh, row_sh),
             out_shardings=self._state_sh,
         )
-        self._init_state = jax.jit(self._init_state_fn, out_shardings=self._state_sh)
+        self._init_state = jax.jit(
+            functools.partial(layout.initialize, self._state_specs), out_shardings=self._state_sh
+        )
         if weights_from is None:
             self._weights = _Weights(version)
         else:
@@ -301,23 +313,18 @@ class Engine:
         self._weights.version = int(version)
 
     def compile_generate(self):
-        """`generate` compiled on abstract weights and decode state (nothing allocated; for plan checks)."""
-        to_layout = functools.partial(decode.to_decode_layout, self.model_cfg, **self._layout_kw)
-        abstract = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
-        dshapes = jax.eval_shape(to_layout, abstract_params(self.model_cfg))
-        dparams = jax.tree.map(abstract, dshapes, self._dparams_sh)
-        state = jax.tree.map(abstract, jax.eval_shape(self._init_state_fn), self._state_sh)
-        tables = ()
-        if self.paged:
-            tables = (jax.ShapeDtypeStruct(self._table_shape(), jnp.int32, sharding=self._table_sh),)
-        return self._generate.lower(dparams, state, *tables).compile()
+        """`generate`'s executable, compiled on abstract weights and decode state on first use (a plan check
+        calls it with nothing allocated)."""
+        return self._executable("generate", None, self._lower_generate)
+
+    def _lower_generate(self):
+        tables = self._abstract_tables(self._table_shape()) if self.paged else ()
+        return self._generate.lower(self._abstract_dparams(), self._abstract_state(), *tables)
 
     def weight_bytes_per_device(self) -> int:
         """Bytes of the decode-layout weights on each sampler device (shared with `weights_from` engines)."""
-        to_layout = functools.partial(decode.to_decode_layout, self.model_cfg, **self._layout_kw)
-        shapes = jax.eval_shape(to_layout, abstract_params(self.model_cfg))
-        shard_bytes = lambda x, sh: int(np.prod(sh.shard_shape(x.shape))) * x.dtype.itemsize
-        return sum(jax.tree.leaves(jax.tree.map(shard_bytes, shapes, self._dparams_sh)))
+        shard_bytes = lambda x: int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+        return sum(map(shard_bytes, jax.tree.leaves(self._abstract_dparams())))
 
     def validate(self, params: dict) -> None:
         """Raises ValueError (naming the leaf) unless `params` match this engine's sampler layout."""
@@ -374,31 +381,50 @@ class Engine:
                 tokens = np.zeros((n, bucket), np.int32)
                 for r, i in enumerate(chunk):
                     tokens[r, : len(arrays[i])] = arrays[i]
-                keys, values = self._compiled(bucket)[n]["prefill"](self._dparams, tokens)
+                keys, values = self._bucket_executables(bucket, n)[0](self._dparams, tokens)
                 for r, i in enumerate(chunk):
                     out[i] = Prefix(keys, values, len(arrays[i]), int(arrays[i][-1]), self.version, r)
         return out
 
-    def _compiled(self, bucket: int) -> dict:
-        """{batch: {"prefill", "insert"}} executables for a prompt bucket (compiled on first use)."""
-        if bucket not in self._executables:
-            abstract = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
-            state = jax.tree.map(abstract, jax.eval_shape(self._init_state_fn), self._state_sh)
-            row = jax.ShapeDtypeStruct((7,), jnp.int32)
-            per_batch = {}
-            for n in _batch_buckets(self.cfg.prefill_batch):
-                tokens = jax.ShapeDtypeStruct((n, bucket), jnp.int32)
-                prefill = self._prefill.lower(self._dparams, tokens).compile()
-                kv = jax.eval_shape(self._prefill_fn, self._dparams, tokens)[0]
-                kv = [abstract(x, self._kv_in_sh) for x in kv]
-                dest = ()
-                if self.paged:
-                    dest_shape = self._dest_shape(bucket)
-                    dest = (jax.ShapeDtypeStruct(dest_shape, jnp.int32, sharding=self._table_sh),)
-                insert = self._insert.lower(state, kv, kv, row, *dest).compile()
-                per_batch[n] = {"prefill": prefill, "insert": insert}
-            self._executables[bucket] = per_batch
-        return self._executables[bucket]
+    def _bucket_executables(self, bucket: int, n: int) -> tuple:
+        """(prefill, insert) executables for `n` prompts of a prompt bucket. A bucket's first use compiles
+        them for every prefill batch size, so admissions of varying size never compile later."""
+        if (bucket, n) not in self._executables.get("prefill", {}):
+            m = self.model_cfg
+            for size in _batch_buckets(self.cfg.prefill_batch):
+                tokens = jax.ShapeDtypeStruct((size, bucket), jnp.int32)
+                self._executable(
+                    "prefill",
+                    (bucket, size),
+                    lambda t=tokens: self._prefill.lower(self._abstract_dparams(), t),
+                )
+                kv_shape = (size, m.n_kv_heads, bucket, m.head_dim)
+                kv = [jax.ShapeDtypeStruct(kv_shape, m.dtype, sharding=self._kv_in_sh)] * m.n_layers
+                row = jax.ShapeDtypeStruct((len(InsertRow._fields),), jnp.int32)
+                dest = self._abstract_tables(self._dest_shape(bucket)) if self.paged else ()
+                lower = lambda kv=kv, row=row, dest=dest: self._insert.lower(
+                    self._abstract_state(), kv, kv, row, *dest
+                )
+                self._executable("insert", (bucket, size), lower)
+        return self._executables["prefill"][(bucket, n)], self._executables["insert"][(bucket, n)]
+
+    def _executable(self, name: str, key, lower):
+        """Entry point `name` compiled for signature `key` (`lower()` gives its Lowered; called once)."""
+        per_key = self._executables.setdefault(name, {})
+        exe = per_key.get(key)
+        if exe is None:
+            exe = per_key[key] = lower().compile()
+        return exe
+
+    def _abstract_dparams(self) -> dict:
+        return layout.abstract(self._dparams_specs, self._dparams_sh)
+
+    def _abstract_state(self) -> dict:
+        return layout.abstract(self._state_specs, self._state_sh)
+
+    def _abstract_tables(self, shape) -> tuple:
+        """A paged engine's page-table argument (or `insert`'s `dest`) of `shape`, abstract."""
+        return (jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._table_sh),)
 
     def insert(
         self,
@@ -424,15 +450,19 @@ class Engine:
         if self.paged != (dest is not None):
             raise ValueError("insert: pass `dest` pages exactly when the cache is paged")
         p = prefix.prompt_len
-        seed_u32 = np.asarray(seed & 0xFFFFFFFF, np.uint32).view(np.int32)
-        row = np.asarray(
-            [slot, prefix.last_token, p - 1, p + max_new_tokens - 1, seed_u32, sample_index, prefix.row],
-            np.int32,
+        row = InsertRow(
+            slot=slot,
+            last_token=prefix.last_token,
+            pos=p - 1,
+            last_pos=p + max_new_tokens - 1,
+            seed=int(np.asarray(seed & 0xFFFFFFFF, np.uint32).view(np.int32)),
+            sample_index=sample_index,
+            src=prefix.row,
         )
         bucket = prefix.keys[0].shape[2]
-        insert = self._compiled(bucket)[prefix.keys[0].shape[0]]["insert"]
+        insert = self._bucket_executables(bucket, prefix.keys[0].shape[0])[1]
         pages = () if dest is None else (np.asarray(dest, np.int32).reshape(self._dest_shape(bucket)),)
-        return insert(state, prefix.keys, prefix.values, row, *pages)
+        return insert(state, prefix.keys, prefix.values, row.to_array(), *pages)
 
     def insert_pages(self, slot: int, prompt_len: int, pages: list[int], skip: int) -> np.ndarray:
         """`insert`'s `dest` for a slot whose pages are `pages` (in order), the first `skip` of them shared
@@ -451,7 +481,7 @@ class Engine:
           page_table: paged cache only: int32 [num_slots, width] (`PageTable.table`, or its device copy);
             every live slot must own pages for the positions this call writes.
         """
-        state, out = self._generate(self._dparams, state, *self._tables(page_table))
+        state, out = self.compile_generate()(self._dparams, state, *self._tables(page_table))
         return state, Round(**out, version=self.version)
 
     def recompute_kv(self, state: dict, sequences: list, page_table=None) -> dict:
@@ -478,21 +508,26 @@ class Engine:
                     n = min(pages_for(len(seq), self.cfg.page_size), n_chunks)
                     dest_BxC[b, :n] = table[b, :n]
             dest = (dest_BxC,)
-        return self._recompute(self._dparams, state, tokens, *dest)
+        host = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # placed by the jit's in_shardings
+        lower = lambda: self._recompute.lower(
+            self._abstract_dparams(), self._abstract_state(), host(tokens), *map(host, dest)
+        )
+        return self._executable("recompute", bucket, lower)(self._dparams, state, tokens, *dest)
 
     def release(self, state: dict, slots: list[int]) -> dict:
         """Marks `slots` finished on the device (donating `state`): they stop writing their cache (used when
         the loop takes a sequence's pages away)."""
         mask = np.zeros((self.cfg.num_slots,), bool)
         mask[list(slots)] = True
-        return self._release(state, mask)
+        mask_abstract = jax.ShapeDtypeStruct(mask.shape, mask.dtype)
+        lower = lambda: self._release.lower(self._abstract_state(), mask_abstract)
+        release = self._executable("release", None, lower)
+        return release(state, mask)
 
     def cache_sizes(self) -> dict[str, int]:
-        """Number of compiled executables per jitted entry point (for recompilation checks)."""
-        fns = {"generate": self._generate, "recompute": self._recompute, "release": self._release}
-        compiled = {k: f._cache_size() for k, f in fns.items()}
-        n = sum(len(per_batch) for per_batch in self._executables.values())
-        return {"prefill": n, "insert": n, **compiled}
+        """Number of compiled executables per entry point (for recompilation checks)."""
+        names = ("prefill", "insert", "generate", "recompute", "release")
+        return {name: len(self._executables.get(name, {})) for name in names}
 
     def _table_shape(self) -> tuple[int, int]:
         return (self.cfg.num_slots, self.page_layout.width)
@@ -507,29 +542,14 @@ class Engine:
 
     # ----- jitted bodies -----
 
-    def _init_state_fn(self) -> dict:
-        m, c = self.model_cfg, self.cfg
-        shape = (
-            self.page_layout.pool_shape if self.paged else (c.num_slots, m.n_kv_heads, c.slot_len, m.head_dim)
-        )
-        zeros_b = jnp.zeros((c.num_slots,), jnp.int32)
-        return {
-            "k": [jnp.zeros(shape, m.dtype) for _ in range(m.n_layers)],
-            "v": [jnp.zeros(shape, m.dtype) for _ in range(m.n_layers)],
-            "next_token": zeros_b,
-            "pos": zeros_b,
-            "last_pos": zeros_b,
-            "done": jnp.ones((c.num_slots,), bool),
-            "key": jnp.zeros((c.num_slots, 2), jnp.uint32),
-        }
-
     def _prefill_fn(self, dparams, tokens_1xT):
         keys, values = decode.prefill_kv(self.model_cfg, dparams, tokens_1xT, self.mesh)
         return keys, values
 
-    def _insert_fn(self, state, keys, values, row, dest=None):
-        slot, last_token, pos, last_pos, src = row[0], row[1], row[2], row[3], row[6]
-        seed, index = jax.lax.bitcast_convert_type(row[4:6], jnp.uint32)
+    def _insert_fn(self, state, keys, values, row_array, dest=None):
+        row = InsertRow.from_array(row_array)
+        slot, src = row.slot, row.src
+        seed, index = jax.lax.bitcast_convert_type(jnp.stack([row.seed, row.sample_index]), jnp.uint32)
         key = sampling.row_keys(seed[None], index[None])[0]
 
         def put(cache, prefix):
@@ -548,9 +568,9 @@ class Engine:
         return {
             "k": new_k,
             "v": new_v,
-            "next_token": state["next_token"].at[slot].set(last_token),
-            "pos": state["pos"].at[slot].set(pos),
-            "last_pos": state["last_pos"].at[slot].set(last_pos),
+            "next_token": state["next_token"].at[slot].set(row.last_token),
+            "pos": state["pos"].at[slot].set(row.pos),
+            "last_pos": state["last_pos"].at[slot].set(row.last_pos),
             "done": state["done"].at[slot].set(False),
             "key": state["key"].at[slot].set(key),
         }
@@ -560,7 +580,7 @@ class Engine:
 
     def _timing_state_fn(self):
         """Every slot live at mid-capacity (for timing `generate`; the cache contents do not matter)."""
-        state = self._init_state_fn()
+        state = layout.initialize(self._state_specs)
         b, mid = self.cfg.num_slots, self.capacity // 2
         full = lambda v: jnp.full((b,), v, jnp.int32)
         return dict(state, pos=full(mid), last_pos=full(self.capacity - 1), done=jnp.zeros((b,), bool))

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxrl_async.sampler.layout import POOL_AXES
 from jaxrl_async.sampler.page_table import SCRATCH
 from jaxrl_async.sharding import SAMPLER_RULES
 
@@ -87,7 +88,7 @@ class PagedLayout:
 
     @property
     def pool_spec(self) -> PartitionSpec:
-        return PartitionSpec(self.heads, "data", None, None)
+        return SAMPLER_RULES.spec(POOL_AXES, self.pool_shape, self.mesh)
 
     @property
     def blocks(self) -> tuple[int, int]:
