@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,26 +65,6 @@ class Round:
     valid: jax.Array  # the slot was live when the token was produced
     done: jax.Array  # [B] after the call
     version: int  # the weight version every token of this round was produced with
-
-
-class InsertRow(NamedTuple):
-    """What `insert` writes into a slot; it travels to the device as one int32 vector (one transfer)."""
-
-    slot: int
-    last_token: int  # the prompt's last token: the slot's next input
-    pos: int  # its position, prompt_len - 1
-    last_pos: int  # position of the last token the slot may generate
-    seed: int  # the request's seed, its uint32 bits as an int32
-    sample_index: int
-    src: int  # the prefix's row in its prefilled batch
-
-    def to_array(self) -> np.ndarray:
-        return np.asarray(self, np.int32)
-
-    @classmethod
-    def from_array(cls, row) -> InsertRow:
-        """The fields of an int32 vector (traced inside `insert`)."""
-        return cls(*(row[i] for i in range(len(cls._fields))))
 
 
 def check_params(params, expected) -> None:
@@ -180,7 +159,7 @@ class Engine:
                 )
         self.model_cfg, self.cfg, self.mesh = model_cfg, cfg, mesh
         self.paged = cfg.attention == "paged_kernel"
-        self.page_layout = self._page_layout() if self.paged else None
+        self.page_layout = paged.engine_layout(mesh, model_cfg, cfg) if self.paged else None
         if not self.paged:
             cfg.check_slotted()
         # Longest sequence (prompt + generated tokens) one slot can hold.
@@ -267,23 +246,6 @@ class Engine:
             self._weights = weights_from._weights
         if params is not None:
             self.update_params(params, version)
-
-    def _page_layout(self) -> paged.PagedLayout:
-        c, m = self.cfg, self.model_cfg
-        data = self.mesh.shape["data"]
-        impl, interpret = paged.default_impl(self.mesh.devices.flat[0].platform)
-        pages_per_seq = pages_for(c.max_seq_len, c.page_size)
-        usable = c.token_budget // (data * c.page_size)
-        if usable < pages_per_seq:
-            raise ValueError(
-                f"SamplerConfig.token_budget={c.token_budget} gives {usable} pages of {c.page_size} "
-                f"positions per data shard ({data} shards); one sequence of max_prompt_len + "
-                f"max_new_tokens = {c.max_seq_len} needs {pages_per_seq}"
-            )
-        width = paged.table_width(pages_per_seq, impl, interpret)
-        return paged.PagedLayout(
-            self.mesh, m.n_kv_heads, m.head_dim, c.page_size, usable + 1, width, impl, interpret
-        )
 
     # ----- public API -----
 
@@ -400,7 +362,7 @@ class Engine:
                 )
                 kv_shape = (size, m.n_kv_heads, bucket, m.head_dim)
                 kv = [jax.ShapeDtypeStruct(kv_shape, m.dtype, sharding=self._kv_in_sh)] * m.n_layers
-                row = jax.ShapeDtypeStruct((len(InsertRow._fields),), jnp.int32)
+                row = jax.ShapeDtypeStruct((len(layout.InsertRow._fields),), jnp.int32)
                 dest = self._abstract_tables(self._dest_shape(bucket)) if self.paged else ()
                 lower = lambda kv=kv, row=row, dest=dest: self._insert.lower(
                     self._abstract_state(), kv, kv, row, *dest
@@ -450,7 +412,7 @@ class Engine:
         if self.paged != (dest is not None):
             raise ValueError("insert: pass `dest` pages exactly when the cache is paged")
         p = prefix.prompt_len
-        row = InsertRow(
+        row = layout.InsertRow(
             slot=slot,
             last_token=prefix.last_token,
             pos=p - 1,
@@ -547,7 +509,7 @@ class Engine:
         return keys, values
 
     def _insert_fn(self, state, keys, values, row_array, dest=None):
-        row = InsertRow.from_array(row_array)
+        row = layout.InsertRow.from_array(row_array)
         slot, src = row.slot, row.src
         seed, index = jax.lax.bitcast_convert_type(jnp.stack([row.seed, row.sample_index]), jnp.uint32)
         key = sampling.row_keys(seed[None], index[None])[0]

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrl_async.model import ModelConfig, ParamSpec, param_specs
 from jaxrl_async.sampler import cpu_kernels
@@ -193,3 +195,23 @@ def abstract(specs, shardings) -> dict:
     return jax.tree.map(
         lambda s, sh: s.abstract(sh), specs, shardings, is_leaf=lambda x: isinstance(x, ParamSpec)
     )
+
+
+class InsertRow(NamedTuple):
+    """What `insert` writes into a slot; it travels to the device as one int32 vector (one transfer)."""
+
+    slot: int
+    last_token: int  # the prompt's last token: the slot's next input
+    pos: int  # its position, prompt_len - 1
+    last_pos: int  # position of the last token the slot may generate
+    seed: int  # the request's seed, its uint32 bits as an int32
+    sample_index: int
+    src: int  # the prefix's row in its prefilled batch
+
+    def to_array(self) -> np.ndarray:
+        return np.asarray(self, np.int32)
+
+    @classmethod
+    def from_array(cls, row) -> InsertRow:
+        """The fields of an int32 vector (traced inside `insert`)."""
+        return cls(*(row[i] for i in range(len(cls._fields))))

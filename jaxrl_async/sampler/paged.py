@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxrl_async.sampler.layout import POOL_AXES
-from jaxrl_async.sampler.page_table import SCRATCH
+from jaxrl_async.sampler.page_table import SCRATCH, pages_for
 from jaxrl_async.sharding import SAMPLER_RULES
 
 IMPLS = ("tpu", "gpu")
@@ -106,6 +106,29 @@ def table_width(pages_per_seq: int, impl: str, interpret: bool) -> int:
     """Page-table columns: pages of the longest sequence, rounded up so the kernels' blocks divide them."""
     multiple = 2 if interpret else (8 if impl == "tpu" else 16)
     return -(-pages_per_seq // multiple) * multiple
+
+
+def engine_layout(mesh: Mesh, model_cfg, cfg) -> PagedLayout:
+    """The page layout of an engine: `cfg.token_budget` split into pages over the data shards, each shard's
+    scratch page added, on the platform's kernel.
+
+    Raises:
+      ValueError: a data shard gets too few pages for one sequence of max_prompt_len + max_new_tokens.
+    """
+    data = mesh.shape["data"]
+    impl, interpret = default_impl(mesh.devices.flat[0].platform)
+    pages_per_seq = pages_for(cfg.max_seq_len, cfg.page_size)
+    usable = cfg.token_budget // (data * cfg.page_size)
+    if usable < pages_per_seq:
+        raise ValueError(
+            f"SamplerConfig.token_budget={cfg.token_budget} gives {usable} pages of {cfg.page_size} "
+            f"positions per data shard ({data} shards); one sequence of max_prompt_len + "
+            f"max_new_tokens = {cfg.max_seq_len} needs {pages_per_seq}"
+        )
+    width = table_width(pages_per_seq, impl, interpret)
+    return PagedLayout(
+        mesh, model_cfg.n_kv_heads, model_cfg.head_dim, cfg.page_size, usable + 1, width, impl, interpret
+    )
 
 
 def _attend_local(layout: PagedLayout, q_BxHxK, kpool, vpool, lengths_B, table_BxW):
