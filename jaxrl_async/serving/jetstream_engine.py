@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
 from jaxrl_async.sampler import Engine, Prefix
-from jaxrl_async.sampler.decode import CACHE_AXES
+from jaxrl_async.sampler.layout import CACHE_AXES
 from jaxrl_async.serving.load import encode_prompt
 from jaxrl_async.sharding import SAMPLER_RULES
 from jaxrl_async.tokenizer import Tokenizer, load_tokenizer
