@@ -3,7 +3,7 @@
 Component sections (data, reward, sampler, trainer, warm_start) are built from the components' own
 frozen dataclasses, whose docstrings document each field: jaxrl_async.data.DataConfig,
 jaxrl_async.rewards.RewardConfig, jaxrl_async.sampler.SamplerConfig, jaxrl_async.trainer.TrainConfig,
-jaxrl_async.warmstart.WarmStartConfig. Override any field with --config.<section>.<field>=value.
+jaxrl_async.trainer.warmstart.WarmStartConfig. Override any field with --config.<section>.<field>=value.
 """
 
 import ml_collections
@@ -13,7 +13,7 @@ from jaxrl_async.rewards import RewardConfig
 from jaxrl_async.run_config import MeshConfig, ModelSection, dataclass_section
 from jaxrl_async.sampler import SamplerConfig
 from jaxrl_async.trainer import TrainConfig
-from jaxrl_async.warmstart import WarmStartConfig
+from jaxrl_async.trainer.warmstart import WarmStartConfig
 
 
 def get_config() -> ml_collections.ConfigDict:

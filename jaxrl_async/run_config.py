@@ -22,7 +22,7 @@ from jaxrl_async.model.config import ATTENTION, DTYPES
 from jaxrl_async.rewards import RewardConfig
 from jaxrl_async.sampler import SamplerConfig
 from jaxrl_async.trainer import TrainConfig
-from jaxrl_async.warmstart import WarmStartConfig
+from jaxrl_async.trainer.warmstart import WarmStartConfig
 
 SECTIONS = {
     "data": DataConfig,
@@ -294,7 +294,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     mesh = _section("mesh", MeshConfig, dict(c["mesh"]))
     need = mesh.devices_needed
     if mesh.sampler_processes and num_devices is not None:
-        need = 0  # checked per role by jaxrl_async.setup once the processes have joined
+        need = 0  # checked per role by jaxrl_async.runtime.build once the processes have joined
     if num_devices is not None and need > num_devices:
         how = "colocated on" if mesh.colocate else "+"
         raise ConfigError(
@@ -313,7 +313,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
             )
     caps = c.get("length_caps", "")
     if caps:
-        from jaxrl_async.actor import length_cap_fn
+        from jaxrl_async.data.length_caps import length_cap_fn
 
         try:
             length_cap_fn(caps)

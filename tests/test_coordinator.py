@@ -3,10 +3,10 @@
 import functools
 import json
 
-from jaxrl_async.coordinator import Coordinator
 from jaxrl_async.data import DataConfig, make_prompt_iterator, prompt_at
+from jaxrl_async.runtime.coordinator import Coordinator
+from jaxrl_async.runtime.transport import LocalTransport, TicketRequest, Tickets, Trained
 from jaxrl_async.tokenizer import load_tokenizer
-from jaxrl_async.transport import LocalTransport, TicketRequest, Tickets, Trained
 
 TOK = load_tokenizer("char")
 DATA = DataConfig(task="arithmetic", num_train=12, num_epochs=1, seed=3)

@@ -6,8 +6,8 @@ import gc
 import jax
 import pytest
 
-from jaxrl_async.evaluation import eval_sampler_config
 from jaxrl_async.model import init_params, presets
+from jaxrl_async.runtime.evaluation import eval_sampler_config
 from jaxrl_async.sampler import Engine, Request, SamplerConfig, SamplerLoop
 from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
 

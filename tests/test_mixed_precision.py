@@ -11,10 +11,10 @@ from configs import base, math_8b, qwen_1p5b_math
 from jaxrl_async.model import from_hf_config, init_params, presets
 from jaxrl_async.rollouts import Rollout
 from jaxrl_async.run_config import ConfigError, validate
+from jaxrl_async.runtime.weight_sync import WeightSync
 from jaxrl_async.sampler import Engine, SamplerConfig
 from jaxrl_async.sharding import make_mesh
 from jaxrl_async.trainer import TrainConfig, create_train_state, prepare_batch, train_step
-from jaxrl_async.weight_sync import WeightSync
 
 MODEL = presets.tiny(vocab_size=64, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffw_size=128)
 MIXED = MODEL.replace(dtype="bfloat16", param_dtype="float32")

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from jaxrl_async.cluster import ClusterError, Flags, Roles
-from jaxrl_async.metrics import read_scalars
 from jaxrl_async.run_config import MeshConfig
+from jaxrl_async.runtime.cluster import ClusterError, Flags, Roles
+from jaxrl_async.runtime.metrics import read_scalars
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(REPO, "launch", "local_cluster.py")

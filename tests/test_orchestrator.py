@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from configs import tiny_arith
-from jaxrl_async.checkpoint import load_policy
-from jaxrl_async.metrics import SCALAR_TAGS, read_scalars
 from jaxrl_async.model import forward_logits, init_params
-from jaxrl_async.orchestrator import run_from_config
 from jaxrl_async.run_config import ConfigError, validate
+from jaxrl_async.runtime.checkpoint import load_policy
+from jaxrl_async.runtime.metrics import SCALAR_TAGS, read_scalars
+from jaxrl_async.runtime.orchestrator import run_from_config
+from jaxrl_async.runtime.weight_sync import checksum
 from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
-from jaxrl_async.weight_sync import checksum
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -200,7 +200,7 @@ def test_sampler_devices_hold_one_copy_of_the_weights(tmp_path):
     """The sampler's engine and the eval engine share one decode-layout copy; nothing else stays behind."""
     import gc
 
-    from jaxrl_async.orchestrator import build_local
+    from jaxrl_async.runtime.orchestrator import build_local
 
     proc = build_local(_small(tmp_path, eval_prompts=4))
     try:

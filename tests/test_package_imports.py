@@ -46,3 +46,21 @@ RewardConfig(reward="my_pkg.not_imported:fn", imports=("my_pkg.also_not_imported
 print(json.dumps(sorted(set(sys.modules) - before)))
 """
     assert _modules_after(code) == []
+
+
+LIBRARIES = ("jaxrl_async.model", "jaxrl_async.data", "jaxrl_async.sampler", "jaxrl_async.rewards",
+             "jaxrl_async.trainer", "jaxrl_async.perf", "jaxrl_async.rollouts", "jaxrl_async.sharding",
+             "jaxrl_async.tokenizer", "jaxrl_async.run_config")  # fmt: skip
+
+
+@pytest.mark.parametrize("package", LIBRARIES)
+def test_libraries_import_nothing_from_the_runtime(package):
+    """The libraries know nothing of processes or messages: importing any of them (every submodule of a
+    package) loads no module of jaxrl_async.runtime."""
+    module_only = ("import importlib, json, sys; importlib.import_module({package!r}); "
+                   "print(json.dumps(sorted(sys.modules)))")
+    is_module = package.rsplit(".", 1)[-1] in ("rollouts", "sharding", "tokenizer", "run_config")
+    code = (module_only if is_module else _IMPORT_ALL).format(package=package)
+    modules = _modules_after(code)
+    assert package in modules
+    assert [m for m in modules if m.startswith("jaxrl_async.runtime")] == []

@@ -230,7 +230,7 @@ def test_paged_config_errors(params):
 def test_plan_sizes_paged_kv():
     from jaxrl_async.perf.system import kv_tokens_per_sequence
     from jaxrl_async.perf.workload import LogNormalLengths, Workload
-    from jaxrl_async.plan_check import paged_kv_plan
+    from jaxrl_async.runtime.plan_check import paged_kv_plan
 
     cfg = presets.tiny(vocab_size=256, n_layers=2)
     s = SamplerConfig(num_slots=64, max_prompt_len=16, max_new_tokens=48, page_size=8)

@@ -5,7 +5,7 @@ import dataclasses
 import jax
 
 from jaxrl_async.model import presets
-from jaxrl_async.plan_check import (
+from jaxrl_async.runtime.plan_check import (
     decode_memory,
     kv_cache_bytes,
     plan_check,

@@ -12,8 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrl_async.checkpoint import load_policy
-from jaxrl_async.metrics import read_scalars
+from jaxrl_async.runtime.checkpoint import load_policy
+from jaxrl_async.runtime.metrics import read_scalars
 from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -19,11 +19,11 @@ from jaxrl_async.rewards import (
     grade_one,
     list_rewards,
     register_reward,
-    wire,
 )
 from jaxrl_async.rewards.answers import extract_boxed, extract_gsm8k, reference_answer
 from jaxrl_async.rewards.code import Opaque, code_reward, strict_equal
 from jaxrl_async.rewards.math import MAX_ANSWERS, answer_kind, format_reward, is_equivalent, math_reward
+from jaxrl_async.rewards.sandbox import wire
 from jaxrl_async.rewards.synthetic import arithmetic_reward, countdown_reward, countdown_verify
 
 USER_MODULE = textwrap.dedent(

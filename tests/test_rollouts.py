@@ -6,8 +6,8 @@ import pytest
 
 from jaxrl_async.model import init_params, param_shardings, presets
 from jaxrl_async.rollouts import Rollout, RolloutQueue, StalenessController, staleness_stats
+from jaxrl_async.runtime.weight_sync import WeightSync
 from jaxrl_async.sharding import SAMPLER_RULES, TRAINER_RULES, make_mesh
-from jaxrl_async.weight_sync import WeightSync
 
 
 def _rollout(group, idx, versions, reward=1.0):

@@ -9,9 +9,11 @@ import socket
 
 import pytest
 
-from jaxrl_async.rewards import RewardConfig, RewardService, fsview, reward_hacks
-from jaxrl_async.rewards import sandbox as sb
-from jaxrl_async.rewards.hostile import BREACH_MARKER, CASES, SECRET_ENV, render
+from jaxrl_async.rewards import RewardConfig, RewardService
+from jaxrl_async.rewards.sandbox import fsview
+from jaxrl_async.rewards.sandbox import launcher as sb
+from jaxrl_async.rewards.testing import reward_hacks
+from jaxrl_async.rewards.testing.hostile import BREACH_MARKER, CASES, SECRET_ENV, render
 
 LIMITS = {"timeout_s": 2.0, "cpu_s": 2, "memory_mb": 256, "max_processes": 32, "max_output_bytes": 1 << 16}
 SLACK_S = 3.0  # startup + kill + cleanup on 2 shared cores

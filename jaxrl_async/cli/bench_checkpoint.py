@@ -30,8 +30,8 @@ def main(argv) -> None:
     preset, reps = _PRESET.value, _REPS.value
     import jax
 
-    from jaxrl_async.checkpoint import RunCheckpoints
     from jaxrl_async.model import init_params, presets
+    from jaxrl_async.runtime.checkpoint import RunCheckpoints
     from jaxrl_async.sharding import TRAINER_RULES, make_mesh
     from jaxrl_async.trainer import TrainConfig, create_train_state
 

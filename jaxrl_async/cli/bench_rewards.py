@@ -30,16 +30,10 @@ import time
 from absl import app, flags
 
 from jaxrl_async.cli import run_command
-from jaxrl_async.rewards import (
-    RewardConfig,
-    RewardService,
-    fsview,
-    grade_one,
-    hostile,
-    reward_hacks,
-    sandbox,
-    wire,
-)
+from jaxrl_async.rewards import RewardConfig, RewardService, grade_one
+from jaxrl_async.rewards.sandbox import fsview, wire
+from jaxrl_async.rewards.sandbox import launcher as sandbox
+from jaxrl_async.rewards.testing import hostile, reward_hacks
 
 # The checkout: "this tree" of the comparisons, and the git repository --baseline reads.
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

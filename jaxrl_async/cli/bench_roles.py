@@ -28,13 +28,13 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv):
     del argv
-    from jaxrl_async.launch_util import prepare_devices
+    from jaxrl_async.runtime.cluster import prepare_devices
 
     config = _CONFIG.value
     prepare_devices(config)  # before JAX picks a backend
-    from jaxrl_async.calibration import calibrate_roles
-    from jaxrl_async.orchestrator import build_local
     from jaxrl_async.run_config import ConfigError
+    from jaxrl_async.runtime.calibration import calibrate_roles
+    from jaxrl_async.runtime.orchestrator import build_local
 
     try:
         proc = build_local(config)
@@ -43,7 +43,7 @@ def main(argv):
     try:
         result = calibrate_roles(proc, _BATCHES.value)
         if _DECODE.value:
-            from jaxrl_async.calibration import decode_curve
+            from jaxrl_async.runtime.calibration import decode_curve
 
             result["decode"] = decode_curve(proc)
     finally:

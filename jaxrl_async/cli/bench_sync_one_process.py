@@ -22,9 +22,9 @@ from absl import flags
 
 from jaxrl_async.cli import run_command
 from jaxrl_async.model import init_params, presets
+from jaxrl_async.runtime.weight_sync import WeightSync
 from jaxrl_async.sampler import Engine, SamplerConfig
 from jaxrl_async.sharding import TRAINER_RULES, make_mesh
-from jaxrl_async.weight_sync import WeightSync
 
 _PRESET = flags.DEFINE_string("preset", "qwen2.5-1.5b", "model shape (jaxrl_async.model.presets)")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "the sampler's weight dtype (masters: float32)")

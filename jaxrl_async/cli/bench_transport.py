@@ -5,7 +5,7 @@ local copies of the same bytes.
 
 Starts two JAX processes on localhost (one CPU device each; process 0 plays the trainer, process 1 the
 sampler) and moves the model's parameters from one to the other every repetition with
-`jaxrl_async.weight_sync`: the trainer casts its shards into a fresh copy and offers them
+`jaxrl_async.runtime.weight_sync`: the trainer casts its shards into a fresh copy and offers them
 (`jax.experimental.transfer.await_pull`), the sampler pulls them and lays them out. Reports the median
 seconds on the sampler side (GB/s) and on the trainer side (what the trainer's loop pays per version),
 beside `numpy` copying the same bytes and `jax.device_put` between two devices of one process (the
@@ -57,11 +57,11 @@ def _worker(pid: int, port: int, tmp: str, preset: str, reps: int, samples: int,
     import numpy as np
     from jax._src.distributed import global_state
 
-    from jaxrl_async.cluster import Cluster, Roles
     from jaxrl_async.model import init_params, presets
+    from jaxrl_async.runtime.cluster import Cluster, Roles
+    from jaxrl_async.runtime.transport import Hello, Rollouts, ZmqTransport
+    from jaxrl_async.runtime.weight_sync import TransferPublisher, TransferReceiver
     from jaxrl_async.sharding import TRAINER_RULES, make_mesh
-    from jaxrl_async.transport import Hello, Rollouts, ZmqTransport
-    from jaxrl_async.weight_sync import TransferPublisher, TransferReceiver
 
     cluster = Cluster(Roles(2, (1,), (0,)), pid, global_state.client)
     cfg = presets.get(preset, vocab_size=32000 if preset != "tiny" else 64)
@@ -103,7 +103,7 @@ def _worker(pid: int, port: int, tmp: str, preset: str, reps: int, samples: int,
         hub.close()
     else:
         recv = TransferReceiver(cluster, 0, cfg, t_mesh, s_mesh, cfg.param_dtype)
-        from jaxrl_async.transport import NewWeights
+        from jaxrl_async.runtime.transport import NewWeights
 
         pulled = []
         for v in range(reps + 1):

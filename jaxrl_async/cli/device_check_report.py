@@ -11,7 +11,7 @@ import os
 from absl import app
 
 from jaxrl_async.cli import run_command
-from jaxrl_async.metrics import SCALAR_TAGS, read_scalars
+from jaxrl_async.runtime.metrics import SCALAR_TAGS, read_scalars
 
 # The peer bars: decode at >= 70% of HBM bandwidth at batch 1, train MFU >= 40%, a 1.5B weight
 # sync in <= 0.5 s when colocated.

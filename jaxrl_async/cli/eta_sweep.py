@@ -154,7 +154,7 @@ def run_cells(todo: list[tuple[list[str], str]], parallel: int, pin: bool, deadl
 
 
 def _tb_means(workdir: str) -> dict[str, float]:
-    from jaxrl_async.metrics import read_scalars
+    from jaxrl_async.runtime.metrics import read_scalars
 
     try:
         scalars = read_scalars(os.path.join(workdir, "tb"))
@@ -169,7 +169,7 @@ def _tb_means(workdir: str) -> dict[str, float]:
 def _from_events(cell: dict, workdir: str) -> dict:
     """What a cell's TensorBoard events hold when it wrote no summary (it failed, e.g. while stopping):
     its evaluations and staleness, flagged `no_summary`; an error if there are no evaluations either."""
-    from jaxrl_async.metrics import read_scalars
+    from jaxrl_async.runtime.metrics import read_scalars
 
     try:
         scalars = read_scalars(os.path.join(workdir, "tb"))

@@ -28,8 +28,8 @@ def main(argv) -> None:
 
     import jax
 
-    from jaxrl_async.checkpoint import load_policy
     from jaxrl_async.model import save_hf
+    from jaxrl_async.runtime.checkpoint import load_policy
     from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
 
     mesh = make_mesh((1, 1), ("data", "tensor"), jax.local_devices()[:1])

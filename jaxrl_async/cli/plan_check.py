@@ -55,8 +55,8 @@ def main(argv) -> None:
 
     from jaxrl_async.model import from_hf_config, presets
     from jaxrl_async.perf.hardware import get_hardware
-    from jaxrl_async.plan_check import paged_kv_plan, plan_check, target_platform
     from jaxrl_async.run_config import component_sections
+    from jaxrl_async.runtime.plan_check import paged_kv_plan, plan_check, target_platform
 
     m = config.model
     numerics = dict(dtype=m.dtype, param_dtype=m.param_dtype, attention=_ATTENTION.value or m.attention)

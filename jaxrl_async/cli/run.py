@@ -33,9 +33,9 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv):
     del argv
-    from jaxrl_async import cluster as cl
-    from jaxrl_async.launch_util import prepare_devices
     from jaxrl_async.run_config import ConfigError
+    from jaxrl_async.runtime import cluster as cl
+    from jaxrl_async.runtime.cluster import prepare_devices
 
     config = _CONFIG.value
     try:
@@ -53,7 +53,7 @@ def main(argv):
         cluster = cl.connect(config.mesh, flags_)
     except (ConfigError, cl.ClusterError) as e:
         raise app.UsageError(f"invalid config: {e}") from None
-    from jaxrl_async.orchestrator import run_from_config
+    from jaxrl_async.runtime.orchestrator import run_from_config
 
     try:
         run_from_config(config, cluster)

@@ -4,6 +4,6 @@ Modules: `hardware` (device rooflines), `shapes` (model FLOPs and bytes), `workl
 distributions), `latency` (decode step time t(b) and its fit), `system` (what is evaluated), `model`
 (analytic rates and staleness per split), `simulator` (discrete-event check), `shared_host` (both roles on
 the same cores, from role benches), `scenario` and `report` (files in and out). Everything here is
-analytic: nothing compiles a step (`jaxrl_async.plan_check` compiles the train and decode steps for a
+analytic: nothing compiles a step (`jaxrl_async.runtime.plan_check` compiles the train and decode steps for a
 target mesh and reads their per-device memory).
 """

@@ -20,9 +20,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from jaxrl_async.rewards import wire
 from jaxrl_async.rewards.registry import Graded, register_reward
-from jaxrl_async.rewards.sandbox import SandboxLimits, run_harness, run_python
+from jaxrl_async.rewards.sandbox import SandboxLimits, run_harness, run_python, wire
 
 _FENCE_RE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
 _DEFAULT_FLOAT_TOL = 1e-9

@@ -18,12 +18,20 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_async.evaluation import evaluate_accuracy
 from jaxrl_async.rewards.shaping import overlong_penalty
 from jaxrl_async.rollouts import Rollout
+from jaxrl_async.runtime.evaluation import evaluate_accuracy
+from jaxrl_async.runtime.transport import (
+    EvalResult,
+    NewWeights,
+    Rollouts,
+    Stop,
+    Stopped,
+    TicketRequest,
+    Tickets,
+)
+from jaxrl_async.runtime.weight_sync import checksum
 from jaxrl_async.sampler import Request, SamplerLoop
-from jaxrl_async.transport import EvalResult, NewWeights, Rollouts, Stop, Stopped, TicketRequest, Tickets
-from jaxrl_async.weight_sync import checksum
 
 log = logging.getLogger(__name__)
 
@@ -50,35 +58,6 @@ class ActorConfig:
     verify_weights: bool = False
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
-
-
-def length_cap_fn(spec: str) -> Callable[[int], int]:
-    """Group id -> generation cap from "lognormal:median=M,p99=P,max=N[,seed=S]" (benchmarks: with the
-    stop token disabled, completion lengths then follow that distribution exactly).
-
-    Raises:
-      ValueError: naming what is wrong with `spec`.
-    """
-    kind, _, rest = spec.partition(":")
-    if kind != "lognormal":
-        raise ValueError(f"{spec!r}: only 'lognormal:median=M,p99=P,max=N[,seed=S]' is supported")
-    try:
-        kv = {k.strip(): float(v) for k, v in (item.split("=") for item in rest.split(",") if item)}
-    except ValueError:
-        raise ValueError(f"{spec!r}: expected key=value pairs after 'lognormal:'") from None
-    missing = {"median", "p99", "max"} - set(kv)
-    if missing or not 0 < kv.get("median", 0) <= kv.get("p99", 0):
-        raise ValueError(
-            f"{spec!r}: needs median, p99 and max with 0 < median <= p99 (missing {sorted(missing)})"
-        )
-    median, max_len, seed = kv["median"], int(kv["max"]), int(kv.get("seed", 0))
-    sigma = math.log(kv["p99"] / median) / 2.3263478740408408  # z of the 99th percentile
-
-    def cap(group_id: int) -> int:
-        rng = np.random.default_rng((seed, group_id))
-        return int(np.clip(round(median * math.exp(sigma * rng.standard_normal())), 1, max_len))
-
-    return cap
 
 
 def to_rollout(c, reward: float, reason: str, tokenizer, shaping: float = 0.0) -> Rollout:

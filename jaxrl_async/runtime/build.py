@@ -15,18 +15,18 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxrl_async.checkpoint import RunCheckpoints, write_model_info
 from jaxrl_async.data import held_out_prompts, make_prompt_iterator, reference_completion
 from jaxrl_async.data.prompt import SYNTHETIC_TASKS
-from jaxrl_async.evaluation import eval_sampler_config, evaluate_accuracy
 from jaxrl_async.model import ModelConfig, from_hf_config, init_params, load_hf, param_shardings, presets
 from jaxrl_async.rewards import RewardService
 from jaxrl_async.run_config import ConfigError, RunConfig, validate
+from jaxrl_async.runtime.checkpoint import RunCheckpoints, write_model_info
+from jaxrl_async.runtime.evaluation import eval_sampler_config, evaluate_accuracy
 from jaxrl_async.sampler import Engine, SamplerConfig
 from jaxrl_async.sharding import TRAINER_RULES, make_mesh
 from jaxrl_async.tokenizer import Tokenizer, load_tokenizer
 from jaxrl_async.trainer import TrainState, create_train_state
-from jaxrl_async.warmstart import cache_key, warm_start
+from jaxrl_async.trainer.warmstart import cache_key, warm_start
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ class _WarmStartEval:
         self.engine = self.rewards = None
 
     def __call__(self, params) -> float:
-        from jaxrl_async.weight_sync import WeightSync
+        from jaxrl_async.runtime.weight_sync import WeightSync
 
         if self.engine is None:
             mesh = make_mesh((1, 1), ("data", "tensor"), [self.device])

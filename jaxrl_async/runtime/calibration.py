@@ -5,8 +5,8 @@ to produce one train batch (from empty slots to the last graded sample, as sync 
 steady rate of a never-drained stream, as async RL does), how long one train step plus its weight sync
 takes, and how much of the host's cores each keeps busy meanwhile (process CPU seconds, which include
 XLA's worker threads). Part of the orchestrator layer: it builds the run's own actor, coordinator and
-trainer (`jaxrl_async.orchestrator.build_process`) and drives them one at a time through their messages
-(`tools/bench_roles.py` is the CLI).
+trainer (`jaxrl_async.runtime.orchestrator.build_process`) and drives them one at a time through their
+messages (`tools/bench_roles.py` is the CLI).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import statistics
 import time
 from typing import Any
 
+from jaxrl_async.runtime.transport import Rollouts, Trained
 from jaxrl_async.trainer.train_step import prepare_batch
-from jaxrl_async.transport import Rollouts, Trained
 
 _UNLIMITED = 10**6  # versions to open the admission window by: the stream never waits for training
 
@@ -63,8 +63,8 @@ def calibrate_roles(proc, batches: int = 6) -> dict[str, Any]:
     """Measures the sampler and the trainer of a built one-process run, one at a time.
 
     Args:
-      proc: `jaxrl_async.orchestrator.build_process` of a one-process run; its train state is updated by
-        the timed steps.
+      proc: `jaxrl_async.runtime.orchestrator.build_process` of a one-process run; its train state is
+        updated by the timed steps.
       batches: timed train batches per measurement (one more, untimed, compiles first).
 
     Returns:
@@ -173,7 +173,7 @@ def decode_curve(proc, batches=(1, 4, 16, 64)) -> dict[str, Any]:
     engine that pays for busy slots only). The split model's latency input (`perf.calibrated`)."""
     import dataclasses
 
-    from jaxrl_async import setup as build
+    from jaxrl_async.runtime import build
 
     run, engine = proc.run, proc.actor.engine
     params = proc.learner.core.publish().params  # the current weights in the sampler layout

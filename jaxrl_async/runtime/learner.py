@@ -21,10 +21,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_async.metrics import MetricsWriter, summary_line
 from jaxrl_async.rollouts import Rollout, RolloutQueue, staleness_stats
-from jaxrl_async.trainer import prepare_batch, train_step
-from jaxrl_async.transport import (
+from jaxrl_async.runtime.metrics import MetricsWriter, summary_line
+from jaxrl_async.runtime.transport import (
     EvalResult,
     Preempt,
     Rollouts,
@@ -34,6 +33,7 @@ from jaxrl_async.transport import (
     TrainBatch,
     Trained,
 )
+from jaxrl_async.trainer import prepare_batch, train_step
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 their event loop.
 
 Data flows one way: prompts (coordinator) -> actors (decode, grade) -> learner (train) -> weights ->
-actors. A run is one program on every process; `jaxrl_async.cluster.Roles` says which roles this process
-plays:
+actors. A run is one program on every process; `jaxrl_async.runtime.cluster.Roles` says which roles
+this process plays:
 
   one process          coordinator + learner + actor 0, in-memory transport, weights by device_put
   learner lead         coordinator + learner (+ the message hub, TensorBoard, checkpoint primary)
@@ -25,16 +25,17 @@ import threading
 import time
 from typing import Any
 
-from jaxrl_async import setup as build
-from jaxrl_async.actor import Actor, ActorConfig, length_cap_fn
-from jaxrl_async.cluster import Cluster, PeerFailure, Roles
-from jaxrl_async.coordinator import Coordinator
 from jaxrl_async.data import held_out_prompts, make_prompt_iterator, prompt_at
-from jaxrl_async.learner import Follower, Learner, LearnerConfig, TrainerCore
-from jaxrl_async.metrics import MetricsWriter
+from jaxrl_async.data.length_caps import length_cap_fn
 from jaxrl_async.rewards import RewardService
-from jaxrl_async.transport import Hello, LocalTransport, Preempt, ZmqTransport
-from jaxrl_async.weight_sync import (
+from jaxrl_async.runtime import build
+from jaxrl_async.runtime.actor import Actor, ActorConfig
+from jaxrl_async.runtime.cluster import Cluster, PeerFailure, Roles
+from jaxrl_async.runtime.coordinator import Coordinator
+from jaxrl_async.runtime.learner import Follower, Learner, LearnerConfig, TrainerCore
+from jaxrl_async.runtime.metrics import MetricsWriter
+from jaxrl_async.runtime.transport import Hello, LocalTransport, Preempt, ZmqTransport
+from jaxrl_async.runtime.weight_sync import (
     LocalWeights,
     TransferPublisher,
     TransferReceiver,

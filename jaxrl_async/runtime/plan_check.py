@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl_async.evaluation import eval_sampler_config
 from jaxrl_async.model import ModelConfig, attention, param_specs
+from jaxrl_async.runtime.evaluation import eval_sampler_config
 from jaxrl_async.sampler import Engine
 from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
 from jaxrl_async.trainer import TrainConfig

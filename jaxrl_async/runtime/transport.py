@@ -13,7 +13,7 @@ trainer processes), "actor:<i>" (sampler replica i). The roles only `send(endpoi
 Why ZeroMQ: a maintained message library with framing, per-peer queues and non-blocking polling, which
 rollouts (tens of KB to tens of MB per step) and control messages need; the JAX coordination service's
 key-value store is built for small configuration values and would turn every queue into polled keys.
-Weights do not go through either: `jaxrl_async.weight_sync` moves them device to device.
+Weights do not go through either: `jaxrl_async.runtime.weight_sync` moves them device to device.
 """
 
 from __future__ import annotations
@@ -23,9 +23,7 @@ import dataclasses
 import pickle
 from typing import Any
 
-import numpy as np
-
-from jaxrl_async.cluster import PeerFailure
+from jaxrl_async.runtime.cluster import PeerFailure
 
 # ----- messages ------------------------------------------------------------------------------------------
 
@@ -239,14 +237,3 @@ class ZmqTransport:
     def close(self) -> None:
         self._sock.close()
 
-
-def checksum(params) -> float:
-    """A weighted sum over every weight (position-weighted, so a permutation changes it): equal weights
-    give equal sums up to float rounding. Reads the weights to the host: for tests and verification."""
-    import jax
-
-    total = 0.0
-    for x in jax.tree.leaves(params):
-        a = np.asarray(x, np.float64).reshape(-1)
-        total += float(np.dot(a, (np.arange(a.size) % 127 + 1.0)))
-    return total

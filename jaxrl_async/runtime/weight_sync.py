@@ -26,8 +26,8 @@ from jax.sharding import SingleDeviceSharding
 
 from jaxrl_async.model import ModelConfig, abstract_params, param_shardings
 from jaxrl_async.model.config import DTYPES
+from jaxrl_async.runtime.transport import NewWeights
 from jaxrl_async.sharding import SAMPLER_RULES, TRAINER_RULES, Rules
-from jaxrl_async.transport import NewWeights
 
 _MAX_ACTORS = 4096  # pull ids: version * _MAX_ACTORS + actor
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
-from jaxrl_async.checkpoint import find_checkpoints, load_policy
 from jaxrl_async.model import ModelConfig, load_hf
+from jaxrl_async.runtime.checkpoint import find_checkpoints, load_policy
 from jaxrl_async.sharding import SAMPLER_RULES
 from jaxrl_async.tokenizer import CharTokenizer, Tokenizer
 

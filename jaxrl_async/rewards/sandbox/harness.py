@@ -30,7 +30,7 @@ import os
 import sys
 import types
 
-from jaxrl_async.rewards.wire import PROGRAM, SOCKET_GUARD, decode, dumps, encode, loads
+from jaxrl_async.rewards.sandbox.wire import PROGRAM, SOCKET_GUARD, decode, dumps, encode, loads
 
 _MAX_MESSAGE = 16 << 20  # bytes of one message from the program process
 _MODULE = "solution"

@@ -40,7 +40,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from jaxrl_async.rewards import fsview, harness, wire
+from jaxrl_async.rewards.sandbox import fsview, harness, wire
 
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWNET = 0x40000000
@@ -307,7 +307,7 @@ def _run(program: str, limits: SandboxLimits, caps: Capabilities, python: str, *
                 fds = (job_file.fileno(), report_w)
                 where = fsview.HARNESS_DIR if plan else harness_dir
                 main = (f"import sys; sys.path.insert(0, {where!r}); "
-                        "from jaxrl_async.rewards import harness; harness.main(sys.argv)")
+                        "from jaxrl_async.rewards.sandbox import harness; harness.main(sys.argv)")
                 argv = [exe, "-I", "-c", main, *map(str, fds), "1" if guard else "0"]
                 pass_fds = fds
             try:
@@ -352,14 +352,15 @@ def _run(program: str, limits: SandboxLimits, caps: Capabilities, python: str, *
 
 @functools.cache
 def _harness_dir(python: str) -> str:
-    """A world-readable copy of harness.py and wire.py (as `jaxrl_async.rewards`, with empty package
-    files), compiled by `python` so that runs skip compiling them; removed when this process exits."""
+    """A world-readable copy of harness.py and wire.py (as `jaxrl_async.rewards.sandbox`, with empty
+    package files: the sandbox imports the standard library only), compiled by `python` so that runs
+    skip compiling them; removed when this process exits."""
     path = tempfile.mkdtemp(prefix="jaxrl_harness_")
     atexit.register(shutil.rmtree, path, True)
-    package = os.path.join(path, "jaxrl_async", "rewards")
+    package = os.path.join(path, "jaxrl_async", "rewards", "sandbox")
     os.makedirs(package)
-    for init in (os.path.join(path, "jaxrl_async"), package):
-        open(os.path.join(init, "__init__.py"), "w").close()
+    for depth in range(1, 4):  # jaxrl_async/, jaxrl_async/rewards/, jaxrl_async/rewards/sandbox/
+        open(os.path.join(path, *("jaxrl_async", "rewards", "sandbox")[:depth], "__init__.py"), "w").close()
     for module in (harness, wire):
         shutil.copyfile(module.__file__, os.path.join(package, os.path.basename(module.__file__)))
     subprocess.run([python, "-I", "-m", "compileall", "-q", path], check=True, capture_output=True)

@@ -1,0 +1,20 @@
+"""The asynchronous RL runtime: the only package that knows processes, messages and every library.
+
+The libraries below it (`model/`, `data/`, `sampler/`, `rewards/`, `trainer/`, `rollouts.py`,
+`sharding.py`, `tokenizer.py`) know nothing of processes; this package joins them. Data flows one way:
+
+    coordinator (prompts, η admission)
+        -> actor (sampler.SamplerLoop decodes; rewards.RewardService grades)   runtime/actor.py
+        -> learner (trainer.train_step on the trainer mesh)                     runtime/learner.py
+        -> weight sync (trainer layout -> sampler layout, versioned)            runtime/weight_sync.py
+        -> actor (in-flight update between two decode calls)
+
+Layers, top to bottom (no module imports one above it):
+  orchestrator, calibration, plan_check   a process's event loop; role timing; compile-before-you-pay
+  build                                   puts the roles of one process together from a RunConfig
+  actor, learner, coordinator             the roles: each a non-blocking `poll()`
+  weight_sync, checkpoint, metrics,       what the roles use
+  evaluation
+  transport                               messages between roles: in memory, or ZeroMQ between processes
+  cluster                                 `jax.distributed` start-up, roles of processes, failure reports
+"""
