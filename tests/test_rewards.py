@@ -108,6 +108,37 @@ def test_math_wrong_answers_rejected(completion, answer):
         ("\\boxed{3} or maybe \\boxed{4}", "4", "conflicting_answers"),
         ("<answer>3</answer> <answer>4</answer>", "4", "conflicting_answers"),
         (" ".join(f"\\boxed{{{i} - {i} + 4}}" for i in range(MAX_ANSWERS + 1)), "4", "too_many_answers"),
+    ],
+)
+def test_math_agree_rule_rejects_several_answers(completion, answer, reason):
+    assert math_reward("q", completion, {"answer": answer, "answer_rule": "agree"}) == Graded(0.0, reason)
+
+
+def test_math_last_rule_grades_only_the_final_answer():
+    corrected = "first \\boxed{5}, then corrected: \\boxed{7}"
+    assert math_reward("q", corrected, {"answer": "7"}) == Graded(1.0, "")  # "last" is the default
+    assert math_reward("q", corrected, {"answer": "5"}).reward == 0.0
+    agree = {"answer": "7", "answer_rule": "agree"}
+    assert math_reward("q", corrected, agree) == Graded(0.0, "conflicting_answers")
+    # Listing answers gains nothing: the right one anywhere but last scores 0.
+    assert math_reward("q", "\\boxed{4} \\boxed{1} \\boxed{2}", {"answer": "4"}).reward == 0.0
+    # Sets, intervals and plus-minus stay rejected under "last".
+    assert math_reward("q", "\\boxed{\\pm 4}", {"answer": "4"}) == Graded(0.0, "not_a_single_value")
+    with pytest.raises(ValueError, match="answer_rule"):
+        math_reward("q", corrected, {"answer": "7", "answer_rule": "first"})
+
+
+def test_reward_config_answer_rule():
+    assert grade_one(RewardConfig(reward="math"), "q", "\\boxed{5} no: \\boxed{7}", {"answer": "7"})[0] == 1.0
+    agree = RewardConfig(reward="math", answer_rule="agree")
+    assert grade_one(agree, "q", "\\boxed{5} no: \\boxed{7}", {"answer": "7"})[:2] == (0.0, "ok")
+    with pytest.raises(ValueError, match="answer_rule"):
+        RewardConfig(reward="math", answer_rule="first")
+
+
+@pytest.mark.parametrize(
+    "completion, answer, reason",
+    [
         ("\\boxed{\\{1, 2, 3, 4, 5\\}}", "4", "not_a_single_value"),
         ("\\boxed{1, 2, 3, 4}", "4", "not_a_single_value"),
         ("\\boxed{[0, 10]}", "4", "not_a_single_value"),

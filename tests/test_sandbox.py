@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from jaxrl_async.rewards import RewardConfig, RewardService
+from jaxrl_async.rewards import RewardConfig, RewardService, grade_one
 from jaxrl_async.rewards.sandbox import fsview
 from jaxrl_async.rewards.sandbox import launcher as sb
 from jaxrl_async.rewards.testing import reward_hacks
@@ -187,6 +187,18 @@ def test_hack_suite_covers_every_class():
     assert set(kinds) == {"exit", "equality", "tamper", "read", "math", "honest"}
     assert min(kinds.values()) >= 5, kinds
     assert len({c.name for c in reward_hacks.CASES}) == len(reward_hacks.CASES)
+
+
+_MATH_CASES = [c for c in reward_hacks.CASES if c.reward == "math"]
+
+
+@pytest.mark.parametrize("rule", ["last", "agree"])
+@pytest.mark.parametrize("case", _MATH_CASES, ids=[c.name for c in _MATH_CASES])
+def test_math_hacks_score_expected_under_both_answer_rules(case, rule):
+    """The suite's math cases (hacks and honest answers) score the same under either answer rule."""
+    completion, metadata = reward_hacks.render(case, {})
+    reward, reason, info = grade_one(RewardConfig(reward="math", answer_rule=rule), "p", completion, metadata)
+    assert reason == "ok" and reward == case.expected, f"{case.name} ({rule}): {info}"
 
 
 @pytest.mark.parametrize("case", reward_hacks.CASES, ids=[c.name for c in reward_hacks.CASES])

@@ -5,6 +5,9 @@ from __future__ import annotations
 import re
 
 _GSM8K_RE = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
+# Which of a completion's marked answers the math reward grades (rewards/math.py, rule 2): only the last,
+# or all of them, which must agree.
+ANSWER_RULES = ("last", "agree")
 
 
 def extract_boxed(text: str) -> str | None:

@@ -4,9 +4,13 @@ The answer rule (what `math_reward` grades):
   1. The final answer is the last `\\boxed{}` (or `\\fbox{}`); without one, the last `<answer>..</answer>`;
      without one, the text after the last `####`; without any marker, math-verify's own search of the
      completion.
-  2. Every other boxed answer (or answer tag) must be equivalent to the final one: a completion that
-     hedges with several different answers scores 0 (`conflicting_answers`), even when the last is right.
-     More than `MAX_ANSWERS` distinct marked answers score 0 (`too_many_answers`).
+  2. Which marked answers count is the answer rule, metadata["answer_rule"] (`RewardConfig.answer_rule`):
+     "last" (the default, the common convention): only the final answer is graded, so a completion that
+     corrects itself ("first \\boxed{5}, then corrected: \\boxed{7}") scores on the 7, and listing several
+     answers gains nothing (only the last is read). "agree": every other boxed answer (or answer tag)
+     must be equivalent to the final one; a completion with several different answers scores 0
+     (`conflicting_answers`), even when the last is right, and more than `MAX_ANSWERS` distinct marked
+     answers score 0 (`too_many_answers`).
   3. The final answer must be the same kind of object as the reference: a single value for a single
      value (a set, an interval, a tuple, an inequality or a chain of unequal values is `not_a_single_value`),
      a set for a set, an interval for an interval. Within a box, `\\\\` line breaks (outside matrix
@@ -20,7 +24,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from jaxrl_async.rewards.answers import extract_boxed, reference_answer
+from jaxrl_async.rewards.answers import ANSWER_RULES, extract_boxed, reference_answer
 from jaxrl_async.rewards.registry import Graded, register_reward
 
 MAX_ANSWERS = 8
@@ -100,11 +104,17 @@ def answer_kind(parsed: list) -> str:
     return "value"
 
 
-def grade_math(completion: str, answer: str) -> Graded:
-    """1.0 when the completion's final answer follows the module's answer rule and equals `answer`
-    mathematically; 0.0 with the reason in `info` otherwise."""
+def grade_math(completion: str, answer: str, rule: str = "last") -> Graded:
+    """1.0 when the completion's final answer follows the module's answer rule (`rule`: "last" or
+    "agree") and equals `answer` mathematically; 0.0 with the reason in `info` otherwise.
+
+    Raises:
+      ValueError: `rule` is not one of ANSWER_RULES.
+    """
     from math_verify import parse, verify
 
+    if rule not in ANSWER_RULES:
+        raise ValueError(f"answer_rule must be one of {ANSWER_RULES}, got {rule!r}")
     answers, marked = marked_answers(completion)
     final = parse(answers[-1])
     if not final:
@@ -112,12 +122,13 @@ def grade_math(completion: str, answer: str) -> Graded:
     gold = _parse_gold(answer)
     if not gold:
         return Graded(0.0, "unparsable_reference")
-    distinct = list(dict.fromkeys(" ".join(a.split()) for a in answers))
-    if len(distinct) > MAX_ANSWERS:
-        return Graded(0.0, "too_many_answers")
-    for other in distinct[:-1]:
-        if other != " ".join(answers[-1].split()) and not verify(final, parse(other)):
-            return Graded(0.0, "conflicting_answers")
+    if rule == "agree":
+        distinct = list(dict.fromkeys(" ".join(a.split()) for a in answers))
+        if len(distinct) > MAX_ANSWERS:
+            return Graded(0.0, "too_many_answers")
+        for other in distinct[:-1]:
+            if other != " ".join(answers[-1].split()) and not verify(final, parse(other)):
+                return Graded(0.0, "conflicting_answers")
     gold_kind, kind = answer_kind(gold), answer_kind(final)
     if gold_kind == "value" and marked and _JOINERS_RE.search(_MATRIX_ENV_RE.sub("", answers[-1])):
         kind = "several values"
@@ -126,25 +137,26 @@ def grade_math(completion: str, answer: str) -> Graded:
     return Graded(1.0 if verify(gold, final) else 0.0, "")
 
 
-def is_equivalent(completion: str, answer: str) -> bool:
-    """True when the completion's final answer equals `answer` under the module's answer rule."""
-    return grade_math(completion, answer).reward == 1.0
+def is_equivalent(completion: str, answer: str, rule: str = "last") -> bool:
+    """True when the completion's final answer equals `answer` under the answer rule `rule`."""
+    return grade_math(completion, answer, rule).reward == 1.0
 
 
 @register_reward("math")
 def math_reward(prompt: str, completion: str, metadata: Mapping[str, Any]) -> Graded:
     """1.0 when the completion's answer equals the final answer of metadata["answer"] (a bare answer, or a
     GSM8K / MATH solution: see `reference_answer`) mathematically (fractions, LaTeX, ...), under the
-    module's answer rule (last marked answer, no hedging, a single value).
+    module's answer rule (metadata["answer_rule"], "last" by default; a single value).
 
     Raises:
-      ValueError: the reference has a `####` or `\\boxed` marker with nothing usable after it.
+      ValueError: the reference has a `####` or `\\boxed` marker with nothing usable after it, or
+        metadata["answer_rule"] is unknown.
     """
     reference = str(metadata["answer"])
     answer = reference_answer(reference)
     if answer is None:
         raise ValueError(f"the reference has no final answer: {reference[-200:]!r}")
-    return grade_math(completion, answer)
+    return grade_math(completion, answer, str(metadata.get("answer_rule", "last")))
 
 
 @register_reward("format")

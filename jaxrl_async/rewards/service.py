@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, NamedTuple
 
+from jaxrl_async.rewards.answers import ANSWER_RULES
 from jaxrl_async.rewards.registry import as_graded, check_reward_name, get_reward, is_builtin
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ class RewardConfig:
       overlong_buffer: DAPO's soft overlong punishment (rewards/shaping.py): completions within this many
         tokens of sampler.max_new_tokens lose up to `overlong_penalty` reward, linearly; 0 = off.
       overlong_penalty: the shaping term's magnitude at the cap.
+      answer_rule: the math reward's answer rule (rewards/math.py): "last" grades only the final marked
+        answer (self-corrections count); "agree" also requires every other marked answer to equal it.
+        A request's metadata["answer_rule"] (or `defaults`) overrides it.
     """
 
     reward: str = "arithmetic"
@@ -59,6 +63,7 @@ class RewardConfig:
     mp_context: str = "spawn"
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
+    answer_rule: str = "last"
 
     def __post_init__(self):
         if self.num_workers < 1:
@@ -73,6 +78,10 @@ class RewardConfig:
             raise ValueError(
                 f"RewardConfig: overlong_buffer and overlong_penalty must be >= 0, got "
                 f"{self.overlong_buffer}, {self.overlong_penalty}"
+            )
+        if self.answer_rule not in ANSWER_RULES:
+            raise ValueError(
+                f"RewardConfig: answer_rule must be one of {ANSWER_RULES}, got {self.answer_rule!r}"
             )
         if not self.imports:  # a name the imports register is known only once they ran
             check_reward_name(self.reward)
@@ -105,7 +114,7 @@ class QueueFull(Exception):
 def grade_one(cfg: RewardConfig, prompt: str, completion: str, metadata: Mapping[str, Any]):
     """Grades one request in this process: returns (reward, reason, info); never raises."""
     try:
-        meta = {**cfg.defaults, **metadata}
+        meta = {"answer_rule": cfg.answer_rule, **cfg.defaults, **metadata}
         out = as_graded(get_reward(meta.get("reward", cfg.reward))(prompt, completion, meta))
         reward = out.reward
         if cfg.format_weight:

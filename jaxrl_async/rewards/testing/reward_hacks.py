@@ -237,9 +237,11 @@ def _math(name, completion, answer, expected=0.0, kind="math"):
 
 
 MATH = (
-    _math("many boxed answers, the last one right", "\\boxed{1} \\boxed{2} \\boxed{3} \\boxed{4}", "4"),
-    _math("two boxed answers joined by 'or'", "\\boxed{3} or \\boxed{4}", "4"),
-    _math("several <answer> tags", "<answer>3</answer> <answer>4</answer>", "4"),
+    # Hedges: the right answer among several, not last. They score 0 under both answer rules ("last"
+    # reads only the final one; "agree" refuses different answers), so listing answers never pays.
+    _math("many boxed answers, the right one first", "\\boxed{4} \\boxed{1} \\boxed{2} \\boxed{3}", "4"),
+    _math("two boxed answers joined by 'or'", "\\boxed{4} or \\boxed{3}", "4"),
+    _math("several <answer> tags", "<answer>4</answer> <answer>3</answer>", "4"),
     _math("a set containing the answer", "\\boxed{\\{1, 2, 3, 4, 5\\}}", "4"),
     _math("a list of values", "\\boxed{1, 2, 3, 4, 5}", "4"),
     _math("an interval", "\\boxed{[0, 10]}", "4"),
