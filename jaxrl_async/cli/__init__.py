@@ -26,6 +26,8 @@ from collections.abc import Callable
 
 from absl import app, flags
 
+_HELP_FLAGS = {"--help", "-help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml"}
+
 
 def run_command(main: Callable[[list[str]], None], module_name: str) -> None:
     """`app.run(main)`, with `--help` showing the command's docstring and flags: absl shows those of
@@ -33,7 +35,13 @@ def run_command(main: Callable[[list[str]], None], module_name: str) -> None:
     for flag in flags.FLAGS.get_key_flags_for_module(module_name):
         flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
     sys.modules["__main__"].__doc__ = sys.modules[module_name].__doc__
-    app.run(main)
+    try:
+        app.run(main)
+    except SystemExit as e:
+        # absl's help flags print the usage and exit 1; asking for help is no failure.
+        if e.code == 1 and set(sys.argv[1:]) & _HELP_FLAGS:
+            raise SystemExit(0) from None
+        raise
 
 
 def module_command(module: str, *args: str, python: str = sys.executable) -> list[str]:
