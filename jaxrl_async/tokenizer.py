@@ -64,6 +64,27 @@ class CharTokenizer:
         # No chat format for synthetic tasks: the prompt is the last user message verbatim.
         return messages[-1]["content"]
 
+    def save_hf(self, path: str) -> None:
+        """Writes `tokenizer.json` + `tokenizer_config.json` to `path`: a Hugging Face fast tokenizer with
+        exactly these ids (a word-level vocabulary of single characters, every character its own word), so
+        that transformers, TRL or Tunix encode a prompt to the ids this run trained on."""
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as _Tok
+
+        # "|" is outside the vocabulary, so no text this tokenizer encodes can spell a special token.
+        specials = ("<|pad|>", "<|bos|>", "<|eos|>")  # ids PAD, BOS, EOS
+        vocab = {**{t: i for i, t in enumerate(specials)}, **{c: i + 3 for i, c in enumerate(self.chars)}}
+        tok = _Tok(models.WordLevel(vocab, unk_token=None))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        tok.decoder = decoders.Fuse()  # characters join without spaces
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+        os.makedirs(path, exist_ok=True)
+        tok.save(os.path.join(path, "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": specials[self.PAD],
+                  "bos_token": specials[self.BOS], "eos_token": specials[self.EOS]}  # fmt: skip
+        with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+            json.dump(config, f, indent=1)
+
 
 class HFTokenizer:
     """A Hugging Face fast tokenizer read from `tokenizer.json`, with the chat template if present."""

@@ -18,6 +18,7 @@ from jaxrl_async.runtime.metrics import SCALAR_TAGS, read_scalars
 from jaxrl_async.runtime.orchestrator import run_from_config
 from jaxrl_async.runtime.weight_sync import checksum
 from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
+from jaxrl_async.tokenizer import CharTokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -142,10 +143,12 @@ def test_async_run_trains_syncs_respects_eta_and_writes_tags(tmp_path):
     cmd = [sys.executable, os.path.join(REPO, "tools", "export_hf.py"), str(tmp_path), "--out", out]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert res.returncode == 0 and "policy version 4" in res.stdout, res.stderr
-    assert "the export holds the model only" in res.stdout  # the run used the built-in char tokenizer
     import torch
     import transformers
 
+    assert "tokenizer: the character vocabulary" in res.stdout  # the run used the built-in char tokenizer
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tok("12+34=", add_special_tokens=False)["input_ids"] == CharTokenizer().encode("12+34=")
     tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, size=(2, 9)).astype(np.int32)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():

@@ -37,3 +37,19 @@ def test_hf_tokenizer_with_chat_template(tmp_path):
     assert hf.encode("hello world") == [3, 4]
     assert hf.decode([3, 4, 2, 3]) == "hello world"
     assert hf.apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hi<assistant>"
+
+
+def test_char_tokenizer_exports_a_hugging_face_tokenizer_with_our_ids(tmp_path):
+    """transformers loads `CharTokenizer.save_hf`'s files and encodes and decodes to exactly our ids, every
+    character of the vocabulary included (space and newline too); our HFTokenizer reads them back alike."""
+    transformers = pytest.importorskip("transformers")
+    ours = CharTokenizer()
+    ours.save_hf(str(tmp_path))
+    text = ours.chars + "37+85=122"
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert hf(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
+    assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id) == (ours.pad_id, ours.bos_id, ours.eos_id)
+    assert hf.decode(ours.encode(text)) == text and len(hf) == ours.vocab_size
+    back = HFTokenizer(str(tmp_path))
+    assert back.encode(text) == ours.encode(text)
+    assert back.decode([*ours.encode("12"), ours.eos_id, 5]) == "12"

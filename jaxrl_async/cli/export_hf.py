@@ -4,8 +4,8 @@
 
 WORKDIR: a run's workdir, its checkpoints/ directory or one step in it (default: the newest version).
 The result loads with `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and serves with vLLM or
-SGLang. Runs with the built-in "char" tokenizer have no Hugging Face tokenizer to copy: the export then
-holds the model only, and says so.
+SGLang. Runs with the built-in "char" tokenizer get a `tokenizer.json` whose ids equal the run's
+(`CharTokenizer.save_hf`), so a peer framework encodes prompts to the same ids.
 """
 
 from __future__ import annotations
@@ -40,9 +40,13 @@ def main(argv) -> None:
     tok_dir = tokenizer if tokenizer != "char" and os.path.isdir(tokenizer) else None
     save_hf(model_cfg, params, _OUT.value, tokenizer_dir=tok_dir)
     print(f"policy version {version} -> {_OUT.value}")
-    if tok_dir is None:
-        why = f"the run used {tokenizer!r}"
-        print(f"no Hugging Face tokenizer to copy ({why}): the export holds the model only")
+    if tokenizer == "char":
+        from jaxrl_async.tokenizer import CharTokenizer
+
+        CharTokenizer().save_hf(_OUT.value)
+        print("tokenizer: the character vocabulary as tokenizer.json (the run's ids)")
+    elif tok_dir is None:
+        print(f"no Hugging Face tokenizer to copy (the run used {tokenizer!r}): the export holds the model")
 
 
 def run() -> None:
