@@ -169,3 +169,59 @@ def staleness_stats(groups: list[list[Rollout]], trainer_version: int) -> dict[s
         "head_values": head,
         "token_values": tok,
     }
+
+
+def uninformative(group: list[Rollout]) -> bool:
+    """All rewards equal: group-relative advantages are 0, so the group carries no policy gradient."""
+    rewards = [r.reward for r in group]
+    return max(rewards) - min(rewards) <= 1e-8
+
+
+@dataclasses.dataclass
+class GroupFilter:
+    """DAPO's dynamic sampling: discards uninformative groups as they arrive, and says when the data has
+    no learning signal left (`patience_groups` discarded in a row).
+
+    Attributes:
+      enabled: filter at all (off: every group is kept and nothing is counted).
+      patience_groups: discarded groups in a row after which `exhausted` is True.
+    """
+
+    enabled: bool
+    patience_groups: int
+    filtered_total: int = 0  # the run's discarded groups
+    in_a_row: int = 0  # discarded since the last kept group
+    _kept_since: int = 0  # kept / discarded since the last `step_values`
+    _filtered_since: int = 0
+
+    def split(self, groups: list[list[Rollout]]) -> tuple[list[list[Rollout]], list[int]]:
+        """(the groups to train, the group ids discarded), in arrival order."""
+        kept, filtered = [], []
+        for g in groups:
+            if self.enabled and uninformative(g):
+                filtered.append(g[0].group_id)
+                self.in_a_row += 1
+            else:
+                kept.append(g)
+                self.in_a_row = 0
+        self._kept_since += len(kept)
+        self._filtered_since += len(filtered)
+        self.filtered_total += len(filtered)
+        return kept, filtered
+
+    @property
+    def exhausted(self) -> bool:
+        return self.enabled and self.in_a_row >= self.patience_groups
+
+    def step_values(self) -> dict[str, float]:
+        """Yield (groups kept / groups finished since the last call) and the run's discarded total, as
+        TensorBoard values (none when filtering is off); starts the next window."""
+        if not self.enabled:
+            return {}
+        seen = self._kept_since + self._filtered_since
+        values = {
+            "dynamic_sampling/yield": self._kept_since / seen if seen else 1.0,
+            "dynamic_sampling/filtered_groups": float(self.filtered_total),
+        }
+        self._kept_since = self._filtered_since = 0
+        return values

@@ -21,7 +21,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxrl_async.rollouts import Rollout, RolloutQueue, staleness_stats
+from jaxrl_async.rollouts import GroupFilter, Rollout, RolloutQueue, staleness_stats
+from jaxrl_async.runtime.learner_log import (
+    SUMMARY_KEYS,
+    SavePolicy,
+    StepLog,
+    completion_values,
+    staleness_values,
+    steady_rate,
+    train_values,
+)
 from jaxrl_async.runtime.metrics import MetricsWriter, summary_line
 from jaxrl_async.runtime.transport import (
     EvalResult,
@@ -36,21 +45,6 @@ from jaxrl_async.runtime.transport import (
 from jaxrl_async.trainer import prepare_batch, train_step
 
 log = logging.getLogger(__name__)
-
-RATE_WINDOW = 10  # steps over which perf/* rates are taken (perf/*_avg: since the start)
-_RATE_KEYS = ("train_tokens_per_s", "sample_tokens_per_s", "sampler_idle_frac", "trainer_idle_frac")
-
-SUMMARY_KEYS = (
-    "reward/mean",
-    "eval/accuracy",
-    "loss/policy",
-    "staleness/mean",
-    "staleness/max",
-    "staleness/token_mean",
-    "perf/train_tokens_per_s",
-    "perf/weight_sync_s",
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
@@ -150,23 +144,22 @@ class Learner:
         self.start_version = self.version
         self.inflight: _InFlight | None = None
         self.actor_stats: dict[int, dict] = {}
+        self._drained: set[int] = set()  # actors whose last report said they had nothing left to do
         self.stopped: dict[str, dict] = {}
         self.evals: list[tuple[int, float, float]] = []  # (version, accuracy, elapsed)
         self.checksums: dict[int, float] = {}
         self.eval_s = 0.0
         self.trainer_idle_s = 0.0
         self.trained_tokens = 0
-        self.history: list[dict[str, float]] = []
+        self.log = StepLog(writer, cfg.text_samples)
         self.done = False
         self.data_exhausted = False
         self.preempting = False
         self.checkpoint_stall_s: list[float] = []
-        self.filtered_groups = 0  # dynamic sampling: groups discarded (run total)
-        self._kept_since = self._filtered_since = 0  # groups kept / discarded since the last step
-        self._filtered_in_a_row = 0
+        self.filter = GroupFilter(cfg.dynamic_sampling, cfg.dynamic_sampling_patience * cfg.prompts_per_step)
         self.no_signal = False
-        self._totals: list[tuple[float, dict]] = [(0.0, {k: 0.0 for k in _RATE_KEYS})]
-        self._saved_at = time.monotonic()
+        self.save_policy = SavePolicy(cfg.checkpoint_every, cfg.checkpoint_minutes, cfg.eval_every,
+                                      cfg.total_steps, saved_at=time.monotonic())  # fmt: skip
         self._save_after_eval: int | None = None
         self._stop_sent = False
         self.t_start = time.perf_counter()
@@ -181,12 +174,12 @@ class Learner:
             progress = True
             if isinstance(m, Rollouts):
                 self._take_groups(m.groups)
-                self.actor_stats[m.actor] = m.stats
+                self._actor_report(m.actor, m.stats)
             elif isinstance(m, EvalResult):
                 self._record_eval(m)
             elif isinstance(m, Stopped):
                 self.stopped[m.endpoint] = m.stats
-                self.actor_stats[int(m.endpoint.split(":")[1])] = m.stats
+                self._actor_report(int(m.endpoint.split(":")[1]), m.stats)
             elif isinstance(m, Preempt):
                 self.preempt(f"process {m.process_id} got {m.signal}")
             else:
@@ -215,31 +208,28 @@ class Learner:
             log.warning("%s: saving after the step in flight, then stopping", why)
         self.preempting = True
 
+    def _actor_report(self, actor: int, stats: dict) -> None:
+        self.actor_stats[actor] = stats
+        if stats.get("drained"):
+            self._drained.add(actor)
+        else:
+            self._drained.discard(actor)
+
     def _take_groups(self, groups: list[list[Rollout]]) -> None:
         """Queues finished groups; with dynamic sampling, uninformative ones are discarded and reported to
         the coordinator (which returns their budget and admits new prompts in their place)."""
-        filtered = []
-        for g in groups:
-            if self.cfg.dynamic_sampling and _uninformative(g):
-                filtered.append(g[0].group_id)
-                self._filtered_in_a_row += 1
-            else:
-                self.queue.add_group(g)
-                self._kept_since += 1
-                self._filtered_in_a_row = 0
+        kept, filtered = self.filter.split(groups)
+        for g in kept:
+            self.queue.add_group(g)
         if not filtered:
             return
-        self.filtered_groups += len(filtered)
-        self._filtered_since += len(filtered)
         self.transport.send("coordinator", Trained(self.version, [], filtered=filtered))
-        for stats in self.actor_stats.values():
-            stats["drained"] = False  # new work is coming
-        limit = self.cfg.dynamic_sampling_patience * self.cfg.prompts_per_step
-        if self._filtered_in_a_row >= limit and not self.no_signal:
+        self._drained.clear()  # new work is coming
+        if self.filter.exhausted and not self.no_signal:
             log.error(
                 "dynamic sampling: the last %d groups all had equal rewards (trainer.dynamic_sampling_"
                 "patience=%d batches); no learning signal is left, stopping at version %d",
-                self._filtered_in_a_row, self.cfg.dynamic_sampling_patience, self.version,
+                self.filter.in_a_row, self.cfg.dynamic_sampling_patience, self.version,
             )  # fmt: skip
             self.no_signal = True
 
@@ -248,19 +238,13 @@ class Learner:
         if self.queue.dropped_ids:
             self.transport.send("coordinator", Trained(self.version, [], self.queue.dropped_ids))
             self.queue.dropped_ids = []
-            for stats in self.actor_stats.values():
-                stats["drained"] = False  # new work is coming
+            self._drained.clear()  # new work is coming
 
     def _eval_of(self, version: int) -> float | None:
         return next((a for v, a, _ in reversed(self.evals) if v == version), None)
 
-    def _is_eval_version(self, version: int) -> bool:
-        every = self.cfg.eval_every
-        return version == self.cfg.total_steps or bool(every and version % every == 0)
-
     def _all_drained(self) -> bool:
-        stats = self.actor_stats
-        return len(stats) == self.cfg.actors and all(s.get("drained") for s in stats.values())
+        return len(self._drained) == self.cfg.actors
 
     def _dispatch(self, groups) -> None:
         now = time.perf_counter()
@@ -289,16 +273,12 @@ class Learner:
         values = self._log_step(step.groups, metrics, step_s, sync)
         if self.version % self.cfg.log_every == 0:
             log.info(summary_line(self.version, values, SUMMARY_KEYS))
-        if self.version < self.cfg.total_steps and self._save_due():
-            if self._is_eval_version(self.version) and self._eval_of(self.version) is None:
-                self._save_after_eval = self.version  # train on once its accuracy is in
-            else:
-                self.save()
-
-    def _save_due(self) -> bool:
-        every, minutes = self.cfg.checkpoint_every, self.cfg.checkpoint_minutes
-        by_steps = bool(every and self.version % every == 0)
-        return by_steps or bool(minutes and time.monotonic() - self._saved_at > 60 * minutes)
+        known = self._eval_of(self.version) is not None
+        todo = self.save_policy.after_step(self.version, time.monotonic(), known)
+        if todo == "after_eval":
+            self._save_after_eval = self.version  # train on; save once its accuracy is in
+        elif todo == "save":
+            self.save()
 
     def _publish(self) -> float:
         message = self.core.publish()
@@ -319,7 +299,7 @@ class Learner:
         held = self.core.save(state, metrics, wait=final)
         self.checkpoint_stall_s.append(held)
         self.writer.scalars(self.version, {"perf/checkpoint_stall_s": held})
-        self._saved_at, self._save_after_eval = time.monotonic(), None
+        self.save_policy.saved_at, self._save_after_eval = time.monotonic(), None
 
     def _record_eval(self, m: EvalResult) -> None:
         self.eval_s += m.seconds
@@ -364,99 +344,34 @@ class Learner:
     def _actor_sum(self, key: str) -> float:
         return float(sum(s.get(key, 0.0) for s in self.actor_stats.values()))
 
-    def _rates(self, elapsed: float, n_actors: int) -> dict[str, float]:
-        """perf/* rates over the last RATE_WINDOW steps (what the run does now), and since the start as
-        perf/*_avg (the run average climbs for a while after compilation and hides later slowdowns)."""
-        totals = {
-            "train_tokens_per_s": float(self.trained_tokens),
-            "sample_tokens_per_s": self._actor_sum("sample_tokens"),
-            "sampler_idle_frac": self._actor_sum("idle_s") / n_actors,
-            "trainer_idle_frac": self.trainer_idle_s,
-        }
-        self._totals.append((elapsed, totals))
-        t0, start = self._totals[max(0, len(self._totals) - 1 - RATE_WINDOW)]
-        out = {}
-        for k, v in totals.items():
-            out[f"perf/{k}"] = (
-                (v - start[k]) / max(elapsed - t0, 1e-9) if len(self._totals) > 1 else v / elapsed
-            )
-            out[f"perf/{k}_avg"] = v / elapsed
-        return out
-
     def _log_step(self, groups, m: dict, step_s: float, sync_s: float) -> dict[str, float]:
         st = staleness_stats(groups, self.version - 1)  # against the policy the batch was trained from
-        rollouts = [r for g in groups for r in g]
-        lengths = [len(r.completion_tokens) for r in rollouts]
         elapsed = max(self.elapsed(), 1e-9)
         n_actors = max(len(self.actor_stats), 1)
+        sampler_idle_s = self._actor_sum("idle_s") / n_actors
+        totals = {"train_tokens_per_s": float(self.trained_tokens),
+                  "sample_tokens_per_s": self._actor_sum("sample_tokens"),
+                  "sampler_idle_frac": sampler_idle_s, "trainer_idle_frac": self.trainer_idle_s}  # fmt: skip
         values = {
-            "reward/mean": float(np.mean([r.reward for r in rollouts])),
-            "loss/policy": m.get("loss"),
-            "is_weight/mean": m.get("is_weight_mean"),
-            "is_weight/max": m.get("is_weight_max"),
-            "train/clip_frac": m.get("clip_frac"),
-            "train/clip_low_frac": m.get("clip_low_frac"),
-            "train/clip_high_frac": m.get("clip_high_frac"),
-            "train/dual_clip_frac": m.get("dual_clip_frac"),
-            "train/behav_dropped_frac": m.get("behav_dropped_frac"),
-            "train/kl_ref": m.get("kl_ref_mean"),
-            "train/kl_behav": m.get("kl_behav_mean"),
-            "train/grad_norm": m.get("grad_norm"),
-            "train/entropy": m.get("entropy_mean"),
+            **train_values(m),
             "train/skipped_updates": float(np.asarray(self.core.state.skipped.addressable_shards[0].data)),
-            "train/zero_adv_skipped_frac": m.get("zero_adv_skipped_frac"),
-            "staleness/mean": st["head_mean"],
-            "staleness/max": float(st["head_max"]),
-            "staleness/token_mean": st["token_mean"],
-            "staleness/token_max": float(st["token_max"]),
-            "staleness/dropped_groups": float(self.queue.dropped_groups),
-            **self._dynamic_sampling_values(),
-            "reward/overlong_penalty": float(np.mean([r.metadata.get("overlong_penalty", 0.0)
-                                                      for r in rollouts])),  # fmt: skip
-            "completion/truncated_frac": float(np.mean([r.finish_reason == "length" for r in rollouts])),
-            "train/uninformative_group_frac": float(np.mean([_uninformative(g) for g in groups])),
-            "completion/length_mean": float(np.mean(lengths)),
-            "completion/length_max": float(np.max(lengths)),
-            **self._rates(elapsed, n_actors),
+            **staleness_values(st, self.queue.dropped_groups),
+            **self.filter.step_values(),
+            **completion_values(groups),
+            **self.log.rates(elapsed, totals),
             "perf/slot_occupancy": self._actor_sum("occupancy") / n_actors,
             "perf/weight_sync_s": sync_s,
             "perf/train_step_s": step_s,
             "rewards/errors": self._actor_sum("reward_errors"),
         }
-        w = self.writer
-        w.scalars(self.version, values)
-        w.histogram(self.version, "staleness/head", st["head_values"])
-        w.histogram(self.version, "staleness/token", st["token_values"])
-        w.histogram(self.version, "completion/length", lengths)
-        for r in rollouts[: self.cfg.text_samples]:
-            w.text(
-                self.version,
-                "samples",
-                f"reward {r.reward:.2f} | {r.metadata['prompt']!r} -> {r.metadata['text']!r}",
-            )
-        values["time/elapsed_s"] = elapsed
-        values["time/trained_tokens"] = float(self.trained_tokens)
-        values["time/trainer_idle_s"] = self.trainer_idle_s
-        values["time/sampler_idle_s"] = self._actor_sum("idle_s") / n_actors
-        self.history.append({k: v for k, v in values.items() if v is not None})
-        return values
-
-    def _dynamic_sampling_values(self) -> dict[str, float]:
-        """Yield (groups kept / groups finished since the last step) and the run's discarded total."""
-        if not self.cfg.dynamic_sampling:
-            return {}
-        seen = self._kept_since + self._filtered_since
-        values = {
-            "dynamic_sampling/yield": self._kept_since / seen if seen else 1.0,
-            "dynamic_sampling/filtered_groups": float(self.filtered_groups),
-        }
-        self._kept_since = self._filtered_since = 0
-        return values
+        times = {"time/elapsed_s": elapsed, "time/trained_tokens": float(self.trained_tokens),
+                 "time/trainer_idle_s": self.trainer_idle_s,
+                 "time/sampler_idle_s": sampler_idle_s}  # fmt: skip
+        return self.log.record(self.version, values, st, groups, times)
 
     def summary(self) -> dict[str, Any]:
         """The run's figures as the learner saw them (the orchestrator adds the other roles')."""
-        hist = self.history
-        mean = lambda k: float(np.mean([h[k] for h in hist if k in h])) if hist else 0.0
+        hist, mean = self.log.history, self.log.mean
         train_wall = max(self.elapsed(), 1e-9)
         actors = self.actor_stats.values()
         return {
@@ -476,7 +391,7 @@ class Learner:
             "checkpoint_stall_s": self.checkpoint_stall_s,
             "preempted": self.preempting,
             "dropped_groups": self.queue.dropped_groups,
-            "filtered_groups": self.filtered_groups,
+            "filtered_groups": self.filter.filtered_total,
             "stopped_no_signal": self.no_signal,
             "dropped_lengths": self.queue.dropped_lengths,
             "evals": [{"step": s, "accuracy": a, "elapsed_s": e} for s, a, e in self.evals],
@@ -485,22 +400,6 @@ class Learner:
             "weight_checksums": {"learner": self.checksums,
                                  "actors": {i: s.get("checksums", {}) for i, s in self.actor_stats.items()}},
         }  # fmt: skip
-
-
-def steady_rate(hist: list[dict[str, float]], key: str = "time/trained_tokens") -> float:
-    """Growth of `key` per second after the first fifth of the steps (at least 2), which excludes
-    compilation and fill-up: trained tokens/s, or with an idle-seconds key the idle fraction."""
-    k = max(2, len(hist) // 5)
-    if len(hist) <= k:
-        return 0.0
-    a, b = hist[k - 1], hist[-1]
-    return (b[key] - a[key]) / max(b["time/elapsed_s"] - a["time/elapsed_s"], 1e-9)
-
-
-def _uninformative(group: list[Rollout]) -> bool:
-    """All rewards equal: group-relative advantages are 0, so the group carries no policy gradient."""
-    rewards = [r.reward for r in group]
-    return max(rewards) - min(rewards) <= 1e-8
 
 
 def _ready(metrics: dict) -> bool:

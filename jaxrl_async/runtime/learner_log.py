@@ -1,0 +1,166 @@
+"""What the learner reports and when it saves: per-step TensorBoard values and rates (`StepLog`), the
+checkpoint cadence (`SavePolicy`) and the run summary's steady rates. Pure bookkeeping: nothing here
+touches the device, the transport or another role, so each piece is unit-tested on its own."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from jaxrl_async.rollouts import Rollout, uninformative
+
+RATE_WINDOW = 10  # steps over which perf/* rates are taken (perf/*_avg: since the start)
+RATE_KEYS = ("train_tokens_per_s", "sample_tokens_per_s", "sampler_idle_frac", "trainer_idle_frac")
+
+SUMMARY_KEYS = (
+    "reward/mean",
+    "eval/accuracy",
+    "loss/policy",
+    "staleness/mean",
+    "staleness/max",
+    "staleness/token_mean",
+    "perf/train_tokens_per_s",
+    "perf/weight_sync_s",
+)
+
+# Train-step metric (as the losses return it) -> TensorBoard tag.
+_TRAIN_TAGS = {
+    "loss": "loss/policy",
+    "is_weight_mean": "is_weight/mean",
+    "is_weight_max": "is_weight/max",
+    "clip_frac": "train/clip_frac",
+    "clip_low_frac": "train/clip_low_frac",
+    "clip_high_frac": "train/clip_high_frac",
+    "dual_clip_frac": "train/dual_clip_frac",
+    "behav_dropped_frac": "train/behav_dropped_frac",
+    "kl_ref_mean": "train/kl_ref",
+    "kl_behav_mean": "train/kl_behav",
+    "grad_norm": "train/grad_norm",
+    "entropy_mean": "train/entropy",
+    "zero_adv_skipped_frac": "train/zero_adv_skipped_frac",
+}
+
+
+def train_values(metrics: dict[str, float]) -> dict[str, float | None]:
+    """The train step's scalars under their TensorBoard tags (None where this loss has no such metric)."""
+    return {tag: metrics.get(key) for key, tag in _TRAIN_TAGS.items()}
+
+
+def staleness_values(st: dict[str, Any], dropped_groups: int) -> dict[str, float]:
+    """`rollouts.staleness_stats` of a batch as TensorBoard values."""
+    return {
+        "staleness/mean": st["head_mean"],
+        "staleness/max": float(st["head_max"]),
+        "staleness/token_mean": st["token_mean"],
+        "staleness/token_max": float(st["token_max"]),
+        "staleness/dropped_groups": float(dropped_groups),
+    }
+
+
+def completion_values(groups: list[list[Rollout]]) -> dict[str, float]:
+    """Rewards and completion lengths of a batch."""
+    rollouts = [r for g in groups for r in g]
+    lengths = [len(r.completion_tokens) for r in rollouts]
+    return {
+        "reward/mean": float(np.mean([r.reward for r in rollouts])),
+        "reward/overlong_penalty": float(np.mean([r.metadata.get("overlong_penalty", 0.0)
+                                                  for r in rollouts])),  # fmt: skip
+        "completion/truncated_frac": float(np.mean([r.finish_reason == "length" for r in rollouts])),
+        "train/uninformative_group_frac": float(np.mean([uninformative(g) for g in groups])),
+        "completion/length_mean": float(np.mean(lengths)),
+        "completion/length_max": float(np.max(lengths)),
+    }
+
+
+class StepLog:
+    """Per-step values: rates over a window, TensorBoard output, and the history the summary reads.
+
+    Args:
+      writer: the run's MetricsWriter (the learner lead is its only user).
+      text_samples: completions written as text at each step.
+    """
+
+    def __init__(self, writer, text_samples: int):
+        self.writer, self.text_samples = writer, text_samples
+        self.history: list[dict[str, float]] = []
+        self._totals: list[tuple[float, dict[str, float]]] = [(0.0, {k: 0.0 for k in RATE_KEYS})]
+
+    def rates(self, elapsed: float, totals: dict[str, float]) -> dict[str, float]:
+        """perf/* rates from the run's running `totals` (keys RATE_KEYS: tokens, idle seconds) over the
+        last RATE_WINDOW steps (what the run does now), and since the start as perf/*_avg (the run average
+        climbs for a while after compilation and hides later slowdowns)."""
+        self._totals.append((elapsed, dict(totals)))
+        t0, start = self._totals[max(0, len(self._totals) - 1 - RATE_WINDOW)]
+        out = {}
+        for k, v in totals.items():
+            windowed = len(self._totals) > 1
+            out[f"perf/{k}"] = (v - start[k]) / max(elapsed - t0, 1e-9) if windowed else v / elapsed
+            out[f"perf/{k}_avg"] = v / elapsed
+        return out
+
+    def record(self, version: int, values: dict[str, float | None], st: dict[str, Any],
+               groups: list[list[Rollout]], times: dict[str, float]) -> dict[str, float | None]:  # fmt: skip
+        """Writes one step: `values` as scalars, the staleness and length histograms, sample texts; keeps
+        `values` plus `times` (time/* totals, not written) in the history. Returns what it kept."""
+        rollouts = [r for g in groups for r in g]
+        w = self.writer
+        w.scalars(version, values)
+        w.histogram(version, "staleness/head", st["head_values"])
+        w.histogram(version, "staleness/token", st["token_values"])
+        w.histogram(version, "completion/length", [len(r.completion_tokens) for r in rollouts])
+        for r in rollouts[: self.text_samples]:
+            text = f"reward {r.reward:.2f} | {r.metadata['prompt']!r} -> {r.metadata['text']!r}"
+            w.text(version, "samples", text)
+        values = {**values, **times}
+        self.history.append({k: v for k, v in values.items() if v is not None})
+        return values
+
+    def mean(self, key: str) -> float:
+        """Mean of `key` over the steps that have it (0 before any step)."""
+        found = [h[key] for h in self.history if key in h]
+        return float(np.mean(found)) if found else 0.0
+
+
+def steady_rate(hist: list[dict[str, float]], key: str = "time/trained_tokens") -> float:
+    """Growth of `key` per second after the first fifth of the steps (at least 2), which excludes
+    compilation and fill-up: trained tokens/s, or with an idle-seconds key the idle fraction."""
+    k = max(2, len(hist) // 5)
+    if len(hist) <= k:
+        return 0.0
+    a, b = hist[k - 1], hist[-1]
+    return (b[key] - a[key]) / max(b["time/elapsed_s"] - a["time/elapsed_s"], 1e-9)
+
+
+@dataclasses.dataclass
+class SavePolicy:
+    """When the learner checkpoints: every `every` versions and/or every `minutes`, never the last version
+    (the final save covers it), and a version that is evaluated only once its accuracy is known (the
+    checkpoints keep the best by it), so the caller trains on meanwhile.
+
+    Attributes:
+      every: versions between checkpoints (0 = by time only).
+      minutes: wall minutes between checkpoints (0 = by versions only).
+      eval_every: versions between evaluations (0 = only the last version).
+      total_steps: the run's last version.
+      saved_at: time.monotonic() of the last save (the run's start before any).
+    """
+
+    every: int
+    minutes: float
+    eval_every: int
+    total_steps: int
+    saved_at: float
+
+    def is_eval_version(self, version: int) -> bool:
+        return version == self.total_steps or bool(self.eval_every and version % self.eval_every == 0)
+
+    def after_step(self, version: int, now: float, accuracy_known: bool) -> str | None:
+        """What to do after training `version`: "save" now, "after_eval" (save once its accuracy is in),
+        or None."""
+        by_steps = bool(self.every and version % self.every == 0)
+        by_time = bool(self.minutes and now - self.saved_at > 60 * self.minutes)
+        if version >= self.total_steps or not (by_steps or by_time):
+            return None
+        return "after_eval" if self.is_eval_version(version) and not accuracy_known else "save"

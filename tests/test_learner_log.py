@@ -1,0 +1,92 @@
+"""The learner's bookkeeping, unit by unit: the group filter (dynamic sampling), the save policy and the
+step log's rates. Each is pure, so these run without a model or a run."""
+
+import numpy as np
+import pytest
+
+from jaxrl_async.rollouts import GroupFilter, Rollout, uninformative
+from jaxrl_async.runtime.learner_log import SavePolicy, StepLog, completion_values, steady_rate
+
+
+def _group(gid: int, rewards, length: int = 3) -> list[Rollout]:
+    tokens, zeros = np.full(length, 3), np.zeros(length)
+    return [Rollout("u", gid, i, np.asarray([1, 2]), tokens, zeros, zeros.astype(int), float(r), "stop",
+                    {"prompt": "p", "text": "t"})
+            for i, r in enumerate(rewards)]  # fmt: skip
+
+
+def test_uninformative_means_all_rewards_equal():
+    assert uninformative(_group(0, [1.0, 1.0])) and uninformative(_group(0, [0.0, 0.0, 0.0]))
+    assert not uninformative(_group(0, [0.0, 1.0]))
+
+
+def test_group_filter_discards_counts_and_runs_out_of_patience():
+    f = GroupFilter(enabled=True, patience_groups=3)
+    kept, filtered = f.split([_group(0, [0, 1]), _group(1, [1, 1]), _group(2, [0, 0])])
+    assert [g[0].group_id for g in kept] == [0] and filtered == [1, 2]
+    assert f.in_a_row == 2 and not f.exhausted
+    assert f.step_values() == {"dynamic_sampling/yield": 1 / 3, "dynamic_sampling/filtered_groups": 2.0}
+    assert f.step_values()["dynamic_sampling/yield"] == 1.0  # a new window: nothing seen yet
+    f.split([_group(3, [1, 1])])
+    assert f.exhausted and f.filtered_total == 3
+    f.split([_group(4, [0, 1])])
+    assert not f.exhausted  # a kept group resets the count
+
+
+def test_group_filter_off_keeps_everything_and_reports_nothing():
+    f = GroupFilter(enabled=False, patience_groups=1)
+    kept, filtered = f.split([_group(0, [1, 1]), _group(1, [0, 1])])
+    assert len(kept) == 2 and filtered == [] and not f.exhausted and f.step_values() == {}
+
+
+def test_save_policy_by_steps_by_time_and_after_eval():
+    p = SavePolicy(every=2, minutes=0.0, eval_every=4, total_steps=10, saved_at=0.0)
+    assert [p.after_step(v, 0.0, accuracy_known=False) for v in range(1, 11)] == [
+        None, "save", None, "after_eval", None, "save", None, "after_eval", None, None]  # fmt: skip
+    assert p.after_step(4, 0.0, accuracy_known=True) == "save"
+    assert p.is_eval_version(10) and not p.is_eval_version(6)
+    timed = SavePolicy(every=0, minutes=1.0, eval_every=0, total_steps=10, saved_at=100.0)
+    assert timed.after_step(3, 159.0, False) is None and timed.after_step(3, 161.0, False) == "save"
+
+
+class _Writer:
+    def __init__(self):
+        self.scalars_at, self.texts = [], []
+
+    def scalars(self, step, values):
+        self.scalars_at.append(step)
+
+    def histogram(self, step, tag, values):
+        pass
+
+    def text(self, step, tag, text):
+        self.texts.append(text)
+
+
+def test_step_log_rates_over_the_window_and_since_the_start():
+    log = StepLog(_Writer(), text_samples=1)
+    keys = ("train_tokens_per_s", "sample_tokens_per_s", "sampler_idle_frac", "trainer_idle_frac")
+    first = log.rates(2.0, dict.fromkeys(keys, 100.0))
+    assert first["perf/train_tokens_per_s"] == 50.0 and first["perf/train_tokens_per_s_avg"] == 50.0
+    for t in range(3, 20):  # 100 tokens per second from now on
+        out = log.rates(float(t), dict.fromkeys(keys, 100.0 + 100.0 * (t - 2)))
+    assert out["perf/train_tokens_per_s"] == pytest.approx(100.0)  # the last 10 steps
+    assert out["perf/train_tokens_per_s_avg"] == pytest.approx(1800.0 / 19)
+
+
+def test_step_log_records_history_and_writes_one_step():
+    w = _Writer()
+    log = StepLog(w, text_samples=1)
+    groups = [_group(0, [0.0, 1.0], length=4)]
+    st = {"head_values": [0, 0], "token_values": [0] * 8}
+    values = {**completion_values(groups), "loss/policy": None}
+    kept = log.record(5, values, st, groups, {"time/elapsed_s": 1.0})
+    assert w.scalars_at == [5] and len(w.texts) == 1 and kept["reward/mean"] == 0.5
+    assert "loss/policy" not in log.history[0] and log.mean("reward/mean") == 0.5 and log.mean("x") == 0.0
+
+
+def test_steady_rate_skips_the_first_fifth():
+    hist = [{"time/elapsed_s": float(t), "time/trained_tokens": float(t * t)} for t in range(1, 11)]
+    assert steady_rate(hist) == pytest.approx((100 - 4) / (10 - 2))
+    assert steady_rate(hist[:2]) == 0.0
+    assert np.isfinite(steady_rate(hist, "time/trained_tokens"))
