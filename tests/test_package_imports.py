@@ -50,7 +50,7 @@ print(json.dumps(sorted(set(sys.modules) - before)))
 
 LIBRARIES = ("jaxrl_async.model", "jaxrl_async.data", "jaxrl_async.sampler", "jaxrl_async.rewards",
              "jaxrl_async.trainer", "jaxrl_async.perf", "jaxrl_async.rollouts", "jaxrl_async.sharding",
-             "jaxrl_async.tokenizer", "jaxrl_async.run_config")  # fmt: skip
+             "jaxrl_async.tokenizer", "jaxrl_async.run_config", "jaxrl_async.paging")  # fmt: skip
 
 
 @pytest.mark.parametrize("package", LIBRARIES)
@@ -59,8 +59,15 @@ def test_libraries_import_nothing_from_the_runtime(package):
     package) loads no module of jaxrl_async.runtime."""
     module_only = ("import importlib, json, sys; importlib.import_module({package!r}); "
                    "print(json.dumps(sorted(sys.modules)))")
-    is_module = package.rsplit(".", 1)[-1] in ("rollouts", "sharding", "tokenizer", "run_config")
+    is_module = package.rsplit(".", 1)[-1] in ("rollouts", "sharding", "tokenizer", "run_config", "paging")
     code = (module_only if is_module else _IMPORT_ALL).format(package=package)
     modules = _modules_after(code)
     assert package in modules
     assert [m for m in modules if m.startswith("jaxrl_async.runtime")] == []
+
+
+def test_the_performance_model_imports_nothing_from_the_sampler():
+    """perf/ is analytic: it shares the page arithmetic through jaxrl_async.paging, below both."""
+    modules = _modules_after(_IMPORT_ALL.format(package="jaxrl_async.perf"))
+    assert "jaxrl_async.paging" in modules
+    assert [m for m in modules if m.startswith("jaxrl_async.sampler")] == []

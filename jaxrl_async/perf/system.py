@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 
+from jaxrl_async.paging import mean_resident_tokens
 from jaxrl_async.perf.hardware import Hardware
 from jaxrl_async.perf.latency import DecodeBench, DecodeLatency, latency_from_hardware
 from jaxrl_async.perf.shapes import ModelShape
@@ -125,7 +126,7 @@ def kv_tokens_per_sequence(
 
     "max": a slotted cache (every slot reserves prompt + the longest length). "mean": prompt + mean length
     (an idealised paged cache). "paged": the sampler's paged cache and admission rule
-    (`jaxrl_async.sampler.page_table.mean_resident_tokens`): running sequences hold prompt + E[L^2] / (2 E[L])
+    (`jaxrl_async.paging.mean_resident_tokens`): running sequences hold prompt + E[L^2] / (2 E[L])
     positions on average, rounded to pages, one call of growth ahead, full prompt pages shared by a group.
     """
     if kv_reserve == "max":
@@ -133,8 +134,6 @@ def kv_tokens_per_sequence(
     if kv_reserve == "mean":
         return workload.prompt_len + workload.lengths.mean()
     if kv_reserve == "paged":
-        from jaxrl_async.sampler.page_table import mean_resident_tokens
-
         lens = workload.lengths.representative(4000).astype(float)
         group = workload.samples_per_prompt if share_prefix else 1
         mean, mean_sq = float(np.mean(lens)), float(np.mean(lens**2))
