@@ -273,8 +273,8 @@ def test_minimal_filesystem_view(sandbox_proc, caps):
 
 def _default_plan():
     caps = sb.capabilities()
-    python = sb._pick_python(caps, None)
-    return fsview.plan_for(python, tuple(sorted(sb._ENV.items())))
+    python = sb.pick_python(caps, None)
+    return fsview.plan_for(python, tuple(sorted(sb.SANDBOX_ENV.items())))
 
 
 def test_plan_binds_only_the_interpreter(sandbox_proc, caps):
@@ -310,7 +310,7 @@ def _broken_layer_run(layer: str):
     except RuntimeError as e:
         strict = str(e)
     forced = dataclasses.replace(probed, **{layer: True})
-    launch = sb._run("print('hi')", sb.SandboxLimits(), forced, sb._pick_python(probed, None))[0]
+    launch = sb.run_raw("print('hi')", sb.SandboxLimits(), forced, sb.pick_python(probed, None))[0]
     return probed, strict, launch
 
 

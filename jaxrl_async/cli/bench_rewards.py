@@ -30,9 +30,8 @@ import time
 from absl import app, flags
 
 from jaxrl_async.cli import run_command
-from jaxrl_async.rewards import RewardConfig, RewardService, grade_one
+from jaxrl_async.rewards import RewardConfig, RewardService, grade_one, sandbox
 from jaxrl_async.rewards.sandbox import fsview, wire
-from jaxrl_async.rewards.sandbox import launcher as sandbox
 from jaxrl_async.rewards.testing import hostile, reward_hacks
 
 # The checkout: "this tree" of the comparisons, and the git repository --baseline reads.
@@ -263,8 +262,8 @@ def _bwrap_argv(plan: fsview.RootPlan, workdir: str) -> list[str]:
 def startup_table(repeats: int, n: int) -> list[dict]:
     """Median seconds to launch `pass` per configuration, interleaved across configurations."""
     caps = sandbox.capabilities()
-    python = sandbox._pick_python(caps, None)
-    plan = fsview.plan_for(python, tuple(sorted(sandbox._ENV.items())))
+    python = sandbox.pick_python(caps, None)
+    plan = fsview.plan_for(python, tuple(sorted(sandbox.SANDBOX_ENV.items())))
     none = sandbox.Capabilities(uid=caps.uid, netns=False, fsview=False, mountns=False)
     limits = sandbox.SandboxLimits()
     job = wire.make_job({"mode": "test_code", "test_code": "assert f() == 1"})[0]
@@ -275,16 +274,17 @@ def startup_table(repeats: int, n: int) -> list[dict]:
         if out.returncode != 0:
             raise RuntimeError(f"bwrap failed: {out.stderr.decode()[-300:]}")
 
+    def layers(**on):  # `pass` under rlimits and a uid of its own, plus the layers named
+        return sandbox.run_raw("pass", limits, dataclasses.replace(none, **on), python)
+
     configs = {
         "bare interpreter (no sandbox)": lambda: subprocess.run([python, "-I", "-c", "pass"], check=True),
-        "rlimits + uid": lambda: sandbox._run("pass", limits, none, python),
-        "+ netns": lambda: sandbox._run("pass", limits, dataclasses.replace(none, netns=True), python),
-        "+ netns + mountns (read-only host, old view)":
-            lambda: sandbox._run("pass", limits, dataclasses.replace(none, netns=True, mountns=True), python),
-        "+ netns + fsview (minimal root, hidepid /proc)":
-            lambda: sandbox._run("pass", limits, dataclasses.replace(none, netns=True, fsview=True), python),
+        "rlimits + uid": lambda: layers(),
+        "+ netns": lambda: layers(netns=True),
+        "+ netns + mountns (read-only host, old view)": lambda: layers(netns=True, mountns=True),
+        "+ netns + fsview (minimal root, hidepid /proc)": lambda: layers(netns=True, fsview=True),
         "harness (judge + program), all layers":
-            lambda: sandbox._run("def f():\n    return 1\n", limits, caps, python, job=job),
+            lambda: sandbox.run_raw("def f():\n    return 1\n", limits, caps, python, job=job),
     }
     if shutil.which("bwrap"):
         configs["bwrap (same root, PID namespace, no uid drop)"] = run_bwrap

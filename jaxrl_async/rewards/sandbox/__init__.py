@@ -6,23 +6,29 @@ package files, so they import the standard library only. This file is not copied
 """
 
 from jaxrl_async.rewards.sandbox.launcher import (
+    SANDBOX_ENV,
     Capabilities,
     HarnessResult,
     SandboxLimits,
     SandboxResult,
     capabilities,
     kill_leftovers,
+    pick_python,
     run_harness,
     run_python,
+    run_raw,
 )
 
 __all__ = [
+    "SANDBOX_ENV",
     "Capabilities",
     "HarnessResult",
     "SandboxLimits",
     "SandboxResult",
     "capabilities",
     "kill_leftovers",
+    "pick_python",
     "run_harness",
     "run_python",
+    "run_raw",
 ]

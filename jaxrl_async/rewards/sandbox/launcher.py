@@ -54,7 +54,7 @@ _UID_BASE = 1_600_000_000
 _UIDS_PER_LAUNCHER = 512
 _run_counter = itertools.count()
 _PATH = "/usr/local/bin:/usr/bin:/bin"
-_ENV = {"PATH": _PATH, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
+SANDBOX_ENV = {"PATH": _PATH, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}  # the whole environment inside
 _MAX_REPORT_BYTES = 16 << 20
 _RUN_LOCK = threading.Lock()
 _PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3")
@@ -267,10 +267,11 @@ def _classify(returncode: int, stderr: str) -> str:
     return "signal" if returncode < 0 else "exit_nonzero"
 
 
-def _run(program: str, limits: SandboxLimits, caps: Capabilities, python: str, *, stdin: str = "",
+def run_raw(program: str, limits: SandboxLimits, caps: Capabilities, python: str, *, stdin: str = "",
          job: bytes | None = None) -> tuple[SandboxResult, bytes]:
-    """One sandboxed run of `program` (as main.py): as the main program, or under the harness when a
-    `job` is given. Returns the result and the harness report's raw bytes."""
+    """One sandboxed run of `program` (as main.py) with exactly the layers `caps` names (benchmarks time
+    each layer so): as the main program, or under the harness when a `job` is given. Returns the result
+    and the harness report's raw bytes. `run_python` and `run_harness` are the graders' entry points."""
     start = time.monotonic()
     base = tempfile.mkdtemp(prefix="jaxrl_sbx_")
     workdir, rootdir = os.path.join(base, "work"), os.path.join(base, "root")
@@ -287,9 +288,9 @@ def _run(program: str, limits: SandboxLimits, caps: Capabilities, python: str, *
         guard = not caps.netns
         with open(os.path.join(workdir, wire.PROGRAM), "w") as f:
             f.write((wire.SOCKET_GUARD if guard and job is None else "") + program)
-        plan = fsview.plan_for(python, tuple(sorted(_ENV.items()))) if caps.fsview else None
+        plan = fsview.plan_for(python, tuple(sorted(SANDBOX_ENV.items()))) if caps.fsview else None
         home = fsview.SANDBOX_DIR if plan else workdir
-        env = {**_ENV, "HOME": home, "TMPDIR": home}
+        env = {**SANDBOX_ENV, "HOME": home, "TMPDIR": home}
         exe = plan.python if plan else python
         harness_dir = _harness_dir(python) if job is not None else None
         launch = _Launch(workdir, rootdir, limits, uid, job is not None, caps.netns, plan, caps.mountns,
@@ -381,7 +382,7 @@ def _kill_group(pgid: int):
 def _interpreter_ok(python: str, caps: Capabilities) -> bool:
     probe = SandboxLimits(timeout_s=20.0, cpu_s=20)
     try:
-        return _run("print('ok')", probe, caps, python)[0].stdout.strip() == "ok"
+        return run_raw("print('ok')", probe, caps, python)[0].stdout.strip() == "ok"
     except OSError:
         return False
 
@@ -421,14 +422,15 @@ def capabilities() -> Capabilities:
 def _layer_error(python: str, caps: Capabilities) -> str:
     """Why a probe run failed, in a few words (the launch error's message, else its stderr's tail)."""
     try:
-        res = _run("print('ok')", SandboxLimits(timeout_s=20.0, cpu_s=20), caps, python)[0]
+        res = run_raw("print('ok')", SandboxLimits(timeout_s=20.0, cpu_s=20), caps, python)[0]
     except OSError as e:
         return str(e)
     return (res.stderr.strip().splitlines() or [res.status])[-1][:200]
 
 
 @functools.cache
-def _pick_python(caps: Capabilities, preferred: str | None) -> str:
+def pick_python(caps: Capabilities, preferred: str | None) -> str:
+    """The interpreter the sandbox runs: `preferred`, or the first default one that runs under `caps`."""
     candidates = [preferred] if preferred else _default_pythons()
     for py in candidates:
         if py and os.path.exists(py) and _interpreter_ok(py, caps):
@@ -441,7 +443,7 @@ def _prepare(limits: SandboxLimits) -> tuple[Capabilities, str]:
     caps = capabilities()
     if limits.isolation == "strict" and not caps.strict:
         raise RuntimeError(f"sandbox: strict isolation needs uid, netns and fsview, but {caps.describe()}")
-    return caps, _pick_python(caps, limits.python)
+    return caps, pick_python(caps, limits.python)
 
 
 def run_python(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
@@ -462,7 +464,7 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits
     # thread-safe.
     with _RUN_LOCK:
         caps, python = _prepare(limits)
-        return _run(code, limits, caps, python, stdin=stdin)[0]
+        return run_raw(code, limits, caps, python, stdin=stdin)[0]
 
 
 def run_harness(
@@ -486,7 +488,7 @@ def run_harness(
         broken = _harness_error(caps, python)
         if broken:
             raise RuntimeError(f"sandbox: the grading harness does not work here ({broken})")
-        result, report = _run(program, limits, caps, python, job=data)
+        result, report = run_raw(program, limits, caps, python, job=data)
     return HarnessResult(result, tuple(wire.read_report(report, nonce)))
 
 
@@ -494,7 +496,7 @@ def run_harness(
 def _harness_error(caps: Capabilities, python: str) -> str | None:
     """None when the harness passes a trivial test here, else what went wrong (checked once)."""
     data, nonce = wire.make_job({"mode": "test_code", "test_code": "assert f() == 1"})
-    res, report = _run("def f():\n    return 1\n", SandboxLimits(timeout_s=20.0, cpu_s=20), caps, python,
+    res, report = run_raw("def f():\n    return 1\n", SandboxLimits(timeout_s=20.0, cpu_s=20), caps, python,
                        job=data)
     records = wire.read_report(report, nonce)
     if ["pass"] in records:
