@@ -323,3 +323,18 @@ def test_scenario_files_load_and_sweep(name):
     best = pm.best_split(results) or pm.best_split(results, ignore_balance=True)
     assert best is not None
     assert best.tokens_per_s > pm.analyze_sync(system).tokens_per_s
+
+
+def test_sweep_plot_marks_the_chosen_split_and_the_sync_value(tmp_path):
+    from types import SimpleNamespace
+
+    from jaxrl_async.perf.report import plot_sweep
+
+    rows = [SimpleNamespace(sampler_devices=k, trainer_devices=8 - k, tokens_per_s=100.0 * k * (8 - k),
+                            feasible=True, max_staleness=1.0, mean_staleness=0.5)
+            for k in range(1, 8)]  # fmt: skip
+    sync = SimpleNamespace(tokens_per_s=800.0)
+    labels = plot_sweep(str(tmp_path / "s.png"), rows, sync, 2, best=rows[3])
+    assert "sync, all devices: 800" in labels
+    assert "chosen: 4 sampler / 4 trainer, 1600 (2.00x sync)" in labels
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"

@@ -153,7 +153,8 @@ def shared_host_report() -> dict:
         "role_benches": list(_ROLES_BENCH.value),
     }
     write_report(_OUT.value, report)
-    plot_sweep(os.path.join(_OUT.value, "sweep.png"), sweep, sync, _ETA.value, ylabel="trained tokens / s")
+    plot_sweep(os.path.join(_OUT.value, "sweep.png"), sweep, sync, _ETA.value, ylabel="trained tokens / s",
+               best=best)  # fmt: skip
     print(
         f"best: {best.sampler_devices} sampler + {best.trainer_devices} trainer devices, "
         f"{best.tokens_per_s:.4g} tok/s, {report['speedup']:.2f}x sync of the first bench "
@@ -213,7 +214,7 @@ def split_report() -> dict:
     }
     report = build_report(system, results, sync, best, sims, extra)
     write_report(_OUT.value, report)
-    plot_sweep(os.path.join(_OUT.value, "sweep.png"), results, sync, sc.max_staleness)
+    plot_sweep(os.path.join(_OUT.value, "sweep.png"), results, sync, sc.max_staleness, best=best)
     plot_latency(
         os.path.join(_OUT.value, "latency.png"), system.sampler.latency, bench, system.sampler.max_batch
     )

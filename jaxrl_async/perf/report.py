@@ -108,8 +108,11 @@ def write_report(out_dir: str, report: dict[str, Any]) -> str:
     return path
 
 
-def plot_sweep(path: str, results: list, sync, eta: int, ylabel: str = "response tokens / s") -> None:
-    """Throughput and staleness against the number of sampler devices (SplitResult-like rows)."""
+def plot_sweep(path: str, results: list, sync, eta: int, ylabel: str = "response tokens / s",
+               best=None) -> list[str]:  # fmt: skip
+    """Throughput and staleness against the number of sampler devices (SplitResult-like rows), with the
+    chosen split `best` (one of `results`) marked and the sync baseline's value written on its line.
+    Returns the throughput panel's legend entries."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -121,9 +124,15 @@ def plot_sweep(path: str, results: list, sync, eta: int, ylabel: str = "response
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
     ax1.plot(s, tps, "-", color="C0", label="async (all splits)")
     ax1.plot(s[ok], tps[ok], "o", color="C0", label="async (feasible)")
-    ax1.axhline(sync.tokens_per_s, color="C3", ls="--", label="sync, all devices")
+    ax1.axhline(sync.tokens_per_s, color="C3", ls="--", label=f"sync, all devices: {sync.tokens_per_s:.4g}")
+    if best is not None:
+        speedup = best.tokens_per_s / sync.tokens_per_s if sync.tokens_per_s else float("nan")
+        label = (f"chosen: {best.sampler_devices} sampler / {best.trainer_devices} trainer, "
+                 f"{best.tokens_per_s:.4g} ({speedup:.2f}x sync)")  # fmt: skip
+        ax1.plot([best.sampler_devices], [best.tokens_per_s], "*", color="C2", ms=16, label=label)
+        ax2.axvline(best.sampler_devices, color="C2", ls=":", lw=1)
     ax1.set_ylabel(ylabel)
-    ax1.legend()
+    ax1.legend(fontsize=8)
     ax2.plot(s, [r.max_staleness for r in results], "-o", label="max staleness (longest sample / period)")
     ax2.plot(s, [r.mean_staleness for r in results], "-s", label="mean staleness (closed form)")
     ax2.axhline(eta, color="k", ls=":", label=f"η = {eta}")
@@ -132,7 +141,9 @@ def plot_sweep(path: str, results: list, sync, eta: int, ylabel: str = "response
     ax2.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    labels = [t.get_text() for t in ax1.get_legend().get_texts()]
     plt.close(fig)
+    return labels
 
 
 def plot_latency(path: str, latency: DecodeLatency, bench: DecodeBench | None, max_batch: int) -> None:
