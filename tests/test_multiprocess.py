@@ -85,7 +85,7 @@ def test_roles_and_flags_are_validated_before_anything_connects():
         Roles.from_config(mesh((0,), (1,)), 2)
     with pytest.raises(ClusterError, match=r"share process"):
         Roles.from_config(mesh((0, 1), (0,)), 2)
-    with pytest.raises(ClusterError, match=r"--num_processes=2: set config\.mesh\.sampler_processes"):
+    with pytest.raises(ClusterError, match=r"--num_processes=2: set config\.mesh\.devices_per_process"):
         Roles.from_config(mesh((), ()), 2)
     with pytest.raises(ClusterError, match=r"--coordinator_address='10\.0\.0\.1': expected HOST:PORT"):
         Flags.resolve(coordinator_address="10.0.0.1")
