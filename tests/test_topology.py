@@ -4,7 +4,7 @@ import pytest
 
 from configs import math_8b
 from jaxrl_async.run_config import MeshConfig
-from jaxrl_async.runtime.cluster import ClusterError, Roles, check_placement
+from jaxrl_async.runtime.cluster import ClusterError, Flags, Roles, check_placement, connect
 
 
 def _mesh(sampler, trainer, **kw):
@@ -77,3 +77,13 @@ def test_math_8b_tpu_layout_places_on_16_hosts_of_4_chips():
     assert roles.trainers == (0, 1, 2, 3) and roles.samplers == tuple(range(4, 16))
     with pytest.raises(ClusterError, match=r"sampler_replicas=12"):
         Roles.from_config(mesh, 8, devices_per_process=4)
+
+
+def test_connect_refuses_a_layout_the_process_count_cannot_hold_before_connecting():
+    """--num_processes alone (what the launchers pass; JAX finds the rest) is checked against the config
+    before jax.distributed starts; a coordinator or id without the others is refused."""
+    mesh = MeshConfig(**math_8b.get_config().mesh.to_dict())
+    with pytest.raises(ClusterError, match=r"sampler_replicas=12: .* the run has 8"):
+        connect(mesh, Flags.resolve(num_processes=8))
+    with pytest.raises(ClusterError, match=r"needs --coordinator_address, --num_processes too"):
+        connect(mesh, Flags.resolve(process_id=1))
