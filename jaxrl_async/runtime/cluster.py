@@ -370,8 +370,9 @@ def connect(mesh, flags: Flags) -> Cluster:
         )
     if flags.num_processes == 1 or not (flags.given or mesh.sampler_processes or mesh.trainer_processes):
         return Cluster(Roles.from_config(mesh, 1))
-    if flags.num_processes is not None:  # fail before connecting, as far as the config tells
-        dpp = mesh.devices_per_process or None
+    lists = mesh.sampler_processes or mesh.trainer_processes
+    dpp = mesh.devices_per_process or None
+    if flags.num_processes is not None and (lists or dpp):  # fail before connecting, as far as we can tell
         roles = Roles.from_config(mesh, flags.num_processes, dpp)
         if dpp is not None:
             check_placement(mesh, roles, dpp)
