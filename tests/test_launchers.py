@@ -77,6 +77,11 @@ def test_slurm_dry_run_starts_one_task_per_node_and_kills_all_on_failure():
                     SLURM_JOB_NUM_NODES="1", SLURM_GPUS_PER_NODE="4")  # fmt: skip
     assert small.returncode == 2 and "+ srun" not in small.stdout
     assert "SLURM_JOB_NUM_NODES=1, GPUs per node=4" in small.stderr and "config.mesh" in small.stderr
+    two = _launch("slurm_gpu.sbatch", "configs/math_8b.py:h100", "--config.workdir=/shared/r", *MATH_8B,
+                  SLURM_JOB_NUM_NODES="2", SLURM_GPUS_ON_NODE="8")  # fmt: skip
+    # Placeable (the trainer on node 0, the replica on node 1), and the check says what it wastes.
+    assert two.returncode == 0 and "--num_processes=2" in two.stdout
+    assert "8 of 16 devices idle" in two.stderr
 
 
 def test_local_cluster_gives_each_process_its_own_cores_and_devices():

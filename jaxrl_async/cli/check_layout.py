@@ -93,10 +93,12 @@ def check(config, hosts: int, devices_per_host: int, source: str) -> str:
     if not roles.multi:
         return f"{where}: one process runs every role (sampler {m.sampler}, trainer {m.trainer})"
     replicas = ", ".join("+".join(map(str, r)) for r in roles.replicas)
+    used = m.trainer_devices + len(roles.replicas) * m.sampler_devices
+    idle = hosts * devices_per_host - used  # a mesh smaller than its processes leaves the rest unused
     return (
         f"{where}: trainer processes {list(roles.trainers)} (config.mesh.trainer={m.trainer}), "
         f"{len(roles.replicas)} sampler replica(s) on processes [{replicas}] "
-        f"(config.mesh.sampler={m.sampler})"
+        f"(config.mesh.sampler={m.sampler})" + (f"; {idle} of {used + idle} devices idle" if idle else "")
     )
 
 
