@@ -11,6 +11,11 @@ process also gets --coordinator_address (a free localhost port), --num_processes
 prefixed with the process id (and kept in --log-dir when given). When a process fails, the launcher says
 which, gives the others `--grace-s` seconds to stop on their own, then ends them; its exit status is the
 first failure's (0 when every process succeeded).
+
+  jaxrl-local-cluster --rehearse configs/math_8b.py
+
+rehearses a config's process/role/mesh layout in miniature and checks the run (jaxrl_async/cli/rehearsal.py;
+flags after `--` apply on top of the rehearsal's config).
 """
 
 from __future__ import annotations
