@@ -1,7 +1,8 @@
 """An 8B model (Qwen3-8B or Llama-3.1-8B from a local HF checkpoint) on a math JSONL with math-verify.
 
 Layouts:
-  default      64-chip TPU v5p slice: sampler 48 chips (data 12 x tensor 4), trainer 16 (fsdp 16).
+  default      TPU v5p-128 (64 chips, 16 hosts of 4): 12 sampler replicas of one host each (data 1 x
+               tensor 4), trainer 16 chips on 4 hosts (fsdp 8 x tensor 2); launch/tpu_pod.sh's default.
   ":h100"      one 8 x H100 node: sampler 4 GPUs (data 4), trainer 4 (fsdp 4).
 
   python launch/run.py --config=configs/math_8b.py --config.model.checkpoint=/ckpt/Qwen3-8B \
@@ -35,9 +36,18 @@ def get_config(layout: str = "v5p"):
     # setting); a trainer row (token_budget) must hold the longest sequence. Sizes checked with
     # tools/plan_check.py (compiled train step and sampler programs per device; docs/performance-model.md).
     if layout == "v5p":
-        c.mesh.sampler = (12, 4)
-        c.mesh.trainer = (8, 2)  # (16, 1) compiled to ~166 GiB/chip of temporaries at 8k-token rows
-        c.sampler.num_slots = 768  # 64 per data shard x 28k positions; KV heads split over tensor=4
+        # One replica per host: a v5p host has 4 chips (launch/tpu_pod.sh: v5p-N counts TensorCores, two
+        # per chip), and a replica of 4 chips holds Qwen3-8B with KV heads split over tensor=4. Twelve
+        # such replicas keep the plan-checked per-chip load of one 48-chip (12, 4) replica (64 slots per
+        # data shard: 75.6 GiB of 95 at 28k positions, tools/plan_check.py --hardware tpu-v5p) and need
+        # no collective between hosts while decoding. The trainer keeps 16 chips on 4 hosts: (16, 1)
+        # compiled to ~166 GiB/chip of temporaries at 8k-token rows, (8, 2) to 37.8 GiB at 32k.
+        c.mesh.sampler = (1, 4)
+        c.mesh.sampler_replicas = 12
+        c.mesh.trainer = (8, 2)
+        c.mesh.devices_per_process = 4  # roles derive from it: processes 0-3 train, 4-15 sample
+        c.sampler.num_slots = 64  # per replica: 768 in flight over the 12
+        c.eval_slots = 5  # actor 0's greedy engine: the 5 per data shard of the 48-chip plan
         c.trainer.rows_per_micro = 8  # one 32k-token row per fsdp shard per micro-batch
     elif layout == "h100":
         c.mesh.sampler = (4, 1)

@@ -160,6 +160,13 @@ class MeshConfig:
     # the learner lead). () and () = this one process does both.
     sampler_processes: tuple[int, ...] = ()
     trainer_processes: tuple[int, ...] = ()
+    # With both lists empty and several processes, the roles follow from the meshes: the trainer takes
+    # the first trainer_devices / devices-per-process processes, each replica the next whole processes
+    # (jaxrl_async.runtime.cluster.Roles.from_topology). `sampler_replicas` (0 = as many as the rest
+    # holds) and `devices_per_process` (0 = what each process sees) state the layout the config is
+    # planned for: a run or a launcher whose hardware differs fails before anything compiles.
+    sampler_replicas: int = 0
+    devices_per_process: int = 0
 
     def __post_init__(self):
         for name in ("sampler", "trainer"):
@@ -170,6 +177,10 @@ class MeshConfig:
             ids = getattr(self, name)
             if any(not isinstance(p, int) or p < 0 for p in ids):
                 raise ConfigError(f"config.mesh.{name}: must be a tuple of process ids, got {ids!r}")
+        for name in ("sampler_replicas", "devices_per_process"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ConfigError(f"config.mesh.{name}: must be an integer >= 0, got {v!r}")
         if self.colocate and (self.sampler_processes or self.trainer_processes):
             raise ConfigError("config.mesh.colocate: only for a single process (the roles share its devices)")
 

@@ -2,42 +2,86 @@
 
 import os
 import subprocess
+import sys
 
+from jaxrl_async.cli.check_layout import tpu_slice
 from jaxrl_async.cli.local_cluster import child_env, core_blocks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The paths name files on the cluster's hosts (the layout check says so and checks the rest here).
+MATH_8B = ["--config.model.checkpoint=/data/Qwen3-8B", "--config.data.path=/data/math.jsonl"]
+
+
+def _launch(script: str, *args: str, dry: bool = True, **env: str):
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": REPO, **env}
+    cmd = ["bash", os.path.join(REPO, "launch", script), *(["--dry-run"] if dry else []), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
 
 
 def _dry(script: str, *args: str, **env: str) -> str:
-    res = subprocess.run(
-        ["bash", os.path.join(REPO, "launch", script), "--dry-run", *args],
-        capture_output=True, text=True, timeout=60, env={**os.environ, **env},
-    )  # fmt: skip
+    res = _launch(script, *args, **env)
     assert res.returncode == 0, res.stderr
     return res.stdout
 
 
 def test_tpu_pod_dry_run_creates_copies_runs_on_every_worker_and_tears_down():
-    out = _dry("tpu_pod.sh", "configs/math_8b.py", "--config.workdir=gs://b/run 1", TPU_NAME="t1", SPOT="1")
+    out = _dry("tpu_pod.sh", "configs/math_8b.py", "--config.workdir=gs://b/run 1", *MATH_8B, TPU_NAME="t1",
+               SPOT="1")  # fmt: skip
     lines = [line for line in out.splitlines() if line.startswith("+ ")]
     assert [line.split()[5] if "tpu-vm" in line else line.split()[1] for line in lines] == [
         "create", "git", "scp", "ssh", "delete",
     ]  # fmt: skip
-    assert "--accelerator-type=v5p-64" in lines[0] and "--spot" in lines[0] and " t1 " in lines[0]
+    # The default slice is the one math_8b's TPU layout is planned for: 64 chips on 16 hosts.
+    assert "--accelerator-type=v5p-128" in lines[0] and "--spot" in lines[0] and " t1 " in lines[0]
     ssh = lines[3]
     assert "--worker=all" in ssh and "launch/run.py" in ssh and "--config=configs/math_8b.py" in ssh
+    assert "--num_processes=16" in ssh  # the host count the check derived
+    remote = ssh.replace("\\ ", " ")  # printf %q escapes the remote command's spaces
+    assert "python3.11 -m venv .venv" in remote  # the run gets its own environment, not the system pip
+    assert ".venv/bin/python launch/run.py" in remote
     assert "--config.workdir=gs://b/run" in ssh  # the flag reaches the workers
     assert REPO not in ssh  # nothing of this machine's paths runs on the workers
-    kept = _dry("tpu_pod.sh", "configs/math_8b.py", KEEP="1", CREATE="0")
+    kept = _dry("tpu_pod.sh", "configs/math_8b.py", "--config.workdir=gs://b/r", *MATH_8B, KEEP="1",
+                CREATE="0")  # fmt: skip
     assert "create" not in kept and "delete" not in kept
 
 
+def test_tpu_pod_refuses_a_slice_the_layout_does_not_fit_before_any_gcloud_command():
+    for dry in (True, False):  # gcloud is not installed here: a call would fail with 127, not 2
+        res = _launch("tpu_pod.sh", "configs/math_8b.py", "--config.workdir=gs://b/r", *MATH_8B, dry=dry,
+                      ACCELERATOR="v5p-32")  # fmt: skip
+        assert res.returncode == 2, res.stderr
+        assert "+ gcloud" not in res.stdout and "command not found" not in res.stderr
+        assert "ACCELERATOR=v5p-32 (4 host(s) x 4 devices)" in res.stderr
+        assert "config.mesh.sampler_replicas=12" in res.stderr and "nothing was created" in res.stderr
+    bad = _launch("tpu_pod.sh", "configs/math_8b.py", "--config.workdir=gs://b/r", *MATH_8B,
+                  ACCELERATOR="v9-8")  # fmt: skip
+    assert bad.returncode == 2 and "unknown TPU accelerator type 'v9-8'" in bad.stderr
+
+
+def test_tpu_slice_types_count_cores_or_chips():
+    assert tpu_slice("v5p-128") == (16, 4) and tpu_slice("v5p-8") == (1, 4) and tpu_slice("v4-32") == (4, 4)
+    assert tpu_slice("v5litepod-8") == (1, 8) and tpu_slice("v5litepod-16") == (4, 4)
+    assert tpu_slice("v6e-64") == (16, 4) and tpu_slice("v6e-4") == (1, 4)
+
+
 def test_slurm_dry_run_starts_one_task_per_node_and_kills_all_on_failure():
-    out = _dry("slurm_gpu.sbatch", "configs/math_8b.py:h100", "--config.workdir=/shared/r")
+    out = _dry("slurm_gpu.sbatch", "configs/math_8b.py:h100", "--config.workdir=/shared/r", *MATH_8B,
+               SLURM_JOB_NUM_NODES="1", SLURM_GPUS_PER_NODE="h100:8")  # fmt: skip
     cmd = [line for line in out.splitlines() if line.startswith("+ ")]
     assert len(cmd) == 1
-    assert cmd[0].startswith("+ srun --kill-on-bad-exit=1 --ntasks-per-node=1 python ")
-    assert "launch/run.py --config=configs/math_8b.py:h100 --config.workdir=/shared/r" in cmd[0]
+    assert cmd[0].startswith(f"+ srun --kill-on-bad-exit=1 --ntasks-per-node=1 {sys.executable} ")
+    run = "launch/run.py --config=configs/math_8b.py:h100 --num_processes=1 --config.workdir=/shared/r"
+    assert run in cmd[0]
+    small = _launch("slurm_gpu.sbatch", "configs/math_8b.py:h100", "--config.workdir=/shared/r", *MATH_8B,
+                    SLURM_JOB_NUM_NODES="1", SLURM_GPUS_PER_NODE="4")  # fmt: skip
+    assert small.returncode == 2 and "+ srun" not in small.stdout
+    assert "SLURM_JOB_NUM_NODES=1, GPUs per node=4" in small.stderr and "config.mesh" in small.stderr
+    two = _launch("slurm_gpu.sbatch", "configs/math_8b.py:h100", "--config.workdir=/shared/r", *MATH_8B,
+                  SLURM_JOB_NUM_NODES="2", SLURM_GPUS_ON_NODE="8")  # fmt: skip
+    # Placeable (the trainer on node 0, the replica on node 1), and the check says what it wastes.
+    assert two.returncode == 0 and "--num_processes=2" in two.stdout
+    assert "8 of 16 devices idle" in two.stderr
 
 
 def test_local_cluster_gives_each_process_its_own_cores_and_devices():

@@ -85,7 +85,7 @@ def test_roles_and_flags_are_validated_before_anything_connects():
         Roles.from_config(mesh((0,), (1,)), 2)
     with pytest.raises(ClusterError, match=r"share process"):
         Roles.from_config(mesh((0, 1), (0,)), 2)
-    with pytest.raises(ClusterError, match=r"--num_processes=2: set config\.mesh\.sampler_processes"):
+    with pytest.raises(ClusterError, match=r"--num_processes=2: set config\.mesh\.devices_per_process"):
         Roles.from_config(mesh((), ()), 2)
     with pytest.raises(ClusterError, match=r"--coordinator_address='10\.0\.0\.1': expected HOST:PORT"):
         Flags.resolve(coordinator_address="10.0.0.1")
@@ -103,12 +103,9 @@ def test_bad_process_layout_fails_fast_naming_the_flag(tmp_path):
 
 
 def test_sampler_and_trainer_processes_sync_weights_every_step(tmp_path):
-    """2 processes x 2 CPU devices: the learner (and coordinator) on process 0, the sampler on process 1."""
-    flags = _flags(
-        tmp_path,
-        **{"mesh.sampler": "(2,1)", "mesh.trainer": "(2,1)", "mesh.sampler_processes": "(1,)"},
-        **{"mesh.trainer_processes": "(0,)"},
-    )
+    """2 processes x 2 CPU devices: the learner (and coordinator) on process 0, the sampler on process 1;
+    no role lists: the roles follow from the meshes and each process's device count."""
+    flags = _flags(tmp_path, **{"mesh.sampler": "(2,1)", "mesh.trainer": "(2,1)"})
     res = _launch(2, 2, flags)
     assert res.returncode == 0, res.stdout[-4000:]
     with open(tmp_path / "summary.json") as f:

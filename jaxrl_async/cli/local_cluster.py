@@ -11,6 +11,11 @@ process also gets --coordinator_address (a free localhost port), --num_processes
 prefixed with the process id (and kept in --log-dir when given). When a process fails, the launcher says
 which, gives the others `--grace-s` seconds to stop on their own, then ends them; its exit status is the
 first failure's (0 when every process succeeded).
+
+  jaxrl-local-cluster --rehearse configs/math_8b.py
+
+rehearses a config's process/role/mesh layout in miniature and checks the run (jaxrl_async/cli/rehearsal.py;
+flags after `--` apply on top of the rehearsal's config).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from absl import app, flags
 
 from jaxrl_async.cli import module_command, run_command
 
-_NUM = flags.DEFINE_integer("num-processes", None, "Processes to start.", lower_bound=1)
+_NUM = flags.DEFINE_integer("num-processes", None, "Processes to start (not with --rehearse).", lower_bound=1)
 _DEVICES = flags.DEFINE_integer("devices-per-process", 1, "Fake CPU devices in each process.", lower_bound=1)
 _PIN = flags.DEFINE_bool("pin-cores", False, "Give each process its own block of cores.")
 _PORT = flags.DEFINE_integer("port", 0, "Coordinator port (0: a free one).")
@@ -36,7 +41,13 @@ _LOG_DIR = flags.DEFINE_string("log-dir", "", "Also write process_<i>.log files 
 _GRACE = flags.DEFINE_float("grace-s", 45.0, "After a failure, wait this long for the rest.")
 _HEARTBEAT = flags.DEFINE_integer("heartbeat-timeout-s", 10, "Each process's --heartbeat_timeout_s.")
 _PYTHON = flags.DEFINE_string("python", sys.executable, "The interpreter that runs each process.")
-flags.mark_flags_as_required(["num-processes"])
+_REHEARSE = flags.DEFINE_string(
+    "rehearse", "", "CONFIG[:arg]: run its process/role/mesh layout in miniature and check the run."
+)
+_R_STEPS = flags.DEFINE_integer("rehearse-steps", 3, "Train steps of the rehearsal.", lower_bound=1)
+_R_REPLICAS = flags.DEFINE_integer("rehearse-replicas", 1, "Sampler replicas kept.", lower_bound=1)
+_R_TRAINERS = flags.DEFINE_integer("rehearse-trainer-processes", 1, "Trainer processes kept.", lower_bound=1)
+_R_WORKDIR = flags.DEFINE_string("rehearse-workdir", "runs/rehearsal", "The rehearsal's workdir.")
 
 
 def free_port() -> int:
@@ -93,18 +104,50 @@ def _run_flags(argv: list[str]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     run_flags = _run_flags(argv)
-    n = _NUM.value
+    if _REHEARSE.value:
+        return _rehearse(run_flags)
+    if _NUM.value is None:
+        raise app.UsageError("--num-processes: required (or --rehearse CONFIG)")
+    return _launch(_NUM.value, _DEVICES.value, run_flags)
+
+
+def _rehearse(run_flags: list[str]) -> int:
+    """Runs `--rehearse`'s config in miniature (extra run flags after `--` apply on top), then checks it."""
+    from jaxrl_async.cli import rehearsal
+    from jaxrl_async.run_config import ConfigError, MeshConfig
+
+    try:
+        target = rehearsal.load_config(_REHEARSE.value)
+        mesh = MeshConfig(**target.mesh.to_dict())
+        mini = rehearsal.miniature(mesh, _R_TRAINERS.value, _R_REPLICAS.value)
+        path = rehearsal.write_config(_REHEARSE.value, _R_WORKDIR.value, mini, _R_STEPS.value)
+    except ConfigError as e:
+        raise app.UsageError(f"--rehearse={_REHEARSE.value}: {e}") from None
+    print(f"[rehearsal] {_REHEARSE.value}: {mini.describe()}", flush=True)
+    status = _launch(mini.num_processes, mini.devices_per_process, [f"--config={path}", *run_flags])
+    if status != 0:
+        print(f"[rehearsal] FAILED: the run ended with status {status}", flush=True)
+        return status
+    lines = rehearsal.verify(os.path.abspath(_R_WORKDIR.value), mini, target.max_staleness, target.mode)
+    for line in lines:
+        print(f"[rehearsal] {line}", flush=True)
+    failed = [line for line in lines if line.startswith("FAILED")]
+    print(f"[rehearsal] {'FAILED' if failed else 'passed'}: {_REHEARSE.value}", flush=True)
+    return 1 if failed else 0
+
+
+def _launch(n: int, devices: int, run_flags: list[str]) -> int:
     port = _PORT.value or free_port()
     cores = sorted(os.sched_getaffinity(0))
     blocks = core_blocks(n, cores) if _PIN.value else [None] * n
     if _LOG_DIR.value:
         os.makedirs(_LOG_DIR.value, exist_ok=True)
-    env = child_env(_DEVICES.value)
+    env = child_env(devices)
     procs, pumps, logs = [], [], []
     for i in range(n):
         cmd = module_command("run", *run_flags, f"--coordinator_address=127.0.0.1:{port}",
                              f"--num_processes={n}", f"--process_id={i}",
-                             f"--config.mesh.fake_cpu_devices={_DEVICES.value}",
+                             f"--config.mesh.fake_cpu_devices={devices}",
                              f"--heartbeat_timeout_s={_HEARTBEAT.value}", python=_PYTHON.value)  # fmt: skip
         block = blocks[i]
         pre = (lambda block=block: os.sched_setaffinity(0, block)) if block else None

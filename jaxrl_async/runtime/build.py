@@ -21,6 +21,7 @@ from jaxrl_async.model import ModelConfig, from_hf_config, init_params, load_hf,
 from jaxrl_async.rewards import RewardService
 from jaxrl_async.run_config import ConfigError, RunConfig, validate
 from jaxrl_async.runtime.checkpoint import RunCheckpoints, write_model_info
+from jaxrl_async.runtime.cluster import ClusterError, check_placement, devices_per_process
 from jaxrl_async.runtime.evaluation import eval_sampler_config, evaluate_accuracy
 from jaxrl_async.sampler import Engine, SamplerConfig
 from jaxrl_async.sharding import TRAINER_RULES, make_mesh
@@ -41,20 +42,10 @@ def progress_bar(total: int, desc: str, enabled: bool):
 def validate_for(config, cluster) -> RunConfig:
     """Validates `config` and checks that each role of this process has the devices it needs."""
     run = validate(config, num_devices=len(jax.devices()) if not cluster.roles.multi else None)
-    if cluster.roles.multi:
-        local = jax.local_device_count()
-        m = run.mesh
-        if cluster.process_id in cluster.roles.samplers and m.sampler_devices > local:
-            raise ConfigError(
-                f"config.mesh.sampler={m.sampler}: a sampler replica needs {m.sampler_devices} devices, "
-                f"process {cluster.process_id} has {local}"
-            )
-        have = sum(1 for d in jax.devices() if d.process_index in cluster.roles.trainers)
-        if m.trainer_devices > have:
-            raise ConfigError(
-                f"config.mesh.trainer={m.trainer}: needs {m.trainer_devices} devices, the trainer "
-                f"processes {cluster.roles.trainers} have {have}"
-            )
+    try:
+        check_placement(run.mesh, cluster.roles, devices_per_process(jax.devices()))
+    except ClusterError as e:
+        raise ConfigError(str(e)) from None
     return run
 
 

@@ -4,7 +4,8 @@ A run is one program on every process (one controller per host). `config.mesh.sa
 `config.mesh.trainer_processes` say which processes sample (each runs one sampler replica over its own
 devices) and which train (together they run one SPMD train step over the trainer mesh); the first trainer
 process is the *learner lead*: it hosts the coordinator, the TensorBoard writer and the message hub. With
-both lists empty a single process runs every role, as on a laptop.
+both lists empty a single process runs every role, as on a laptop; several processes then take their
+roles from the meshes and the devices per process (`Roles.from_topology`).
 
 JAX's coordination service (started by `jax.distributed.initialize`) is the cluster manager: its heartbeats
 end every process when one dies (within `heartbeat_timeout_s`), its key-value store carries peer addresses
@@ -41,28 +42,45 @@ class Roles:
 
     Attributes:
       num_processes: processes in the run.
-      samplers: process ids that run a sampler replica (an actor), in actor order.
+      samplers: process ids that run a sampler replica (an actor), in actor order: each replica's leader.
       trainers: process ids that run the learner; trainers[0] is the learner lead.
+      replicas: each replica's processes, its leader first (default: one process per replica).
     """
 
     num_processes: int
     samplers: tuple[int, ...]
     trainers: tuple[int, ...]
+    replicas: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self):
+        if not self.replicas:
+            object.__setattr__(self, "replicas", tuple((p,) for p in self.samplers))
 
     @classmethod
-    def from_config(cls, mesh, num_processes: int) -> Roles:
-        """The roles of `config.mesh` (validated against `num_processes`, errors name the field)."""
+    def from_config(cls, mesh, num_processes: int, devices_per_process: int | None = None) -> Roles:
+        """The roles of `config.mesh` (validated against `num_processes`, errors name the field).
+
+        With both role lists empty and several processes the roles follow from the meshes and
+        `devices_per_process` (`from_topology`)."""
         s, t = tuple(mesh.sampler_processes), tuple(mesh.trainer_processes)
         if not s and not t:
-            if num_processes != 1:
+            if num_processes == 1:
+                return cls(1, (0,), (0,))
+            if devices_per_process is None:
                 raise ClusterError(
-                    f"--num_processes={num_processes}: set config.mesh.sampler_processes and "
-                    "config.mesh.trainer_processes (e.g. (0,) and (1,)) to say which process does what"
+                    f"--num_processes={num_processes}: set config.mesh.devices_per_process (the roles then "
+                    "follow from config.mesh.sampler and trainer), or config.mesh.sampler_processes and "
+                    "config.mesh.trainer_processes (e.g. (0,) and (1,))"
                 )
-            return cls(1, (0,), (0,))
+            return cls.from_topology(mesh, num_processes, devices_per_process)
         if not s or not t:
             empty = "sampler_processes" if not s else "trainer_processes"
             raise ClusterError(f"config.mesh.{empty}: empty while the other role list is set")
+        if mesh.sampler_replicas and mesh.sampler_replicas != len(s):
+            raise ClusterError(
+                f"config.mesh.sampler_replicas={mesh.sampler_replicas} but config.mesh.sampler_processes={s} "
+                f"names {len(s)}"
+            )
         if num_processes == 1 and s == t == (0,):
             return cls(1, s, t)
         every = set(range(num_processes))
@@ -93,6 +111,43 @@ class Roles:
             )
         return cls(num_processes, s, t)
 
+    @classmethod
+    def from_topology(cls, mesh, num_processes: int, devices_per_process: int) -> Roles:
+        """Roles from the meshes: processes 0.. train, then each sampler replica takes whole processes.
+
+        A mesh smaller than a process takes one process (its first devices); a larger one a whole number
+        of processes. Every process gets a role; the numbers must add up exactly.
+        """
+        dpp = devices_per_process
+        if mesh.devices_per_process and mesh.devices_per_process != dpp:
+            raise ClusterError(
+                f"config.mesh.devices_per_process={mesh.devices_per_process}: the run's processes have "
+                f"{dpp} devices each"
+            )
+        t = processes_for(mesh, "trainer", dpp)
+        k = processes_for(mesh, "sampler", dpp)
+        rest = num_processes - t
+        total = f"{num_processes} processes of {dpp} devices"
+        if mesh.sampler_replicas and t + k * mesh.sampler_replicas != num_processes:
+            raise ClusterError(
+                f"config.mesh.sampler_replicas={mesh.sampler_replicas}: {mesh.sampler_replicas} replicas of "
+                f"{k} process(es) (config.mesh.sampler={mesh.sampler}) + the trainer's {t} "
+                f"(config.mesh.trainer={mesh.trainer}) = {t + k * mesh.sampler_replicas} processes of {dpp} "
+                f"devices; the run has {num_processes}"
+            )
+        if rest < k:
+            raise ClusterError(
+                f"config.mesh.trainer={mesh.trainer} takes {t} of the {total}, leaving {max(rest, 0)}; "
+                f"a sampler replica (config.mesh.sampler={mesh.sampler}) needs {k}"
+            )
+        if rest % k:
+            raise ClusterError(
+                f"config.mesh.sampler={mesh.sampler}: the {rest} processes left after the trainer's {t} "
+                f"do not divide into replicas of {k} processes ({total})"
+            )
+        replicas = tuple(tuple(range(t + i * k, t + (i + 1) * k)) for i in range(rest // k))
+        return cls(num_processes, tuple(r[0] for r in replicas), tuple(range(t)), replicas)
+
     @property
     def multi(self) -> bool:
         return self.num_processes > 1
@@ -106,9 +161,56 @@ class Roles:
         names = []
         if pid in self.trainers:
             names.append("learner lead" if pid == self.lead else "trainer")
-        if pid in self.samplers:
-            names.append(f"sampler {self.samplers.index(pid)}")
+        for i, members in enumerate(self.replicas):
+            if pid in members:
+                j = members.index(pid)
+                names.append(f"sampler {i}" if j == 0 else f"sampler {i} member {j}")
         return " + ".join(names) or "no role"
+
+
+def processes_for(mesh, name: str, devices_per_process: int) -> int:
+    """Whole processes `config.mesh.<name>` (sampler: one replica) takes at `devices_per_process`."""
+    shape = getattr(mesh, name)
+    devices = shape[0] * shape[1]
+    dpp = devices_per_process
+    if devices <= dpp:
+        return 1
+    if devices % dpp:
+        what = "replica" if name == "sampler" else "trainer"
+        raise ClusterError(
+            f"config.mesh.{name}={shape}: a {devices}-device {what} does not fill whole processes of {dpp} "
+            f"devices"
+        )
+    return devices // dpp
+
+
+def check_placement(mesh, roles: Roles, devices_per_process: int) -> None:
+    """Checks that every role's mesh fits the devices its processes have (before anything compiles).
+
+    Raises:
+      ClusterError: naming the config field and the numbers.
+    """
+    if not roles.multi:  # one process: validate() checks the device total
+        return
+    dpp = devices_per_process
+    if mesh.devices_per_process and mesh.devices_per_process != dpp:
+        raise ClusterError(
+            f"config.mesh.devices_per_process={mesh.devices_per_process}: the run's processes have {dpp} "
+            "devices each"
+        )
+    if mesh.sampler_devices > dpp:
+        k = -(-mesh.sampler_devices // dpp)
+        raise ClusterError(
+            f"config.mesh.sampler={tuple(mesh.sampler)}: a {mesh.sampler_devices}-device replica needs {k} "
+            f"whole processes of {dpp} devices; a sampler replica must fit in one process (replicas that "
+            "span processes are not supported)"
+        )
+    have = len(roles.trainers) * dpp
+    if mesh.trainer_devices > have:
+        raise ClusterError(
+            f"config.mesh.trainer={tuple(mesh.trainer)}: needs {mesh.trainer_devices} devices, the trainer "
+            f"processes {roles.trainers} have {have} ({dpp} each)"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,20 +352,30 @@ def connect(mesh, flags: Flags) -> Cluster:
     """Validates the process layout, starts `jax.distributed` when the run has several processes.
 
     Must run before JAX initialises a backend. A run whose config names roles but whose flags give no
-    coordinator lets JAX detect the cluster (Cloud TPU, SLURM, ...).
+    coordinator lets JAX detect the cluster (Cloud TPU, SLURM, ...); so does `--num_processes` alone
+    (what launch/tpu_pod.sh and launch/slurm_gpu.sbatch pass: the process count the launcher checked).
 
     Raises:
       ClusterError: naming the flag or config field (before anything compiles or connects).
     """
-    if flags.given and len(flags.given) < len(ENV):
+    from jaxrl_async.run_config import MeshConfig
+
+    if not isinstance(mesh, MeshConfig):  # config.mesh as the config file gives it
+        mesh = MeshConfig(**dict(mesh))
+    partial = [n for n in flags.given if n != "num_processes"]
+    if partial and len(flags.given) < len(ENV):
         missing = [f"--{n}" for n in ENV if n not in flags.given]
         raise ClusterError(
             f"a multi-process run needs {', '.join(missing)} too (or {', '.join(ENV.values())})"
         )
     if flags.num_processes == 1 or not (flags.given or mesh.sampler_processes or mesh.trainer_processes):
         return Cluster(Roles.from_config(mesh, 1))
-    if flags.num_processes is not None:
-        Roles.from_config(mesh, flags.num_processes)  # fail before connecting
+    lists = mesh.sampler_processes or mesh.trainer_processes
+    dpp = mesh.devices_per_process or None
+    if flags.num_processes is not None and (lists or dpp):  # fail before connecting, as far as we can tell
+        roles = Roles.from_config(mesh, flags.num_processes, dpp)
+        if dpp is not None:
+            check_placement(mesh, roles, dpp)
     import jax
 
     try:
@@ -285,11 +397,23 @@ def connect(mesh, flags: Flags) -> Cluster:
     from jax._src.distributed import global_state  # the coordination service's client (as orbax uses it)
 
     pid, n = jax.process_index(), jax.process_count()
-    roles = Roles.from_config(mesh, n)
+    if flags.num_processes is not None and n != flags.num_processes:
+        raise ClusterError(f"--num_processes={flags.num_processes} but JAX found {n} processes")
+    roles = Roles.from_config(mesh, n, devices_per_process(jax.devices()))
     address = flags.coordinator_address or global_state.coordinator_address or "127.0.0.1:0"
     cluster = Cluster(roles, pid, global_state.client, _advertised_host(address))
     log.info("process %d of %d: %s", pid, n, cluster.role)
     return cluster
+
+
+def devices_per_process(devices) -> int:
+    """The devices each process has (the same on every process, or ClusterError: roles assume it)."""
+    counts: dict[int, int] = {}
+    for d in devices:
+        counts[d.process_index] = counts.get(d.process_index, 0) + 1
+    if len(set(counts.values())) != 1:
+        raise ClusterError(f"the processes have different device counts {counts}: roles need equal hosts")
+    return next(iter(counts.values()))
 
 
 def shutdown(cluster: Cluster) -> None:

@@ -1,0 +1,63 @@
+"""The pod rehearsal: a config's process/role/mesh layout in miniature on localhost (launch/local_cluster.py
+--rehearse), and the checks it makes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import math_8b
+from jaxrl_async.cli.rehearsal import miniature, verify
+from jaxrl_async.run_config import ConfigError, MeshConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_miniature_keeps_the_per_host_layout_and_shrinks_the_counts():
+    tpu = miniature(MeshConfig(**math_8b.get_config().mesh.to_dict()))
+    assert (tpu.num_processes, tpu.devices_per_process) == (2, 4)
+    assert tpu.sampler == (1, 4) and tpu.trainer == (2, 2) and tpu.replicas == 1  # tensor axis kept
+    assert "16 processes x 4 devices" in tpu.real
+    two = miniature(MeshConfig(**math_8b.get_config().mesh.to_dict()), trainer_processes=2, replicas=3)
+    assert (two.num_processes, two.trainer, two.replicas) == (5, (4, 2), 3)
+    gpu = miniature(MeshConfig(**math_8b.get_config("h100").mesh.to_dict()))
+    assert (gpu.num_processes, gpu.devices_per_process, gpu.trainer) == (1, 8, (2, 2))
+    with pytest.raises(ConfigError, match=r"config\.mesh\.devices_per_process: a rehearsal"):
+        miniature(MeshConfig((1, 1), (1, 1), 1, sampler_processes=(1,), trainer_processes=(0,)))
+    with pytest.raises(ConfigError, match=r"config\.mesh\.trainer=\(2, 8\): its tensor axis 8"):
+        miniature(MeshConfig((1, 4), (2, 8), 1, devices_per_process=4))
+
+
+def test_the_checks_fail_on_a_run_that_broke_them(tmp_path):
+    mini = miniature(MeshConfig((1, 2), (2, 1), 1, devices_per_process=2))
+    summary = {
+        "processes": 2, "steps": 2, "max_admission_ahead": 2,
+        "weight_checksums": {"learner": {"0": 1.0, "1": 2.0, "2": 3.0},
+                             "actors": {"0": {"0": 1.0, "1": 2.5}}},
+    }  # fmt: skip
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    lines = verify(str(tmp_path), mini, eta=1, mode="async")
+    failed = [line for line in lines if line.startswith("FAILED")]
+    # The checksums differ, eta=1 is exceeded, no TensorBoard writer: three failures, named.
+    assert [f.split(":")[1].split()[0] for f in failed] == ["actor", "eta", "one"]
+
+
+def test_both_math_8b_layouts_rehearse_on_localhost(tmp_path):
+    """The TPU layout (16 hosts x 4 chips) as 2 processes x 4 CPU devices, the 8-GPU layout as one process
+    of 8: two async steps each; every check passes."""
+    out = {}
+    for spec in ("configs/math_8b.py", "configs/math_8b.py:h100"):
+        workdir = tmp_path / spec.replace("/", "_").replace(":", "_")
+        cmd = [sys.executable, os.path.join(REPO, "launch", "local_cluster.py"), "--rehearse", spec,
+               "--rehearse-steps", "2", "--rehearse-workdir", str(workdir)]  # fmt: skip
+        res = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), text=True,
+                             capture_output=True, timeout=600)  # fmt: skip
+        assert res.returncode == 0, res.stdout[-4000:]
+        assert f"[rehearsal] passed: {spec}" in res.stdout and "FAILED" not in res.stdout
+        assert "weight checksums equal the learner's after every sync" in res.stdout
+        out[spec] = res.stdout
+    tpu = out["configs/math_8b.py"]  # the roles came from the topology: no role lists in the config
+    assert "process 0 of 2: learner lead" in tpu and "process 1 of 2: sampler 0" in tpu
+    assert "rehearsed as 2 process(es) x 4 CPU devices: trainer (2, 2), 1 replica(s) of (1, 4)" in tpu
