@@ -59,7 +59,8 @@ def _worker(pid: int, port: int, tmp: str, preset: str, reps: int, samples: int,
 
     from jaxrl_async.model import init_params, presets
     from jaxrl_async.runtime.cluster import Cluster, Roles
-    from jaxrl_async.runtime.transport import Hello, Rollouts, ZmqTransport
+    from jaxrl_async.runtime.messages import Hello, Rollouts
+    from jaxrl_async.runtime.transport import ZmqTransport
     from jaxrl_async.runtime.weight_sync import TransferPublisher, TransferReceiver
     from jaxrl_async.sharding import TRAINER_RULES, make_mesh
 
@@ -103,7 +104,7 @@ def _worker(pid: int, port: int, tmp: str, preset: str, reps: int, samples: int,
         hub.close()
     else:
         recv = TransferReceiver(cluster, 0, cfg, t_mesh, s_mesh, cfg.param_dtype)
-        from jaxrl_async.runtime.transport import NewWeights
+        from jaxrl_async.runtime.messages import NewWeights
 
         pulled = []
         for v in range(reps + 1):

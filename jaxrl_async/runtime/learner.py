@@ -22,8 +22,7 @@ import jax
 import numpy as np
 
 from jaxrl_async.rollouts import Rollout, RolloutQueue, staleness_stats
-from jaxrl_async.runtime.metrics import MetricsWriter, summary_line
-from jaxrl_async.runtime.transport import (
+from jaxrl_async.runtime.messages import (
     EvalResult,
     Preempt,
     Rollouts,
@@ -33,6 +32,7 @@ from jaxrl_async.runtime.transport import (
     TrainBatch,
     Trained,
 )
+from jaxrl_async.runtime.metrics import MetricsWriter, summary_line
 from jaxrl_async.trainer import prepare_batch, train_step
 
 log = logging.getLogger(__name__)

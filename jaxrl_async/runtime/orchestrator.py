@@ -33,8 +33,9 @@ from jaxrl_async.runtime.actor import Actor, ActorConfig
 from jaxrl_async.runtime.cluster import Cluster, PeerFailure, Roles
 from jaxrl_async.runtime.coordinator import Coordinator
 from jaxrl_async.runtime.learner import Follower, Learner, LearnerConfig, TrainerCore
+from jaxrl_async.runtime.messages import Hello, Preempt, WarmStartParams
 from jaxrl_async.runtime.metrics import MetricsWriter
-from jaxrl_async.runtime.transport import Hello, LocalTransport, Preempt, ZmqTransport
+from jaxrl_async.runtime.transport import LocalTransport, ZmqTransport
 from jaxrl_async.runtime.weight_sync import (
     LocalWeights,
     TransferPublisher,
@@ -131,9 +132,9 @@ def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
                 run, model_cfg, tokenizer, t_mesh.devices.flat[0], show=True
             )
             for p in roles.trainers[1:]:
-                transport.send(f"trainer:{p}", params)
+                transport.send(f"trainer:{p}", WarmStartParams(params))
         else:
-            params = _wait_for(transport, f"trainer:{cluster.process_id}", cluster)
+            params = _wait_for(transport, f"trainer:{cluster.process_id}", cluster).params
     else:
         params = build.initial_params(run, model_cfg, t_mesh)
     state = build.train_state(run, model_cfg, t_mesh, params)
