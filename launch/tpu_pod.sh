@@ -62,4 +62,16 @@ run "${tpu[@]}" scp "$bundle" "$TPU_NAME:jaxrl_async.tar.gz" --worker=all --zone
 flags="$(printf ' %q' "$@")"
 remote="mkdir -p $REMOTE_DIR && tar xzf jaxrl_async.tar.gz -C $REMOTE_DIR && cd $REMOTE_DIR"
 remote+=" && pip install -q -e '.[tpu]' && python launch/run.py --config=$config$flags"
+# ----- the run's secret: it signs every message between the processes (jaxrl_async/runtime/secret.py) -----
+# A fresh one per run, written to a file only its owner can read, copied to every worker and removed here;
+# the processes find it through JAXRL_SECRET_FILE. It is never on a command line or in the output.
+secret_file="${TMPDIR:-/tmp}/jaxrl_async-$TPU_NAME.secret"
+if [[ $dry -eq 0 ]]; then
+  rm -f "$secret_file"
+  (umask 077 && od -An -vtx1 -N32 /dev/urandom | tr -d ' \n' > "$secret_file")
+fi
+run "${tpu[@]}" scp "$secret_file" "$TPU_NAME:.jaxrl_async.secret" --worker=all --zone="$ZONE" "${project[@]}"
+if [[ $dry -eq 0 ]]; then rm -f "$secret_file"; fi
+remote="chmod 600 ~/.jaxrl_async.secret && export JAXRL_SECRET_FILE=~/.jaxrl_async.secret && $remote"
+# ----- end of the secret -----
 run "${tpu[@]}" ssh "$TPU_NAME" --worker=all --zone="$ZONE" "${project[@]}" --command="$remote"

@@ -21,10 +21,12 @@ def test_tpu_pod_dry_run_creates_copies_runs_on_every_worker_and_tears_down():
     out = _dry("tpu_pod.sh", "configs/math_8b.py", "--config.workdir=gs://b/run 1", TPU_NAME="t1", SPOT="1")
     lines = [line for line in out.splitlines() if line.startswith("+ ")]
     assert [line.split()[5] if "tpu-vm" in line else line.split()[1] for line in lines] == [
-        "create", "git", "scp", "ssh", "delete",
+        "create", "git", "scp", "scp", "ssh", "delete",
     ]  # fmt: skip
     assert "--accelerator-type=v5p-64" in lines[0] and "--spot" in lines[0] and " t1 " in lines[0]
-    ssh = lines[3]
+    assert ".secret" in lines[3]  # the run's secret goes to every worker as a file ...
+    ssh = lines[4]
+    assert "JAXRL_SECRET_FILE=" in ssh and "JAXRL_SECRET=" not in ssh  # ... and only its path is on a command
     assert "--worker=all" in ssh and "launch/run.py" in ssh and "--config=configs/math_8b.py" in ssh
     assert "--config.workdir=gs://b/run" in ssh  # the flag reaches the workers
     assert REPO not in ssh  # nothing of this machine's paths runs on the workers

@@ -264,6 +264,9 @@ def connect(mesh, flags: Flags) -> Cluster:
         return Cluster(Roles.from_config(mesh, 1))
     if flags.num_processes is not None:
         Roles.from_config(mesh, flags.num_processes)  # fail before connecting
+    from jaxrl_async.runtime import secret
+
+    secret.require()  # every message between the processes is signed with it
     import jax
 
     try:

@@ -422,6 +422,7 @@ class Learner:
             "perf/weight_sync_s": sync_s,
             "perf/train_step_s": step_s,
             "rewards/errors": self._actor_sum("reward_errors"),
+            "perf/rejected_messages": float(self.transport.rejected),  # frames dropped by the hub
         }
         w = self.writer
         w.scalars(self.version, values)
