@@ -181,14 +181,14 @@ def test_hostile_frames_are_dropped_counted_and_logged_once(hub_and_peer, tmp_pa
     stranger.connect(f"tcp://{where}")
     marker = str(tmp_path / "pwned")
     evil = pickle.dumps(("learner", _Touch(marker)))
-    real = peer._seal("learner", m.TicketRequest(0, 2))  # a genuine frame, sent once by its peer
+    real = peer.seal("learner", m.TicketRequest(0, 2))  # a genuine frame, sent once by its peer
     peer._sock.send_multipart(real)
     assert _recv(hub, "learner") == [m.TicketRequest(0, 2)]
     other_run = ZmqTransport(["actor:0"], False, f"{where}#{'ab' * 16}", 1, SECRET)
     other_secret = ZmqTransport(["actor:0"], False, hub.address, 1, b"t" * 64)
-    wrong_mac = peer._seal("learner", m.TicketRequest(0, 99))
+    wrong_mac = peer.seal("learner", m.TicketRequest(0, 99))
     wrong_mac[3] = bytes(32)
-    tampered = peer._seal("learner", m.TicketRequest(0, 1))
+    tampered = peer.seal("learner", m.TicketRequest(0, 1))
     tampered[1] = tampered[1].replace(b"1]", b"9]")
     hostile = [
         [evil],  # what the old hub unpickled
@@ -197,11 +197,11 @@ def test_hostile_frames_are_dropped_counted_and_logged_once(hub_and_peer, tmp_pa
         [os.urandom(33), os.urandom(64), b"", os.urandom(32)],
         [real[0], b"x" * 600_000, b"y" * 600_000, real[3]],  # oversized: over the hub's 1 MiB in total
         real,  # a replay of a real message, from another connection
-        other_run._seal("learner", m.TicketRequest(0, 3)),  # another run's frame, same secret
-        other_secret._seal("learner", m.TicketRequest(0, 4)),  # signed with another run's secret
+        other_run.seal("learner", m.TicketRequest(0, 3)),  # another run's frame, same secret
+        other_secret.seal("learner", m.TicketRequest(0, 4)),  # signed with another run's secret
         wrong_mac,
         tampered,
-        peer._seal("nowhere", m.TicketRequest(0, 5)),  # authentic, but for no endpoint (and from a stranger)
+        peer.seal("nowhere", m.TicketRequest(0, 5)),  # authentic, but for no endpoint (and from a stranger)
     ]
     with caplog.at_level(logging.WARNING, logger="jaxrl_async.runtime.transport"):
         for frames in hostile:

@@ -141,8 +141,8 @@ class ZmqTransport:
 
     # ----- sending -----
 
-    def _seal(self, endpoint: str, message) -> list:
-        """The four frames of `message` (see the module docstring)."""
+    def seal(self, endpoint: str, message) -> list:
+        """The four frames of `message` (see the module docstring; public for tests and benchmarks)."""
         body, buffers = codec.encode(endpoint, message)
         if len(body) + len(buffers) > self._peer_limits.max_bytes:
             raise codec.CodecError(
@@ -165,12 +165,12 @@ class ZmqTransport:
             self._queues[endpoint].append(message)
             return
         if not self.lead:
-            self._sock.send_multipart(self._seal(endpoint, message), copy=False)
+            self._sock.send_multipart(self.seal(endpoint, message), copy=False)
             return
         if endpoint not in self._routes:
             raise KeyError(f"no process hosts endpoint {endpoint!r}")
         pid = self._routes[endpoint]
-        frames = self._seal(endpoint, message)
+        frames = self.seal(endpoint, message)
         if pid not in self._peers:  # not connected yet: sent once its Hello arrives
             self._outbox[pid].append((endpoint, frames))
             return
@@ -184,8 +184,9 @@ class ZmqTransport:
 
     # ----- receiving -----
 
-    def _open(self, parts: list) -> tuple[int, str, object]:
-        """(sender, endpoint, message) of an authentic, fresh, well-formed frame; else raises Rejected."""
+    def open(self, parts: list) -> tuple[int, str, object]:
+        """(sender, endpoint, message) of the received `parts` (zmq.Frame) if they are an authentic, fresh,
+        well-formed message; else raises Rejected."""
         if len(parts) != 4:
             raise Rejected(f"malformed: {len(parts)} frames, expected 4")
         header, body, buffers, mac = (p.buffer for p in parts)
@@ -235,7 +236,7 @@ class ZmqTransport:
             except zmq.Again:
                 return
             try:
-                sender, endpoint, message = self._open(frames[1:] if self.lead else frames)
+                sender, endpoint, message = self.open(frames[1:] if self.lead else frames)
                 if self.lead:
                     self._take(frames[0].bytes, sender, endpoint, message)
                 else:
