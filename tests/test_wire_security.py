@@ -201,7 +201,7 @@ def test_hostile_frames_are_dropped_counted_and_logged_once(hub_and_peer, tmp_pa
         other_secret.seal("learner", m.TicketRequest(0, 4)),  # signed with another run's secret
         wrong_mac,
         tampered,
-        peer.seal("nowhere", m.TicketRequest(0, 5)),  # authentic, but for no endpoint (and from a stranger)
+        peer.seal("learner", m.TicketRequest(0, 5)),  # authentic, fresh, on a stranger's connection
     ]
     with caplog.at_level(logging.WARNING, logger="jaxrl_async.runtime.transport"):
         for frames in hostile:

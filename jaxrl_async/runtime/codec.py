@@ -31,13 +31,15 @@ from jaxrl_async.data.prompt import Prompt
 from jaxrl_async.rollouts import Rollout
 from jaxrl_async.runtime import messages as m
 
-# The array dtypes that may cross (by name; decoding never hands a received string to np.dtype).
+# The array dtypes that may cross, little-endian (by name: decoding never hands a received string to
+# np.dtype).
 DTYPES = {
-    name: np.dtype(name)
+    name: np.dtype(name).newbyteorder("<")
     for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
                  "float16", "float32", "float64")
 }  # fmt: skip
 DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
+_NAMES = {d: name for name, d in DTYPES.items()}
 _INT_RANGE = (-(2**63), 2**63)
 _ALIGN = 8
 
@@ -261,11 +263,13 @@ def _encode(x, buffers: list, depth: int):
     if not isinstance(x, np.ndarray) and hasattr(x, "__array__") and hasattr(x, "dtype"):
         x = np.asarray(x)  # a jax.Array: its host copy
     if isinstance(x, np.ndarray):
-        name = next((n for n, d in DTYPES.items() if d == x.dtype), None)
+        name = _NAMES.get(x.dtype) or _NAMES.get(x.dtype.newbyteorder("<"))
         if name is None:
             raise CodecError(f"arrays of dtype {x.dtype} do not cross")
-        data = np.ascontiguousarray(x).astype(x.dtype.newbyteorder("<"), copy=False).tobytes()
-        buffers += [data, bytes(-len(data) % _ALIGN)]
+        flat = np.ascontiguousarray(x).astype(DTYPES[name], copy=False).reshape(-1).view(np.uint8)
+        buffers.append(flat.data)  # joined once, in `encode`
+        if flat.size % _ALIGN:
+            buffers.append(bytes(-flat.size % _ALIGN))
         return ["a", name, list(x.shape)]
     raise CodecError(f"a {t.__name__} cannot cross between processes")
 
@@ -341,4 +345,4 @@ class _Reader:
         if end > len(self.buffers):
             raise CodecError(f"{path}: array bytes missing")
         self.offset = end + (-nbytes % _ALIGN)
-        return np.frombuffer(self.buffers[start:end], dtype.newbyteorder("<"), count).reshape(shape)
+        return np.frombuffer(self.buffers[start:end], dtype, count).reshape(shape)

@@ -122,6 +122,7 @@ class ZmqTransport:
             self._sock.bind(f"tcp://{address}:0")
             where = self._sock.getsockopt_string(zmq.LAST_ENDPOINT).removeprefix("tcp://")
             self.address = f"{where}#{self.run_id.hex()}"
+            log.info("message hub on %s (run id %s)", where, self.run_id.hex())  # the run id is no secret
         else:
             where, _, run_id = address.partition("#")
             self.run_id = bytes.fromhex(run_id)
@@ -184,9 +185,10 @@ class ZmqTransport:
 
     # ----- receiving -----
 
-    def open(self, parts: list) -> tuple[int, str, object]:
+    def open(self, parts: list, routing_id: bytes | None = None) -> tuple[int, str, object]:
         """(sender, endpoint, message) of the received `parts` (zmq.Frame) if they are an authentic, fresh,
-        well-formed message; else raises Rejected."""
+        well-formed message (at the hub: on the connection of its sender's Hello, `routing_id`); else
+        raises Rejected. A rejected frame leaves the sender's counter as it was."""
         if len(parts) != 4:
             raise Rejected(f"malformed: {len(parts)} frames, expected 4")
         header, body, buffers, mac = (p.buffer for p in parts)
@@ -205,13 +207,17 @@ class ZmqTransport:
             raise Rejected(f"from process {sender}, which is not in the run")
         if counter <= self._last.get(sender, 0):
             raise Rejected(f"replayed (frame {counter} of process {sender} was accepted already)")
-        self._last[sender] = counter
         try:
             endpoint, message = codec.decode(bytes(body), buffers, self._limits)
         except codec.CodecError as e:
             raise Rejected(f"undecodable: {e}") from None
         if isinstance(message, Hello) and message.process_id != sender:
             raise Rejected(f"a Hello of process {message.process_id} sent by process {sender}")
+        if self.lead:
+            hello = isinstance(message, Hello) and sender not in self._peers
+            if not hello and self._peers.get(sender) != routing_id:
+                raise Rejected(f"from process {sender} on a connection other than its Hello's")
+        self._last[sender] = counter
         return sender, endpoint, message
 
     def _reject(self, frame, why: str) -> None:
@@ -236,9 +242,10 @@ class ZmqTransport:
             except zmq.Again:
                 return
             try:
-                sender, endpoint, message = self.open(frames[1:] if self.lead else frames)
+                routing_id = frames[0].bytes if self.lead else None
+                sender, endpoint, message = self.open(frames[1:] if self.lead else frames, routing_id)
                 if self.lead:
-                    self._take(frames[0].bytes, sender, endpoint, message)
+                    self._take(routing_id, sender, endpoint, message)
                 else:
                     self._queues[endpoint].append(message)
             except Rejected as e:
@@ -246,12 +253,10 @@ class ZmqTransport:
 
     def _take(self, routing_id: bytes, sender: int, endpoint: str, message) -> None:
         """Hub: an authenticated message from process `sender`, which came on `routing_id`."""
-        if isinstance(message, Hello) and sender not in self._peers:
+        if sender not in self._peers:  # its Hello (`open` checked)
             self._peers[sender] = routing_id
             for ep, frames in self._outbox.pop(sender, []):
                 self._send_to(sender, ep, frames)
-        elif self._peers.get(sender) != routing_id:
-            raise Rejected(f"from process {sender} on a connection other than its Hello's")
         if endpoint in self.local:
             self._queues[endpoint].append(message)
         elif endpoint in self._routes:  # forward between other processes
