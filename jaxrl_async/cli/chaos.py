@@ -4,6 +4,8 @@ its fault, and checks what the run did.
 
   python tools/chaos.py --scenario hostile     # a stranger sends hostile frames to the hub mid-run
   python tools/chaos.py --scenario hang        # SIGSTOP of the sampler process mid-run
+  python tools/chaos.py --scenario reward      # SIGKILL of a reward worker while it grades
+  python tools/chaos.py --scenario disk        # a checkpoint write fails (as on a full disk)
   python tools/chaos.py --scenario all --repeats 3 --steps 12 --out chaos.json   # the long form
 
 hostile: as soon as the hub is up, pickles that would create a file if unpickled, random bytes, a frame
@@ -15,6 +17,15 @@ frames are driven against a hub in tests/test_wire_security.py.)
 
 hang: the sampler process is stopped (SIGSTOP: alive, connections open, silent). Passes if the learner
 lead ends within --heartbeat-timeout-s + 30 s with a message that names process 1.
+
+reward: the run grades with a slow reward (0.3 s a completion); a reward worker of the sampler process
+is killed while it grades. Passes if the run trains every step (exit 0) and the summary's reward stats
+count the killed worker's completion as scored 0 (`worker_died`).
+
+disk: the run's checkpoint manager (runtime/checkpoint.py, in a process of its own, not a whole run)
+saves version 1, then saves version 2 with every file write limited to 4 KiB (RLIMIT_FSIZE: EFBIG, as on
+a full disk). Passes if that save raises, the next start restores version 1 (its values), and saves
+version 2 again.
 
 Random kills with resume are in tests/test_resume.py. Prints one line per scenario and run; exits 1 if
 any failed.
@@ -37,7 +48,9 @@ from absl import flags
 
 from jaxrl_async.cli import module_command, run_command
 
-_SCENARIO = flags.DEFINE_enum("scenario", "all", ["hostile", "hang", "all"], "The fault to inject.")
+_SCENARIO = flags.DEFINE_enum(
+    "scenario", "all", ["hostile", "hang", "reward", "disk", "all"], "The fault to inject."
+)
 _REPEATS = flags.DEFINE_integer("repeats", 1, "Runs of each scenario.", lower_bound=1)
 _STEPS = flags.DEFINE_integer("steps", 4, "Train steps of the hostile scenario's run.", lower_bound=2)
 _HEARTBEAT = flags.DEFINE_integer("heartbeat-timeout-s", 10, "The processes' --heartbeat_timeout_s.", 1)
@@ -57,7 +70,7 @@ def get_config():
     c.sampler.num_slots = 8
     c.trainer.token_budget, c.trainer.rows_per_micro = 64, 2
     c.warm_start.enabled = False
-    c.reward.reward = "format"
+    c.reward.reward = "{reward}"
     c.reward.defaults = {{"format_regex": "[0-9]"}}
     c.checkpoint_every = 0
     return c
@@ -67,18 +80,21 @@ def get_config():
 class _Run:
     """A 2-process run under jaxrl-local-cluster, its output read line by line in a thread."""
 
-    def __init__(self, workdir: str, steps: int, heartbeat_s: int, secret: str):
+    def __init__(self, workdir: str, steps: int, heartbeat_s: int, secret: str, reward: str = "format"):
         os.makedirs(workdir, exist_ok=True)
         self.workdir = workdir
         path = os.path.join(workdir, "config.py")
         with open(path, "w") as f:
-            f.write(CONFIG.format(steps=steps))
+            f.write(CONFIG.format(steps=steps, reward=reward))
         cmd = module_command(
             "local_cluster", "--num-processes=2", f"--heartbeat-timeout-s={heartbeat_s}", "--grace-s=5", "--",
             f"--config={path}", f"--config.workdir={workdir}", "--config.mesh.trainer_processes=(0,)",
             "--config.mesh.sampler_processes=(1,)",
         )  # fmt: skip
         env = dict(os.environ, JAXRL_SECRET=secret)  # this tool plays a stranger who knows the run's secret
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [env.get("PYTHONPATH"), workdir])
+        )  # chaos_slow_reward
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -224,6 +240,122 @@ def hang(workdir: str, heartbeat_s: int, timeout_s: float) -> dict:
             **({} if ok else {"log_tail": "".join(run.lines[-30:])})}  # fmt: skip
 
 
+# A reward that takes a while and marks the worker busy meanwhile (a file named after its pid), so that
+# the worker can be killed in the middle of grading.
+SLOW_REWARD = """
+import os, re, time
+
+
+def slow_format(prompt, completion, metadata):
+    busy = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"busy.{os.getpid()}")
+    open(busy, "w").close()
+    time.sleep(0.3)
+    os.remove(busy)
+    return 1.0 if re.search("[0-9]", completion) else 0.0
+"""
+
+
+def reward_worker(workdir: str, steps: int, heartbeat_s: int, timeout_s: float) -> dict:
+    """SIGKILL of a reward worker of the sampler process while it grades; the run must train every step,
+    its completion scored 0 and counted (`worker_died`), the worker replaced."""
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "chaos_slow_reward.py"), "w") as f:
+        f.write(SLOW_REWARD)
+    run = _Run(workdir, steps, heartbeat_s, _secret(), reward="chaos_slow_reward:slow_format")
+    killed = None
+    try:
+        run.expect(r"step 1 \|", timeout_s)
+        deadline = time.monotonic() + 60
+        while killed is None and time.monotonic() < deadline:
+            busy = [n for n in os.listdir(workdir) if n.startswith("busy.")]
+            if busy:
+                killed = int(busy[0].split(".")[1])
+                os.kill(killed, signal.SIGKILL)
+            time.sleep(0.01)
+    finally:
+        code = run.finish(timeout_s)
+    summary = {}
+    if os.path.exists(os.path.join(workdir, "summary.json")):
+        with open(os.path.join(workdir, "summary.json")) as f:
+            summary = json.load(f)
+    stats = summary.get("reward_stats") or {}
+    died = stats.get("errors", {}).get("worker_died", 0)
+    ok = code == 0 and killed is not None and summary.get("steps") == steps and died >= 1
+    return {"scenario": "reward", "ok": ok, "exit_status": code, "killed_worker": killed,
+            "steps": summary.get("steps"), "scored_0_worker_died": died,
+            "worker_restarts": stats.get("worker_restarts"),
+            **({} if ok else {"log_tail": "".join(run.lines[-30:])})}  # fmt: skip
+
+
+# The run's checkpoint manager in a process of its own: version 1 saved, then every file write limited to
+# 4 KiB (RLIMIT_FSIZE: a write past it fails with EFBIG, as on a full disk) while version 2 is saved;
+# "restore" is the next start of the run: it must find version 1, then save version 2 again.
+CHECKPOINT_CHILD = """
+import os, resource, signal, sys
+import jax, jax.numpy as jnp
+from flax import struct
+from jaxrl_async.runtime.checkpoint import RunCheckpoints
+
+
+@struct.dataclass
+class State:
+    params: dict
+    opt_state: dict
+    version: jax.Array
+    updates: jax.Array
+    skipped: jax.Array
+
+
+def state(v):
+    w = jax.random.normal(jax.random.key(v), (256, 256)) + v  # random: no compression hides the size
+    return State({"w": w}, {"m": w * 0}, jnp.int32(v), jnp.int32(v), jnp.int32(0))
+
+
+directory, mode = sys.argv[1:3]
+ckpts = RunCheckpoints(directory)
+if mode == "save":
+    ckpts.save(1, state(1), {"version": 1}, wait=True)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    try:
+        ckpts.save(2, state(2), {"version": 2}, wait=True)
+        print("RESULT save2=ok")
+    except Exception as e:
+        print("RESULT save2=failed", type(e).__name__, str(e)[:160].replace(chr(10), " "))
+else:
+    got = ckpts.restore_latest(state(0))
+    if got is None:
+        print("RESULT restored nothing")
+    else:  # the version, its weights' mean minus that version (about 0), the coordinator state
+        print("RESULT restored", got[1], round(float(got[0].params["w"].mean()) - got[1], 1), got[2])
+    ckpts.save(2, state(2), {"version": 2}, wait=True)
+    ckpts.close()
+    print("RESULT steps", RunCheckpoints(directory).manager.all_steps())
+"""
+
+
+def checkpoint_write_error(workdir: str, timeout_s: float) -> dict:
+    """A checkpoint write that fails (RLIMIT_FSIZE) after a good one; the good one must stay the one a
+    resume takes, and the resumed run must save the failed version again."""
+    import sys
+
+    directory = os.path.join(workdir, "checkpoints")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = {}
+    for mode in ("save", "restore"):
+        res = subprocess.run([sys.executable, "-c", CHECKPOINT_CHILD, directory, mode], env=env,
+                             capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
+        out[mode] = [line[7:] for line in res.stdout.splitlines() if line.startswith("RESULT ")]
+        out[f"{mode}_exit_status"] = res.returncode
+    save, restore = out["save"], out["restore"]
+    ok = (
+        out["save_exit_status"] == 0 and out["restore_exit_status"] == 0 and bool(save)
+        and save[0].startswith("save2=failed") and restore[:1] == ["restored 1 0.0 {'version': 1}"]
+        and restore[1:] == ["steps [1, 2]"]
+    )  # fmt: skip
+    return {"scenario": "disk", "ok": ok, **out}
+
+
 def _secret() -> str:
     from jaxrl_async.runtime import secret
 
@@ -232,7 +364,7 @@ def _secret() -> str:
 
 def main(argv) -> int:
     del argv
-    scenarios = ["hostile", "hang"] if _SCENARIO.value == "all" else [_SCENARIO.value]
+    scenarios = ["hostile", "hang", "reward", "disk"] if _SCENARIO.value == "all" else [_SCENARIO.value]
     hb, timeout = _HEARTBEAT.value, _TIMEOUT.value
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -243,6 +375,10 @@ def main(argv) -> int:
                 t0 = time.monotonic()
                 if name == "hostile":
                     res = hostile(workdir, _STEPS.value, hb, timeout)
+                elif name == "reward":
+                    res = reward_worker(workdir, _STEPS.value, hb, timeout)
+                elif name == "disk":
+                    res = checkpoint_write_error(workdir, timeout)
                 else:
                     res = hang(workdir, hb, timeout)
                 res["wall_s"] = round(time.monotonic() - t0, 1)
