@@ -141,6 +141,19 @@ class _Run:
         return int(self.expect(rf"\[launcher\] process {process}.*: pid (\d+)", 60).group(1))
 
 
+def _ledger(workdir: str, steps: int) -> dict:
+    """What trained_uids.jsonl says: every version 1..steps present once, no prompt trained twice."""
+    rows = []
+    path = os.path.join(workdir, "trained_uids.jsonl")
+    if os.path.exists(path):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    uids = [u for r in rows for u in r["uids"]]
+    versions = sorted(r["version"] for r in rows)
+    return {"versions_complete": versions == list(range(1, steps + 1)), "prompts_trained": len(uids),
+            "prompts_trained_twice": len(uids) - len(set(uids))}  # fmt: skip
+
+
 class _Touch:
     """Unpickling this opens (creates) a file: what an attacker's pickle would do, harmlessly."""
 
@@ -207,8 +220,10 @@ def hostile(workdir: str, steps: int, heartbeat_s: int, timeout_s: float) -> dic
             sock.close()
     scalars = read_scalars(os.path.join(workdir, "tb")).get("perf/rejected_messages", [])
     rejected = max((v for _, v in scalars), default=0.0)
-    ok = code == 0 and not os.path.exists(marker) and rejected >= len(frames)
-    return {"scenario": "hostile", "ok": ok, "exit_status": code, "frames_sent": len(frames),
+    ledger = _ledger(workdir, steps)
+    ok = code == 0 and not os.path.exists(marker) and rejected >= len(frames) and ledger["versions_complete"]
+    ok = ok and ledger["prompts_trained_twice"] == 0
+    return {"scenario": "hostile", "ok": ok, "exit_status": code, "frames_sent": len(frames), **ledger,
             "rejected_counted": rejected, "unpickled": os.path.exists(marker), "kinds": list(frames),
             **({} if ok else {"log_tail": "".join(run.lines[-30:])})}  # fmt: skip
 
@@ -280,8 +295,10 @@ def reward_worker(workdir: str, steps: int, heartbeat_s: int, timeout_s: float) 
             summary = json.load(f)
     stats = summary.get("reward_stats") or {}
     died = stats.get("errors", {}).get("worker_died", 0)
+    ledger = _ledger(workdir, steps)
     ok = code == 0 and killed is not None and summary.get("steps") == steps and died >= 1
-    return {"scenario": "reward", "ok": ok, "exit_status": code, "killed_worker": killed,
+    ok = ok and ledger["versions_complete"] and ledger["prompts_trained_twice"] == 0
+    return {"scenario": "reward", "ok": ok, "exit_status": code, "killed_worker": killed, **ledger,
             "steps": summary.get("steps"), "scored_0_worker_died": died,
             "worker_restarts": stats.get("worker_restarts"),
             **({} if ok else {"log_tail": "".join(run.lines[-30:])})}  # fmt: skip
