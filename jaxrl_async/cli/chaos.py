@@ -6,7 +6,7 @@ its fault, and checks what the run did.
   python tools/chaos.py --scenario hang        # SIGSTOP of the sampler process mid-run
   python tools/chaos.py --scenario reward      # SIGKILL of a reward worker while it grades
   python tools/chaos.py --scenario disk        # a checkpoint write fails (as on a full disk)
-  python tools/chaos.py --scenario all --repeats 3 --steps 12 --out chaos.json   # the long form
+  python tools/chaos.py --scenario all --repeats 2 --out chaos.json   # the long form
 
 hostile: as soon as the hub is up, pickles that would create a file if unpickled, random bytes, a frame
 from another run (same secret), one signed with another secret, one with a wrong MAC, and authentic
