@@ -93,4 +93,16 @@ remote+=" && { command -v $REMOTE_PYTHON >/dev/null || { sudo apt-get update -q 
 remote+=" && { [ -x .venv/bin/python ] || $REMOTE_PYTHON -m venv .venv; } && .venv/bin/python -m pip install -q -e '.[tpu]'"
 # --num_processes: the host count checked above (JAX finds the coordinator and each process id itself).
 remote+=" && .venv/bin/python launch/run.py --config=$config --num_processes=$hosts$flags"
+# ----- the run's secret: it signs every message between the processes (jaxrl_async/runtime/secret.py) -----
+# A fresh one per run, written to a file only its owner can read, copied to every worker and removed here;
+# the processes find it through JAXRL_SECRET_FILE. It is never on a command line or in the output.
+secret_file="${TMPDIR:-/tmp}/jaxrl_async-$TPU_NAME.secret"
+if [[ $dry -eq 0 ]]; then
+  rm -f "$secret_file"
+  (umask 077 && od -An -vtx1 -N32 /dev/urandom | tr -d ' \n' > "$secret_file")
+fi
+run "${tpu[@]}" scp "$secret_file" "$TPU_NAME:.jaxrl_async.secret" --worker=all --zone="$ZONE" "${project[@]}"
+if [[ $dry -eq 0 ]]; then rm -f "$secret_file"; fi
+remote="chmod 600 ~/.jaxrl_async.secret && export JAXRL_SECRET_FILE=~/.jaxrl_async.secret && $remote"
+# ----- end of the secret -----
 run "${tpu[@]}" ssh "$TPU_NAME" --worker=all --zone="$ZONE" "${project[@]}" --command="$remote"

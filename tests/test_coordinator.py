@@ -5,7 +5,8 @@ import json
 
 from jaxrl_async.data import DataConfig, make_prompt_iterator, prompt_at
 from jaxrl_async.runtime.coordinator import Coordinator
-from jaxrl_async.runtime.transport import LocalTransport, TicketRequest, Tickets, Trained
+from jaxrl_async.runtime.messages import TicketRequest, Tickets, Trained
+from jaxrl_async.runtime.transport import LocalTransport
 from jaxrl_async.tokenizer import load_tokenizer
 
 TOK = load_tokenizer("char")

@@ -29,11 +29,13 @@ def test_tpu_pod_dry_run_creates_copies_runs_on_every_worker_and_tears_down():
                SPOT="1")  # fmt: skip
     lines = [line for line in out.splitlines() if line.startswith("+ ")]
     assert [line.split()[5] if "tpu-vm" in line else line.split()[1] for line in lines] == [
-        "create", "git", "scp", "ssh", "delete",
+        "create", "git", "scp", "scp", "ssh", "delete",
     ]  # fmt: skip
     # The default slice is the one math_8b's TPU layout is planned for: 64 chips on 16 hosts.
     assert "--accelerator-type=v5p-128" in lines[0] and "--spot" in lines[0] and " t1 " in lines[0]
-    ssh = lines[3]
+    assert ".secret" in lines[3]  # the run's secret goes to every worker as a file ...
+    ssh = lines[4]
+    assert "JAXRL_SECRET_FILE=" in ssh and "JAXRL_SECRET=" not in ssh  # ... and only its path is on a command
     assert "--worker=all" in ssh and "launch/run.py" in ssh and "--config=configs/math_8b.py" in ssh
     assert "--num_processes=16" in ssh  # the host count the check derived
     remote = ssh.replace("\\ ", " ")  # printf %q escapes the remote command's spaces

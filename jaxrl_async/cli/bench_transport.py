@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import statistics
 import subprocess
@@ -36,6 +37,7 @@ _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions (medians are reported
 _SAMPLES = flags.DEFINE_integer("samples", 512, "Completions per rollout batch (a multiple of 8).", 8)
 _TOKENS = flags.DEFINE_integer("tokens", 1024, "Tokens per completion.", lower_bound=1)
 _OUT = flags.DEFINE_string("out", "", "Also write the JSON here.")
+_CODEC = flags.DEFINE_bool("codec", False, "Only time the wire format of a rollout batch against pickle.")
 # The two worker processes this command starts get these; a user passes none of them.
 _ROLE = flags.DEFINE_integer("role", -1, "Internal: the worker's process id (0 trainer, 1 sampler).")
 _PORT = flags.DEFINE_integer("port", 0, "Internal: the workers' coordinator port.")
@@ -58,8 +60,10 @@ def _worker(pid: int, port: int, tmp: str, preset: str, reps: int, samples: int,
     from jax._src.distributed import global_state
 
     from jaxrl_async.model import init_params, presets
+    from jaxrl_async.runtime import codec, secret
     from jaxrl_async.runtime.cluster import Cluster, Roles
-    from jaxrl_async.runtime.transport import Hello, Rollouts, ZmqTransport
+    from jaxrl_async.runtime.messages import Hello, Rollouts
+    from jaxrl_async.runtime.transport import ZmqTransport
     from jaxrl_async.runtime.weight_sync import TransferPublisher, TransferReceiver
     from jaxrl_async.sharding import TRAINER_RULES, make_mesh
 
@@ -87,7 +91,7 @@ def _worker(pid: int, port: int, tmp: str, preset: str, reps: int, samples: int,
             jax.tree.map(np.copy, host)
             copies.append(time.perf_counter() - t0)
         out.update(bytes=nbytes, transfer_trainer_s=trainer_s[1:], memcpy_s=copies)
-        hub = ZmqTransport(["learner", "hello"], lead=True, address="127.0.0.1", process_id=0)
+        hub = ZmqTransport(["learner", "hello"], True, "127.0.0.1", 0, secret.load())
         hub.route("actor:0", 1)
         cluster.publish("hub", hub.address)
         while not hub.recv("hello"):
@@ -103,7 +107,7 @@ def _worker(pid: int, port: int, tmp: str, preset: str, reps: int, samples: int,
         hub.close()
     else:
         recv = TransferReceiver(cluster, 0, cfg, t_mesh, s_mesh, cfg.param_dtype)
-        from jaxrl_async.runtime.transport import NewWeights
+        from jaxrl_async.runtime.messages import NewWeights
 
         pulled = []
         for v in range(reps + 1):
@@ -113,27 +117,9 @@ def _worker(pid: int, port: int, tmp: str, preset: str, reps: int, samples: int,
             pulled.append(time.perf_counter() - t0)
             cluster.barrier(f"pulled_{v}")
         out.update(transfer_sampler_s=pulled[1:])
-        import pickle
-
-        from jaxrl_async.rollouts import Rollout
-
-        rng = np.random.default_rng(0)
-        batch = [
-            [
-                Rollout(
-                    uid=f"0:{g}", group_id=g, sample_index=i,
-                    prompt_tokens=rng.integers(0, 1000, 256, dtype=np.int32),
-                    completion_tokens=rng.integers(0, 1000, tokens, dtype=np.int32),
-                    behav_logprobs=rng.standard_normal(tokens).astype(np.float32),
-                    versions=np.zeros(tokens, np.int32), reward=1.0, finish_reason="stop",
-                    metadata={"text": "x" * tokens * 3, "prompt": "p" * 600, "reason": "ok"},
-                )
-                for i in range(8)
-            ]
-            for g in range(samples // 8)
-        ]  # fmt: skip
-        size = len(pickle.dumps(batch, protocol=5))
-        actor = ZmqTransport(["actor:0"], lead=False, address=cluster.lookup("hub"), process_id=1)
+        batch = _rollout_batch(samples, tokens)
+        size = sum(map(len, codec.encode("learner", Rollouts(0, batch, {}))))
+        actor = ZmqTransport(["actor:0"], False, cluster.lookup("hub"), 1, secret.load())
         actor.send("hello", Hello(1))
         for _ in range(reps + 1):
             time.sleep(0.2)  # one batch at a time: the latency of each
@@ -143,6 +129,72 @@ def _worker(pid: int, port: int, tmp: str, preset: str, reps: int, samples: int,
     with open(f"{tmp}/weight_sync_{pid}.json", "w") as f:
         json.dump(out, f)
     cluster.barrier("end")
+
+
+def _rollout_batch(samples: int, tokens: int) -> list:
+    """A train batch as the actor sends it: `samples` completions of `tokens` tokens, in groups of 8."""
+    import numpy as np
+
+    from jaxrl_async.rollouts import Rollout
+
+    rng = np.random.default_rng(0)
+    return [
+        [
+            Rollout(
+                uid=f"0:{g}", group_id=g, sample_index=i,
+                prompt_tokens=rng.integers(0, 1000, 256, dtype=np.int32),
+                completion_tokens=rng.integers(0, 1000, tokens, dtype=np.int32),
+                behav_logprobs=rng.standard_normal(tokens).astype(np.float32),
+                versions=np.zeros(tokens, np.int32), reward=1.0, finish_reason="stop",
+                metadata={"text": "x" * tokens * 3, "prompt": "p" * 600, "reason": "ok"},
+            )
+            for i in range(8)
+        ]
+        for g in range(samples // 8)
+    ]  # fmt: skip
+
+
+def codec_cost(samples: int, tokens: int, reps: int) -> dict:
+    """Median milliseconds to encode and decode one rollout batch: pickle (what crossed before) against
+    the codec with its HMAC-SHA256 (sender: encode + sign; hub: verify + decode), in this process."""
+    import pickle
+
+    import zmq
+
+    from jaxrl_async.runtime import secret
+    from jaxrl_async.runtime.messages import Rollouts
+    from jaxrl_async.runtime.transport import ZmqTransport
+
+    message = Rollouts(0, _rollout_batch(samples, tokens), {"sent": 0.0})
+    key = secret.generate().encode()
+    hub = ZmqTransport(["learner"], True, "127.0.0.1", 0, key)
+    hub.route("actor:0", 1)
+    peer = ZmqTransport(["actor:0"], False, hub.address, 1, key)
+    times: dict[str, list[float]] = {k: [] for k in ("pickle_dump", "pickle_load", "seal", "open")}
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        data = pickle.dumps(("learner", message), protocol=5)
+        t1 = time.perf_counter()
+        pickle.loads(data)
+        t2 = time.perf_counter()
+        frames = peer.seal("learner", message)
+        t3 = time.perf_counter()
+        hub.open([zmq.Frame(f, copy=False) for f in frames])
+        t4 = time.perf_counter()
+        for k, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            times[k].append(dt * 1e3)
+    peer.close()
+    hub.close()
+    out = {k: statistics.median(v[1:]) for k, v in times.items()}
+    out.update(pickle_bytes=len(data), wire_bytes=sum(map(len, frames)), samples=samples, tokens=tokens)
+    print(f"\none rollout batch ({samples} completions x {tokens} tokens), median of {reps}, in ms:\n")
+    print("| format | MB | send side | receive side | total |\n|---|---|---|---|---|")
+    for name, mb, a, b in (("pickle", out["pickle_bytes"], out["pickle_dump"], out["pickle_load"]),
+                           ("codec + HMAC", out["wire_bytes"], out["seal"], out["open"])):  # fmt: skip
+        print(f"| {name} | {mb / 1e6:.1f} | {a:.1f} | {b:.1f} | {a + b:.1f} |")
+    ratio = (out["seal"] + out["open"]) / (out["pickle_dump"] + out["pickle_load"])
+    print(f"\ncodec + HMAC / pickle: {ratio:.2f}x")
+    return {**out, "ratio": ratio}
 
 
 def _local_device_put(preset: str, reps: int) -> float:
@@ -169,6 +221,12 @@ print(statistics.median(ts[1:]))
 def main(argv) -> None:
     del argv
     preset, reps, samples, tokens = _PRESET.value, _REPS.value, _SAMPLES.value, _TOKENS.value
+    if _CODEC.value:
+        out = codec_cost(samples, tokens, reps)
+        if _OUT.value:
+            with open(_OUT.value, "w") as f:
+                json.dump(out, f, indent=2)
+        return None
     if _ROLE.value >= 0:
         return _worker(_ROLE.value, _PORT.value, _TMP.value, preset, reps, samples, tokens)
     import tempfile
@@ -177,6 +235,7 @@ def main(argv) -> None:
         port = _free_port()
         env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
         env.pop("XLA_FLAGS", None)
+        env.setdefault("JAXRL_SECRET", secrets.token_hex(32))  # the hub's messages are signed
         procs = [
             subprocess.Popen(
                 module_command("bench_transport", f"--role={i}", f"--port={port}", f"--tmp={tmp}",
@@ -208,7 +267,7 @@ def main(argv) -> None:
     mb = trainer["rollout_bytes"] / 1e6
     roll = med(trainer["rollout_s"])
     out["rollouts"] = {"mbytes": mb, "seconds": roll, "mb_per_s": mb / roll, "samples": samples}
-    print(f"\nrollouts over ZeroMQ: {samples} completions x {tokens} tokens = {mb:.1f} MB pickled; "
+    print(f"\nrollouts over ZeroMQ: {samples} completions x {tokens} tokens = {mb:.1f} MB encoded; "
           f"median {roll * 1e3:.1f} ms per batch ({mb / roll:.0f} MB/s)")  # fmt: skip
     if _OUT.value:
         with open(_OUT.value, "w") as f:

@@ -8,9 +8,11 @@
 process also gets --coordinator_address (a free localhost port), --num_processes and --process_id, and
 `--devices-per-process` fake CPU devices. `--pin-cores` gives each process its own block of cores
 (os.sched_setaffinity), so the roles run in parallel as they would on separate hosts. Output lines are
-prefixed with the process id (and kept in --log-dir when given). When a process fails, the launcher says
-which, gives the others `--grace-s` seconds to stop on their own, then ends them; its exit status is the
-first failure's (0 when every process succeeded).
+prefixed with the process id (and kept in --log-dir when given). Every process gets the run's secret,
+which signs the messages between them, in its environment (JAXRL_SECRET: a fresh one per launch unless
+JAXRL_SECRET or JAXRL_SECRET_FILE is set already); it is on no command line and in no log. When a process
+fails, the launcher says which, gives the others `--grace-s` seconds to stop on their own, then ends
+them; its exit status is the first failure's (0 when every process succeeded).
 
   jaxrl-local-cluster --rehearse configs/math_8b.py
 
@@ -32,6 +34,7 @@ import time
 from absl import app, flags
 
 from jaxrl_async.cli import module_command, run_command
+from jaxrl_async.runtime import secret
 
 _NUM = flags.DEFINE_integer("num-processes", None, "Processes to start (not with --rehearse).", lower_bound=1)
 _DEVICES = flags.DEFINE_integer("devices-per-process", 1, "Fake CPU devices in each process.", lower_bound=1)
@@ -68,6 +71,8 @@ def child_env(devices: int) -> dict[str, str]:
     env["XLA_FLAGS"] = f"{xla} --xla_force_host_platform_device_count={devices}".strip()
     env.setdefault("JAX_PLATFORMS", "cpu")
     env["PYTHONUNBUFFERED"] = "1"
+    if not secret.present(env):  # one per run, in the environment only (see jaxrl_async.runtime.secret)
+        env[secret.ENV_SECRET] = secret.generate()
     return env
 
 

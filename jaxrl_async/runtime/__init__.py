@@ -16,5 +16,6 @@ Layers, top to bottom (no module imports one above it):
   weight_sync, checkpoint, metrics,       what the roles use
   evaluation
   transport                               messages between roles: in memory, or ZeroMQ between processes
+  codec, secret, messages                 the wire format, the run's signing key, the message types
   cluster                                 `jax.distributed` start-up, roles of processes, failure reports
 """

@@ -21,7 +21,7 @@ import numpy as np
 from jaxrl_async.rewards.shaping import overlong_penalty
 from jaxrl_async.rollouts import Rollout
 from jaxrl_async.runtime.evaluation import evaluate_accuracy
-from jaxrl_async.runtime.transport import (
+from jaxrl_async.runtime.messages import (
     EvalResult,
     NewWeights,
     Rollouts,

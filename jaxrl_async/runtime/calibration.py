@@ -17,7 +17,7 @@ import statistics
 import time
 from typing import Any
 
-from jaxrl_async.runtime.transport import Rollouts, Trained
+from jaxrl_async.runtime.messages import Rollouts, Trained
 from jaxrl_async.trainer.train_step import prepare_batch
 
 _UNLIMITED = 10**6  # versions to open the admission window by: the stream never waits for training

@@ -376,6 +376,9 @@ def connect(mesh, flags: Flags) -> Cluster:
         roles = Roles.from_config(mesh, flags.num_processes, dpp)
         if dpp is not None:
             check_placement(mesh, roles, dpp)
+    from jaxrl_async.runtime import secret
+
+    secret.require()  # every message between the processes is signed with it
     import jax
 
     try:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxrl_async.rollouts import StalenessController
-from jaxrl_async.runtime.transport import TicketRequest, Tickets, Trained
+from jaxrl_async.runtime.messages import TicketRequest, Tickets, Trained
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,7 @@ from jaxrl_async.runtime.learner_log import (
     steady_rate,
     train_values,
 )
-from jaxrl_async.runtime.metrics import MetricsWriter, summary_line
-from jaxrl_async.runtime.transport import (
+from jaxrl_async.runtime.messages import (
     EvalResult,
     Preempt,
     Rollouts,
@@ -42,6 +41,7 @@ from jaxrl_async.runtime.transport import (
     TrainBatch,
     Trained,
 )
+from jaxrl_async.runtime.metrics import MetricsWriter, summary_line
 from jaxrl_async.trainer import prepare_batch, train_step
 
 log = logging.getLogger(__name__)
@@ -363,6 +363,7 @@ class Learner:
             "perf/weight_sync_s": sync_s,
             "perf/train_step_s": step_s,
             "rewards/errors": self._actor_sum("reward_errors"),
+            "perf/rejected_messages": float(self.transport.rejected),  # frames dropped by the hub
         }
         times = {"time/elapsed_s": elapsed, "time/trained_tokens": float(self.trained_tokens),
                  "time/trainer_idle_s": self.trainer_idle_s,

@@ -20,6 +20,7 @@ SCALAR_TAGS = (
     "perf/sampler_idle_frac",
     "perf/trainer_idle_frac",
     "perf/weight_sync_s",
+    "perf/rejected_messages",
     "loss/policy",
     "is_weight/mean",
     "train/clip_frac",

@@ -28,13 +28,14 @@ from typing import Any
 from jaxrl_async.data import held_out_prompts, make_prompt_iterator, prompt_at
 from jaxrl_async.data.length_caps import length_cap_fn
 from jaxrl_async.rewards import RewardService
-from jaxrl_async.runtime import build
+from jaxrl_async.runtime import build, secret
 from jaxrl_async.runtime.actor import Actor, ActorConfig
 from jaxrl_async.runtime.cluster import Cluster, PeerFailure, Roles
 from jaxrl_async.runtime.coordinator import Coordinator
 from jaxrl_async.runtime.learner import Follower, Learner, LearnerConfig, TrainerCore
+from jaxrl_async.runtime.messages import Hello, Preempt, WarmStartParams
 from jaxrl_async.runtime.metrics import MetricsWriter
-from jaxrl_async.runtime.transport import Hello, LocalTransport, Preempt, ZmqTransport
+from jaxrl_async.runtime.transport import LocalTransport, ZmqTransport
 from jaxrl_async.runtime.weight_sync import (
     LocalWeights,
     TransferPublisher,
@@ -79,8 +80,9 @@ def _transport(cluster: Cluster):
     roles, pid = cluster.roles, cluster.process_id
     if not roles.multi:
         return LocalTransport()
+    key = secret.load()
     if cluster.is_lead:
-        t = ZmqTransport(["coordinator", "learner", "hello"], lead=True, address=cluster.host, process_id=pid)
+        t = ZmqTransport(["coordinator", "learner", "hello"], True, cluster.host, pid, key)
         for i, p in enumerate(roles.samplers):
             t.route(f"actor:{i}", p)
         for p in roles.trainers[1:]:
@@ -88,7 +90,7 @@ def _transport(cluster: Cluster):
         cluster.publish("hub", t.address)
         return t
     local = [f"actor:{roles.samplers.index(pid)}"] if pid in roles.samplers else [f"trainer:{pid}"]
-    t = ZmqTransport(local, lead=False, address=cluster.lookup("hub"), process_id=pid)
+    t = ZmqTransport(local, False, cluster.lookup("hub"), pid, key)
     t.send("hello", Hello(pid))
     return t
 
@@ -131,9 +133,9 @@ def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
                 run, model_cfg, tokenizer, t_mesh.devices.flat[0], show=True
             )
             for p in roles.trainers[1:]:
-                transport.send(f"trainer:{p}", params)
+                transport.send(f"trainer:{p}", WarmStartParams(params))
         else:
-            params = _wait_for(transport, f"trainer:{cluster.process_id}", cluster)
+            params = _wait_for(transport, f"trainer:{cluster.process_id}", cluster).params
     else:
         params = build.initial_params(run, model_cfg, t_mesh)
     state = build.train_state(run, model_cfg, t_mesh, params)

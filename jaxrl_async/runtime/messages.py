@@ -1,0 +1,123 @@
+"""The messages between the roles of a run (what `jaxrl_async.runtime.transport` carries).
+
+Every message is a dataclass of plain data: ints, floats, strings, lists and dicts of them, numpy
+arrays, and the library records `Rollout` and `Prompt`. In one process they travel as objects; between
+processes `jaxrl_async.runtime.codec` encodes them against the schema it keeps for each of them, and
+decodes nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class Hello:
+    """A non-lead process announcing itself to the hub (lets the ROUTER address it)."""
+
+    process_id: int
+
+
+@dataclasses.dataclass
+class TicketRequest:
+    """An actor asks the coordinator for up to `n` more prompts to start."""
+
+    actor: int
+    n: int
+
+
+@dataclasses.dataclass
+class Tickets:
+    """Prompts the actor may start: (group id, Prompt) pairs; `exhausted` when the data has ended."""
+
+    prompts: list
+    exhausted: bool = False
+
+
+@dataclasses.dataclass
+class Rollouts:
+    """Finished, graded groups from an actor, with its counters (see Actor.stats)."""
+
+    actor: int
+    groups: list
+    stats: dict
+
+
+@dataclasses.dataclass
+class NewWeights:
+    """Policy `version` is published: `params` in the sampler layout (one process) or None (pull them)."""
+
+    version: int
+    params: Any = None
+    checksum: float | None = None
+
+
+@dataclasses.dataclass
+class EvalResult:
+    """Greedy held-out accuracy of policy `version`, measured by actor 0."""
+
+    version: int
+    accuracy: float
+    seconds: float
+    checksum: float | None = None
+
+
+@dataclasses.dataclass
+class TrainBatch:
+    """The learner lead's instruction to every trainer process: train these groups into `version`."""
+
+    version: int
+    groups: list
+
+
+@dataclasses.dataclass
+class Trained:
+    """The learner finished `version`: `group_ids` are the groups it trained, `dropped` the groups it
+    discarded as too stale (the coordinator starts those again), `filtered` the groups dynamic sampling
+    discarded as uninformative (done with; their admission budget returns)."""
+
+    version: int
+    group_ids: list
+    dropped: list = dataclasses.field(default_factory=list)
+    filtered: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class SaveCheckpoint:
+    """Every trainer process saves the train state of `version` (with the coordinator's state and the
+    version's metrics); `wait` until it is written (the last one of a run)."""
+
+    version: int
+    coordinator_state: dict | None = None
+    metrics: dict | None = None
+    wait: bool = False
+
+
+@dataclasses.dataclass
+class Stop:
+    """The run is over: stop and report."""
+
+
+@dataclasses.dataclass
+class Preempt:
+    """A process was asked to stop (SIGTERM / SIGINT): the learner lead saves and stops the run."""
+
+    process_id: int
+    signal: str
+
+
+@dataclasses.dataclass
+class Stopped:
+    """A role's final counters after Stop."""
+
+    endpoint: str
+    stats: dict
+
+
+@dataclasses.dataclass
+class WarmStartParams:
+    """The learner lead's warm-started parameters for another trainer process (a pytree: nested dicts of
+    arrays)."""
+
+    params: Any
