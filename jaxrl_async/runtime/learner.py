@@ -302,6 +302,8 @@ class Learner:
 
     def _publish(self) -> float:
         message = self.core.publish()
+        if message is None:  # controlled lag (runtime/lag.py): the lagged version was already sent
+            return 0.0
         if message.checksum is not None:
             self.checksums[message.version] = message.checksum
         for a in range(self.cfg.actors):
@@ -402,6 +404,9 @@ class Learner:
             "train/kl_ref": m.get("kl_ref_mean"),
             "train/kl_behav": m.get("kl_behav_mean"),
             "train/grad_norm": m.get("grad_norm"),
+            "train/updates": m.get("updates"),  # optimizer updates applied this step (trainer.minibatches)
+            "train/ess": m.get("ess_frac"),
+            "train/offpolicy_masked_frac": m.get("offpolicy_masked_frac"),
             "train/entropy": m.get("entropy_mean"),
             "train/skipped_updates": float(np.asarray(self.core.state.skipped.addressable_shards[0].data)),
             "train/zero_adv_skipped_frac": m.get("zero_adv_skipped_frac"),
