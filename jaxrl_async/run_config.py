@@ -37,6 +37,7 @@ MODES = ("async", "sync")
 TASK_REWARD = {
     "arithmetic": "arithmetic",
     "countdown": "countdown",
+    "shift": "shift",
     "gsm8k": "math",
     "math": "math",
     "jsonl": "math",
