@@ -121,3 +121,18 @@ def test_knobs_that_would_do_nothing_are_refused(bad, field):
         TrainConfig(**bad)
     TrainConfig(loss="m2po", m2po_tau=0.1)  # read by its loss: fine
     TrainConfig(aggregation="constant", constant=4.0)
+
+
+def test_sampler_knobs_that_would_do_nothing_are_refused():
+    from jaxrl_async.sampler import SamplerConfig
+
+    with pytest.raises(ValueError, match="top_k"):
+        SamplerConfig(temperature=0.0, top_k=5)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplerConfig(temperature=0.0, top_p=0.9)
+    with pytest.raises(ValueError, match="top_p_candidates"):
+        SamplerConfig(top_p_candidates=64)
+    with pytest.raises(ValueError, match="page_size"):
+        SamplerConfig(attention="xla", page_size=8)
+    SamplerConfig(temperature=0.7, top_k=5, top_p=0.9, top_p_candidates=64)  # all read
+    SamplerConfig(page_size=8)  # "auto" may pick the paged cache
