@@ -1,9 +1,9 @@
 """The train state and step: prox logprobs, micro-batch gradient accumulation, skip-on-non-finite update.
 
 One `train_step` = exactly `cfg.minibatches` optimizer updates, each over its own share of the batch's
-groups packed into micro-batches of its own (`prepare_batch`). Each micro-
-batch runs one jitted forward/backward that adds its gradient of `loss_sum` (and `count`, metrics) into
-a donated accumulator; a second jitted function divides by the total count, clips, applies AdamW and
+groups packed into micro-batches of its own (`prepare_batch`). Each micro-batch runs one jitted
+forward/backward that adds its gradient of `loss_sum` (and `count`, metrics) into a donated
+accumulator; a second jitted function divides by the update's count, clips, applies AdamW and
 keeps the old parameters if the loss or gradient norm is not finite. Both compile once per micro-batch
 shape, so a variable number of micro-batches per step never recompiles.
 """
