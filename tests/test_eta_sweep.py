@@ -90,15 +90,19 @@ def test_report_gives_paired_differences_gaps_to_sync_and_collapses(tmp_path):
         "lr0.0001_lag8_ppo_s1": {0: 0.3, 10: 0.4, 20: 0.4},
         "lr0.0001_lag8_m2po_s0": {0: 0.3, 10: 0.5, 20: 0.5},
         "lr0.0001_lag8_m2po_s1": {0: 0.3, 10: 0.5, 20: 0.6},
+        "lr0.0001_lag8_decoupled_mask_s0": {0: 0.3},  # stopped before its first evaluation: left out
     }
     for name, a in accs.items():
         os.makedirs(tmp_path / name)
         (tmp_path / name / "summary.json").write_text(json.dumps(_summary(a)))
-    cmd = [sys.executable, TOOL, "--out", str(tmp_path), "--grid", "1e-4:0,8", "--arms", "ppo,m2po",
+    arms = "ppo,m2po,decoupled_mask"
+    cmd = [sys.executable, TOOL, "--out", str(tmp_path), "--grid", "1e-4:0,8", "--arms", arms,
            "--seeds", "0,1", "--report-only"]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=REPO)
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 0, res.stderr
+    assert "lr0.0001_lag8_decoupled_mask_s0: no evaluation after step 0" in res.stderr
+    assert "lr0.0001_lag8_decoupled_mask_s1: no evaluation after step 0" in res.stderr  # no cell at all
     report = json.loads((tmp_path / "eta_sweep.json").read_text())
     assert report["common_eval_step"] == 20
     rows = {(r["lag"], r["arm"]): r for r in report["rows"]}

@@ -233,8 +233,8 @@ def read_cell(cell: dict, workdir: str) -> dict:
             evals = {int(s): float(a) for s, a in read_scalars(os.path.join(workdir, "tb"))["eval/accuracy"]}
         except Exception:  # noqa: BLE001 - no events at all
             evals = {}
-    if not evals:
-        return {**cell, "error": f"no evaluations in {workdir} (see {workdir}.log)"}
+    if not evals or max(evals) == 0:  # nothing to compare: it stopped before its first evaluation
+        return {**cell, "error": f"no evaluation after step 0 in {workdir} (see {workdir}.log)"}
     return {**cell, "evals": evals, "no_summary": not os.path.exists(path), **_tb_means(workdir)}
 
 
@@ -294,7 +294,8 @@ def compare(results: list[dict]) -> dict:
 
 def _paired(mine: list[dict], keys: list[tuple], by: dict) -> list[float]:
     """Per seed, this cell's run mean minus that of the cell `keys` names (seeds without one are left out)."""
-    return [r["run_mean"] - by[k]["run_mean"] for r, k in zip(mine, keys, strict=True) if k in by]
+    pairs = [(r["run_mean"], by[k]["run_mean"]) for r, k in zip(mine, keys, strict=True) if k in by]
+    return [a - b for a, b in pairs if a is not None and b is not None]
 
 
 def _mean(xs):
