@@ -1,10 +1,11 @@
-"""The staleness study's cell (tools/eta_sweep.py): configs/tiny_arith.py in AReaL's setting.
+"""The staleness study's cell (tools/eta_sweep.py): configs/tiny_arith.py with four real updates a step.
 
-Four minibatch updates per batch (AReaL's ppo_n_minibatches), so pi_prox is the policy before the step's
-first update and decoupled PPO's clip bounds the later updates against it; at one update per batch the
-decoupled objective has no trust region at all (docs/benchmarks.md). With the sampler on a core of its
-own it idles most of the time, so admission runs the full eta ahead and head staleness approaches eta.
-The sweep overrides max_staleness / mode, trainer.loss, seed and total_steps per cell.
+32 prompts x 8 samples a step, split into four disjoint shares of 8 prompts, one optimizer update each
+(trainer.minibatches = 4: pi_prox is the policy before the step's first update, so decoupled PPO's clip
+bounds updates 2-4 against it; train/updates logs 4 a step). The sweep overrides the learning rate, the
+controlled lag (trainer.controlled_lag, in sync mode) or the staleness bound (max_staleness), the
+objective, seed and data.seed per cell. Only the final checkpoint is written (a lagged run's periodic
+save would wait for an evaluation that lags k versions; run_config refuses it).
 """
 
 from jaxrl_async.cli.config_file import sibling
@@ -15,20 +16,16 @@ tiny_arith = sibling(__file__, "tiny_arith")
 def get_config():
     c = tiny_arith.get_config()
     c.workdir = "runs/eta_sweep"
-    c.total_steps = 200
-    # Half the demo's batch: 32 prompts x 8 samples, four updates of 8 prompts each; the cells are
-    # CPU-bound and a smaller batch buys more steps per minute.
-    c.prompts_per_step = 32
-    c.eval_every = 20
+    c.total_steps = 150
+    c.prompts_per_step = 32  # a smaller batch than the demo's 64 buys more steps per CPU minute
+    c.eval_every = 10
     c.eval_prompts = 400  # standard error ~0.025 near 50%
     c.text_samples = 0
-    c.checkpoint_every = 0  # only the final checkpoint: cells are short
+    c.checkpoint_every = 0
     c.checkpoint_minutes = 0.0
 
     c.trainer.minibatches = 4
+    c.trainer.lr = 1e-4  # the synchronous optimum of the old study (0.603 at 1e-4 vs 0.521 at 3e-4)
     c.trainer.total_steps = 1000  # the demo's schedule: the cells are its first total_steps steps
-    # A whole batch decodes at once. The sampler outpaces the four-update trainer only on a core of its
-    # own (tools/eta_sweep.py --processes_per_cell 2): sharing one core, eta = 4 reached a head
-    # staleness of 2 at most.
-    c.sampler.num_slots = 256
+    c.sampler.num_slots = 256  # a whole batch decodes at once
     return c

@@ -37,6 +37,7 @@ MODES = ("async", "sync")
 TASK_REWARD = {
     "arithmetic": "arithmetic",
     "countdown": "countdown",
+    "shift": "shift",
     "gsm8k": "math",
     "math": "math",
     "jsonl": "math",
@@ -335,6 +336,16 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         raise ConfigError(
             f"config.trainer.total_steps ({tr.total_steps}) < config.total_steps "
             f"({c['total_steps']}): the learning-rate schedule would end early"
+        )
+    if tr.minibatches > c["prompts_per_step"]:
+        raise ConfigError(
+            f"config.trainer.minibatches={tr.minibatches}: each optimizer update needs at least one of the "
+            f"batch's config.prompts_per_step={c['prompts_per_step']} groups"
+        )
+    if tr.controlled_lag and (c["checkpoint_every"] or c["checkpoint_minutes"]):
+        raise ConfigError(  # a periodic save waits for the version's evaluation, which lags k versions
+            f"config.trainer.controlled_lag={tr.controlled_lag}: needs config.checkpoint_every=0 and "
+            "config.checkpoint_minutes=0 (only the final checkpoint)"
         )
     smp = sections["sampler"]
     longest = smp.max_prompt_len + smp.max_new_tokens

@@ -187,7 +187,7 @@ def test_loss_specs_say_which_losses_read_prox_and_stats_are_checked():
     from jaxrl_async.trainer.losses import LOSS_SPECS, LOSSES, reads_prox, register_loss
 
     assert set(LOSS_SPECS) == set(LOSSES)
-    assert {k for k in LOSSES if not reads_prox(k)} == {"ppo", "reinforce_tis"}
+    assert {k for k in LOSSES if not reads_prox(k)} == {"ppo", "reinforce_tis", "m2po"}
     z = jnp.zeros((1, 2))
     for kind in LOSSES:  # every built-in returns exactly the declared stats
         policy_loss(kind, z, z, z, z, jnp.ones((1, 2)))

@@ -73,3 +73,29 @@ def test_rejects_mismatched_rollouts():
         pack_rollouts([bad], [0.0], token_budget=16)
     with pytest.raises(ValueError, match="advantages"):
         pack_rollouts([_rollout(2, 2)], [0.0, 1.0], token_budget=16)
+
+
+def test_split_groups_is_disjoint_balanced_seeded_and_keeps_groups_whole():
+    from jaxrl_async.trainer.packing import batch_seed, pack_minibatches, split_groups
+
+    rng = np.random.default_rng(1)
+    groups = np.repeat(np.arange(12), 4)
+    lengths = rng.integers(5, 40, size=groups.size)
+    shares = split_groups(groups, lengths, 4, seed=7)
+    assert sorted(i for s in shares for i in s) == list(range(groups.size))  # disjoint, complete
+    assert all(len({groups[i] for i in s}) >= 1 for s in shares)
+    for s in shares:  # whole groups
+        assert all(set(np.flatnonzero(groups == g)) <= set(s) for g in {groups[i] for i in s})
+    loads = [lengths[s].sum() for s in shares]
+    biggest_group = max(lengths[groups == g].sum() for g in range(12))
+    assert max(loads) - min(loads) <= biggest_group
+    assert split_groups(groups, lengths, 4, seed=7) == shares  # seeded
+    assert any(split_groups(groups, lengths, 4, seed=s) != shares for s in range(8, 12))  # shuffled
+    assert batch_seed(0, [3, 1, 2]) == batch_seed(0, [2, 3, 1]) != batch_seed(1, [1, 2, 3])
+    with pytest.raises(ValueError, match="config.trainer.minibatches=13"):
+        split_groups(groups, lengths, 13, seed=0)
+    completions = rng.integers(1, 20, groups.size)
+    rs = [_rollout(2, int(n), group=int(g)) for g, n in zip(groups, completions, strict=True)]
+    b = pack_minibatches(rs, np.ones(len(rs)), 64, rows_per_micro=2, minibatches=4, seed=3)
+    assert len(b.updates) == 4 and sum(b.updates) == b.num_micro and all(u >= 1 for u in b.updates)
+    assert b.num_loss_tokens == sum(len(r.completion_tokens) for r in rs)

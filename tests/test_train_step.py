@@ -236,11 +236,62 @@ def test_loglinear_equals_recompute_for_fresh_on_policy_tokens(params):
     tree_close(out["loglinear"][1], out["recompute"][1], rtol=1e-4, atol=1e-6)
 
 
-def test_minibatches_apply_several_updates_per_step(params):
-    cfg = dataclasses.replace(BASE, rows_per_micro=2, minibatches=2, prox_mode="recompute")
+@pytest.mark.parametrize("minibatches", [2, 4])
+def test_minibatches_mean_exactly_m_updates_per_step(params, minibatches):
+    # One 8-row micro-batch holds all 16 sequences: the old split of micro-batches gave one update here.
+    cfg = dataclasses.replace(BASE, minibatches=minibatches, prox_mode="recompute", warmup_steps=2,
+                              total_steps=10)  # fmt: skip
     state = create_train_state(cfg, MODEL, params)
-    state, m = train_step(state, prepare_batch(cfg, make_rollouts()))
-    assert int(state.updates) == 2 and int(state.version) == 1 and int(m["skipped"]) == 0
+    steps, lrs = 2, []
+    for seed in range(steps):
+        batch = prepare_batch(cfg, make_rollouts(seed=seed))
+        assert len(batch.updates) == minibatches
+        state, m = train_step(state, batch)
+        assert int(m["updates"]) == minibatches and int(m["skipped"]) == 0
+        lrs.append(float(m["lr"]))
+    assert int(state.updates) == minibatches * steps and int(state.version) == steps
+    # The schedule counts train steps: the last update of step s runs at the rate of step s.
+    sched = learning_rate_schedule(cfg)
+    assert lrs == pytest.approx([float(sched(0)), float(sched(1))])
+
+
+def test_minibatch_shares_are_disjoint_groups_and_the_step_loss_stays_exact(params):
+    cfg = dataclasses.replace(BASE, rows_per_micro=2, minibatches=4)
+    rollouts = make_rollouts()  # 4 groups of 4
+    batch = prepare_batch(cfg, rollouts)
+    assert batch.num_sequences == 16 and sum(batch.updates) == batch.num_micro
+    whole = prepare_batch(BASE, rollouts)
+    # Loss and gradient at the starting weights do not depend on how the batch is split.
+    l4, g4, m4 = loss_and_grads(create_train_state(cfg, MODEL, params), batch)
+    l1, g1, _ = loss_and_grads(create_train_state(BASE, MODEL, params), whole)
+    assert float(l4) == pytest.approx(float(l1), rel=1e-5)
+    tree_close(g4, g1)
+    assert float(m4["tokens"]) == whole.num_loss_tokens
+
+
+def test_a_batch_that_cannot_be_split_m_ways_names_the_field(params):
+    cfg = dataclasses.replace(BASE, minibatches=5)
+    with pytest.raises(ValueError, match="config.trainer.minibatches=5"):
+        prepare_batch(cfg, make_rollouts())  # 4 groups
+    state = create_train_state(dataclasses.replace(BASE, minibatches=2), MODEL, params)
+    with pytest.raises(ValueError, match="config.trainer.minibatches=2"):
+        train_step(state, pack_rollouts(make_rollouts(), np.zeros(16), 48, rows_per_micro=8))
+
+
+def test_ess_scaled_step_shrinks_the_update_by_the_ess_fraction(params):
+    # Stale behaviour logprobs: rho = pi_theta / pi_behav spreads, so the ESS fraction is well below 1.
+    rollouts = make_rollouts(seed=5)
+    plain_cfg = dataclasses.replace(BASE, clip_norm=None, weight_decay=0.0)
+    scaled_cfg = dataclasses.replace(plain_cfg, ess_scaled_step=True)
+    before = jax.tree.map(np.asarray, params)
+    moved = {}
+    for name, cfg in (("plain", plain_cfg), ("scaled", scaled_cfg)):
+        state, m = train_step(create_train_state(cfg, MODEL, params), prepare_batch(cfg, rollouts))
+        moved[name] = jax.tree.map(lambda a, b: np.asarray(a) - b, state.params, before)
+        ess = float(m["ess_frac"])
+    assert 0.05 < ess < 0.95
+    assert float(m["ess_step_min"]) == pytest.approx(ess, rel=1e-5)  # one update: its ESS is the step's
+    tree_close(moved["scaled"], jax.tree.map(lambda d: d * ess, moved["plain"]), rtol=2e-3, atol=1e-7)
 
 
 def test_chunked_logprobs_give_the_same_loss_and_gradients(params):

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-TASKS = ("arithmetic", "countdown", "jsonl", "parquet", "gsm8k", "math")
-SYNTHETIC_TASKS = ("arithmetic", "countdown")
+TASKS = ("arithmetic", "countdown", "shift", "jsonl", "parquet", "gsm8k", "math")
+SYNTHETIC_TASKS = ("arithmetic", "countdown", "shift")
 # (prompt field, answer field) for each file task unless DataConfig overrides them.
 DEFAULT_FIELDS = {
     "jsonl": ("prompt", "answer"),
@@ -49,7 +49,8 @@ class DataConfig:
     """Where prompts come from and how they are rendered, shuffled and split.
 
     Attributes:
-      task: "arithmetic" | "countdown" (built in, no files) | "jsonl" | "parquet" | "gsm8k" | "math".
+      task: "arithmetic" | "countdown" | "shift" (built in, no files) | "jsonl" | "parquet" | "gsm8k" |
+        "math".
       path: data file for file tasks (.jsonl/.json or .parquet; gsm8k/math accept either).
       eval_path: optional held-out file; without it file tasks hold out `heldout_fraction` by uid hash.
       prompt_field, answer_field: field mapping (defaults per task in DEFAULT_FIELDS).
@@ -64,7 +65,8 @@ class DataConfig:
       num_epochs: passes over the data; None repeats forever.
       max_prompt_tokens: drop prompts longer than this (None keeps all).
       heldout_fraction: share of examples (by stable hash) reserved for the held-out split.
-      digits, operators: arithmetic operands in [0, 10**digits) with operators from "+-*".
+      digits, operators: arithmetic operands in [0, 10**digits) with operators from "+-*"; for the
+        shift task, the length of the digit string (and of the answer).
       num_train: synthetic examples per epoch.
       num_eval: size of a synthetic task's "test" split iterator.
       countdown_numbers, countdown_max_number, countdown_max_target: countdown puzzle sizes.
@@ -107,8 +109,9 @@ class DataConfig:
             raise ValueError(f"DataConfig: num_epochs must be >= 1 or None, got {self.num_epochs}")
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise ValueError(f"DataConfig: heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
-        if not 1 <= self.digits <= 9:
-            raise ValueError(f"DataConfig: digits must be in [1, 9], got {self.digits}")
+        most = 64 if self.task == "shift" else 9  # shift: the answer's length; arithmetic: operand digits
+        if not 1 <= self.digits <= most:
+            raise ValueError(f"DataConfig: digits must be in [1, {most}] ({self.task}), got {self.digits}")
         if (
             not self.operators
             or set(self.operators) - set("+-*")

@@ -6,8 +6,12 @@ train example ever equals a held-out one.
 
 Arithmetic: prompt "37+85=", completion "122" (most significant digit first); metadata carries "answer".
 Countdown: prompt "make 24 with 3 5 8:", completion an expression using each number exactly once with
-+ - * / and parentheses (e.g. "(8-5)*8"); metadata carries "numbers" and "target". The verifiers that read
-that metadata are the rewards "arithmetic" and "countdown" (jaxrl_async.rewards.synthetic).
++ - * / and parentheses (e.g. "(8-5)*8"); metadata carries "numbers" and "target".
+Shift: prompt "shift 40913:" (`digits` random digits), completion every digit plus one mod 10 ("51024"):
+answers as long as `digits` (tens of tokens), so that weight updates land in the middle of sequences,
+yet learnable by a tiny model (each answer token copies one prompt token, shifted); metadata carries
+"answer". The verifiers that read that metadata are the rewards "arithmetic", "countdown" and "shift"
+(jaxrl_async.rewards.synthetic).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from jaxrl_async.data.prompt import DataConfig, is_heldout, unit_hash
 
 _ARITH_RE = re.compile(r"(\d+)([+\-*])(\d+)=")
 _COUNTDOWN_RE = re.compile(r"make (\d+) with ([\d ]+):")
+_SHIFT_RE = re.compile(r"shift (\d+):")
 _ENUMERATE_LIMIT = 200_000  # problem spaces up to this size are enumerated for a duplicate-free held-out set
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -144,11 +149,32 @@ def solve_countdown(numbers: Sequence[int], target: int) -> str | None:
     return expr[1:-1] if expr and expr.startswith("(") and expr.endswith(")") and len(numbers) > 1 else expr
 
 
+# ---- shift --------------------------------------------------------------------------------------------
+
+
+def shift_problem(digits: str) -> tuple[str, str]:
+    """(prompt, answer) for a digit string, e.g. "40913" -> ("shift 40913:", "51024")."""
+    return f"shift {digits}:", "".join(str((int(d) + 1) % 10) for d in digits)
+
+
+def shift_example(cfg: DataConfig, split: str, index: int) -> dict[str, Any]:
+    """The `index`-th shift example of `split`: `cfg.digits` uniform random digits."""
+    rng = random.Random(f"shift:{cfg.seed}:{split}:{index}")
+    while True:
+        digits = "".join(rng.choice("0123456789") for _ in range(cfg.digits))
+        if is_heldout(digits, cfg.heldout_fraction) == (split == "test"):
+            prompt, answer = shift_problem(digits)
+            return {"uid": f"shift:{split}:{index}", "prompt": prompt, "answer": answer, "metadata": {}}
+
+
 # ---- shared -------------------------------------------------------------------------------------------
 
 
 def reference_completion(prompt: str) -> str:
-    """The correct completion text for an arithmetic or countdown prompt (for supervised warm starts)."""
+    """The correct completion text for an arithmetic, countdown or shift prompt (supervised warm starts)."""
+    m = _SHIFT_RE.findall(prompt)
+    if m:
+        return shift_problem(m[-1])[1]
     m = _ARITH_RE.findall(prompt)
     if m:
         a, op, b = m[-1]
@@ -162,7 +188,7 @@ def reference_completion(prompt: str) -> str:
 
 def synthetic_example(cfg: DataConfig, split: str, index: int) -> dict[str, Any]:
     """The `index`-th raw record of a synthetic task's split."""
-    fn = arithmetic_example if cfg.task == "arithmetic" else countdown_example
+    fn = {"arithmetic": arithmetic_example, "shift": shift_example}.get(cfg.task, countdown_example)
     return fn(cfg, split, index)
 
 
@@ -170,7 +196,7 @@ def synthetic_heldout(cfg: DataConfig, n: int) -> list[dict[str, Any]]:
     """`n` distinct held-out records (fewer if the held-out space is smaller), in a fixed order."""
     if cfg.task == "arithmetic":
         return _arithmetic_heldout(cfg, n)
-    return _sample_unique(lambda i: countdown_example(cfg, "test", i), n)
+    return _sample_unique(lambda i: synthetic_example(cfg, "test", i), n)
 
 
 def _sample_unique(draw, n: int) -> list[dict[str, Any]]:

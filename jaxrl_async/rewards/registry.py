@@ -24,6 +24,7 @@ _REGISTRY: dict[str, RewardFn] = {}
 _BUILTIN_MODULES = {
     "arithmetic": "jaxrl_async.rewards.synthetic",
     "countdown": "jaxrl_async.rewards.synthetic",
+    "shift": "jaxrl_async.rewards.synthetic",
     "math": "jaxrl_async.rewards.math",
     "format": "jaxrl_async.rewards.math",
     "code": "jaxrl_async.rewards.code",

@@ -1,7 +1,7 @@
-"""Verifiers of the built-in synthetic tasks (jaxrl_async.data's "arithmetic" and "countdown").
+"""Verifiers of the built-in synthetic tasks (jaxrl_async.data's "arithmetic", "countdown" and "shift").
 
-They read the problem from the prompt's metadata, never from its text: arithmetic compares with
-metadata["answer"], countdown checks against metadata["numbers"] and metadata["target"]. A request
+They read the problem from the prompt's metadata, never from its text: arithmetic and shift compare
+with metadata["answer"], countdown checks against metadata["numbers"] and metadata["target"]. A request
 without them is an error (reward 0 with reason "error:KeyError").
 """
 
@@ -61,3 +61,13 @@ def countdown_reward(prompt: str, completion: str, metadata: Mapping[str, Any]) 
     """1.0 when the completion is a valid expression over metadata["numbers"] reaching metadata["target"]."""
     numbers, target = list(metadata["numbers"]), int(metadata["target"])
     return 1.0 if countdown_verify(completion, numbers, target) else 0.0
+
+
+@register_reward("shift")
+def shift_reward(prompt: str, completion: str, metadata: Mapping[str, Any]) -> float:
+    """The share of answer positions right: matching characters / max(len(answer), len(completion)), so
+    1.0 only for the exact answer (held-out accuracy counts reward >= 1) and a long answer that is
+    mostly right still carries a learning signal within its group."""
+    answer, got = str(metadata["answer"]), completion.strip()
+    hits = sum(a == b for a, b in zip(answer, got, strict=False))
+    return hits / max(len(answer), len(got), 1)

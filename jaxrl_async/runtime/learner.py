@@ -282,6 +282,8 @@ class Learner:
 
     def _publish(self) -> float:
         message = self.core.publish()
+        if message is None:  # controlled lag (runtime/lag.py): the lagged version was already sent
+            return 0.0
         if message.checksum is not None:
             self.checksums[message.version] = message.checksum
         for a in range(self.cfg.actors):

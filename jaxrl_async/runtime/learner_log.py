@@ -38,6 +38,9 @@ _TRAIN_TAGS = {
     "kl_ref_mean": "train/kl_ref",
     "kl_behav_mean": "train/kl_behav",
     "grad_norm": "train/grad_norm",
+    "updates": "train/updates",  # optimizer updates applied this step (trainer.minibatches)
+    "ess_frac": "train/ess",
+    "offpolicy_masked_frac": "train/offpolicy_masked_frac",
     "entropy_mean": "train/entropy",
     "zero_adv_skipped_frac": "train/zero_adv_skipped_frac",
 }

@@ -29,6 +29,8 @@ SCALAR_TAGS = (
     "train/dual_clip_frac",
     "train/behav_dropped_frac",
     "train/kl_behav",
+    "train/updates",
+    "train/ess",
     "train/uninformative_group_frac",
     "reward/overlong_penalty",
     "completion/truncated_frac",

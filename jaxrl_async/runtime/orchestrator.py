@@ -32,6 +32,7 @@ from jaxrl_async.runtime import build, secret
 from jaxrl_async.runtime.actor import Actor, ActorConfig
 from jaxrl_async.runtime.cluster import Cluster, PeerFailure, Roles
 from jaxrl_async.runtime.coordinator import Coordinator
+from jaxrl_async.runtime.lag import lagged
 from jaxrl_async.runtime.learner import Follower, Learner, LearnerConfig, TrainerCore
 from jaxrl_async.runtime.messages import Hello, Preempt, WarmStartParams
 from jaxrl_async.runtime.metrics import MetricsWriter
@@ -155,6 +156,7 @@ def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
         s_mesh = build.sampler_mesh(run, cluster)
         sync = WeightSync(model_cfg, s_mesh, dtype=sampler_dtype(model_cfg))
         publisher = local_weights = LocalWeights(sync, run.verify_weights)
+    publisher = lagged(publisher, run.trainer.controlled_lag, run.total_steps)  # samplers get v - k
     core = TrainerCore(state, run.trainer, publisher, ckpts)
     if not lead:
         proc.follower = Follower(core, transport, cluster.process_id)

@@ -122,6 +122,22 @@ class SamplerConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"SamplerConfig.{name}={getattr(self, name)!r} not in {allowed}")
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+        self._refuse_unread()
+
+    def _refuse_unread(self) -> None:
+        """A knob set away from its default that this configuration never reads is an error."""
+        default = {f.name: f.default for f in dataclasses.fields(SamplerConfig)}
+        if self.temperature == 0 and (self.top_k or self.top_p < 1.0):
+            raise ValueError(
+                f"SamplerConfig.top_k={self.top_k} / top_p={self.top_p} have no effect with temperature=0 "
+                "(greedy decoding)"
+            )
+        if self.top_p == 1.0 and self.top_p_candidates != default["top_p_candidates"]:
+            raise ValueError("SamplerConfig.top_p_candidates has no effect with top_p=1.0 (no nucleus)")
+        if self.attention in ("xla", "cpu_kernel") and self.page_size != default["page_size"]:
+            raise ValueError(
+                f"SamplerConfig.page_size has no effect with attention={self.attention!r} (a slotted cache)"
+            )
 
     def check_slotted(self) -> None:
         """Raises ValueError unless every slot of a slotted cache can hold a prompt of max_prompt_len."""

@@ -5,10 +5,23 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrl_async.trainer.advantages import ADVANTAGES, KL_ESTIMATORS
-from jaxrl_async.trainer.losses import LOSSES, LossHParams
+from jaxrl_async.trainer.losses import LOSSES, LossHParams, reads_prox
 
 PROX_MODES = ("recompute", "loglinear")
 _LOSS = LossHParams()  # the loss fields' defaults (declared once, in losses.py)
+
+# The loss hyper-parameters each loss reads (besides aggregation, constant and offpolicy_seq_mask, which
+# every loss reads). A value other than the default on a field the chosen loss never reads is refused:
+# it would silently do nothing.
+_BEHAV = ("behav_mode", "behav_level", "behav_cap", "behav_floor")
+LOSS_READS = {
+    "decoupled_ppo": ("eps_low", "eps_high", "dual_clip", *_BEHAV),
+    "gspo": ("eps_low", "eps_high", "dual_clip", *_BEHAV),
+    "ppo": ("eps_low", "eps_high", "dual_clip"),  # pi_prox = pi_behav: the behaviour weight is 1
+    "reinforce_tis": ("eps_high",),
+    "m2po": ("m2po_tau",),
+}
+_EVERY_LOSS = ("aggregation", "constant", "offpolicy_seq_mask")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,10 +31,12 @@ class TrainConfig:
     Attributes:
       loss: policy loss kind (losses.LOSSES).
       eps_low, eps_high, dual_clip, behav_mode, behav_level, behav_cap, behav_floor, aggregation,
-        constant: the loss hyper-parameters, with losses.LossHParams's defaults and meaning.
+        constant, m2po_tau, offpolicy_seq_mask: the loss hyper-parameters, with losses.LossHParams's
+        defaults and meaning. Setting one that the chosen loss never reads is an error (LOSS_READS).
       advantage: advantage estimator (advantages.ADVANTAGES).
       lr, warmup_steps, total_steps, end_lr_ratio: linear warmup from 0 to `lr`, then cosine decay to
-        `lr * end_lr_ratio` at `total_steps` (counted in optimizer updates).
+        `lr * end_lr_ratio` at `total_steps`, both counted in train steps (versions), whatever the
+        number of optimizer updates a step makes.
       b1, b2, adam_eps, weight_decay: AdamW (decay skips norms, biases and other vectors).
       clip_norm: global gradient-norm clip; None = off.
       token_budget: positions per packed row; rows_per_micro: rows per micro-batch (a multiple of the
@@ -29,9 +44,18 @@ class TrainConfig:
       logits_chunk: the unembedding and logprobs run this many positions of a row at a time, so only
         one chunk's float32 logits exist at once (a 32k-position row of a 152k vocabulary would hold
         20 GB); rows up to this long are done in one piece. Longer rows must be a multiple of it.
-      minibatches: optimizer updates per train step (PPO minibatches over the step's micro-batches).
-        The default, 4, is AReaL's ppo_n_minibatches: with 1, pi_prox equals pi_theta at the only update
-        and decoupled PPO's clip never binds (no trust region).
+      minibatches: M, exactly the optimizer updates per train step: the batch's groups are split into M
+        disjoint, seeded-shuffled, token-balanced shares, each packed into micro-batches of its own
+        (prepare_batch); a batch of fewer than M groups is an error. The default, 4, is AReaL's
+        ppo_n_minibatches: with 1, pi_prox equals pi_theta at the only update and decoupled PPO's clip
+        never binds (no trust region).
+      minibatch_seed: seeds the split (with the batch's group ids, so every trainer process and every
+        paired run splits a batch alike).
+      ess_scaled_step: scale each update by the effective-sample-size fraction of rho = pi_theta /
+        pi_behav over its tokens (the applied AdamW step shrinks; the moments see the full gradient).
+      controlled_lag: k > 0 makes every sampler run on the weights of version v - k while the trainer
+        is at v (runtime/lag.py): with mode=sync every token of step v >= k is exactly k stale, so
+        timing and admission no longer decide the staleness. 0 = off. Read by the runtime.
       prox_mode: "recompute" (pi_prox from the weights at the start of the step: a forward pass when
         minibatches > 1, the stop-gradient of the loss's own forward when minibatches == 1, which is the
         same number) or "loglinear" (AReaL's version interpolation, no forward pass).
@@ -63,6 +87,8 @@ class TrainConfig:
     behav_floor: float = _LOSS.behav_floor
     aggregation: str = _LOSS.aggregation
     constant: float = _LOSS.constant
+    m2po_tau: float = _LOSS.m2po_tau
+    offpolicy_seq_mask: float | None = _LOSS.offpolicy_seq_mask
     advantage: str = "grpo"
     lr: float = 1e-6
     warmup_steps: int = 0
@@ -77,6 +103,9 @@ class TrainConfig:
     rows_per_micro: int = 1
     logits_chunk: int = 4096
     minibatches: int = 4
+    minibatch_seed: int = 0
+    ess_scaled_step: bool = False
+    controlled_lag: int = 0
     prox_mode: str = "recompute"
     compute_dtype: str | None = None
     temperature: float = 1.0
@@ -126,6 +155,37 @@ class TrainConfig:
             raise ValueError("TrainConfig.skip_zero_advantage needs kl_coef == 0 (the KL term has gradients)")
         if self.temperature <= 0:
             raise ValueError(f"TrainConfig.temperature must be > 0, got {self.temperature}")
+        if int(self.controlled_lag) < 0:
+            raise ValueError(f"TrainConfig.controlled_lag must be >= 0, got {self.controlled_lag}")
+        self._refuse_unread()
+
+    def _refuse_unread(self) -> None:
+        """A knob set away from its default that this configuration never reads is an error."""
+        names = [f.name for f in dataclasses.fields(LossHParams)]
+        reads = set(LOSS_READS.get(self.loss, names)) | set(_EVERY_LOSS)  # a loss added elsewhere: all
+        if "behav_mode" in reads:
+            if self.behav_mode == "none":
+                reads -= {"behav_level", "behav_cap", "behav_floor"}
+            elif self.behav_mode == "truncate":
+                reads -= {"behav_floor"}
+        if self.aggregation != "constant":
+            reads.discard("constant")
+        for f in dataclasses.fields(LossHParams):
+            if f.name not in reads and getattr(self, f.name) != f.default:
+                raise ValueError(
+                    f"TrainConfig.{f.name}={getattr(self, f.name)!r} has no effect with loss={self.loss!r}, "
+                    f"behav_mode={self.behav_mode!r}, aggregation={self.aggregation!r}"
+                )
+        if self.prox_mode != "recompute" and not reads_prox(self.loss):
+            raise ValueError(
+                f"TrainConfig.prox_mode={self.prox_mode!r} has no effect: loss={self.loss!r} has no pi_prox"
+            )
+        default = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+        patience = self.dynamic_sampling_patience
+        if patience != default["dynamic_sampling_patience"] and not self.dynamic_sampling:
+            raise ValueError("TrainConfig.dynamic_sampling_patience has no effect without dynamic_sampling")
+        if self.kl_estimator != default["kl_estimator"] and self.kl_coef == 0:
+            raise ValueError("TrainConfig.kl_estimator has no effect with kl_coef == 0")
 
     def loss_hparams(self) -> dict:
         """The keyword arguments of `losses.policy_loss` (validated)."""

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-LOSS_KINDS = ("decoupled_ppo", "ppo", "gspo", "reinforce_tis")
+LOSS_KINDS = ("decoupled_ppo", "ppo", "gspo", "reinforce_tis", "m2po")
 BEHAV_MODES = ("none", "truncate", "mask")
 BEHAV_LEVELS = ("token", "sequence")
 AGGREGATIONS = ("token_mean", "seq_mean", "constant")
@@ -39,25 +39,34 @@ class LossHParams:
     Attributes:
       eps_low, eps_high: the ratio u = pi_theta / pi_prox is clipped to [1 - eps_low, 1 + eps_high]
         (clip-higher when eps_high > eps_low). reinforce_tis truncates its weight at 1 + eps_high.
-      dual_clip: c > 1 bounds the loss of negative-advantage tokens at -c * A; None = off.
+      dual_clip: c > 1 bounds the loss of negative-advantage tokens at -c * A; None = off. On (3) by
+        default: it never binds near the proximal policy (u < c) and caps what one very stale token with
+        A < 0 can do, which is where off-policy updates blow up (AReaL's c_clip, off there by default).
       behav_mode: how the behaviour weight w = pi_prox / pi_behav enters: "none" (w = 1), "truncate"
-        (TIS: w = min(w, behav_cap)) or "mask" (MIS: w = 0 outside [behav_floor, behav_cap]).
+        (TIS: w = min(w, behav_cap)) or "mask" (w = 0 outside [behav_floor, behav_cap]: AReaL's
+        default, which drops the most-drifted tokens instead of giving them the largest weight).
       behav_level: "token" (per-token w) or "sequence" (one w per sequence: the geometric mean of its
         token weights, so sequences of different lengths stay comparable).
       behav_cap, behav_floor: bounds for truncate / mask.
       aggregation: "token_mean", "seq_mean" or "constant" (see the module docstring).
       constant: the Dr.GRPO normalizer for aggregation="constant".
+      m2po_tau: M2PO's bound on the second moment of log(pi_theta / pi_behav) (loss="m2po").
+      offpolicy_seq_mask: delta > 0 drops every sequence with A < 0 whose mean log(pi_behav / pi_theta)
+        over its tokens exceeds delta (a stale sequence the policy has already moved away from: pushing
+        it down further only adds variance); None = off. Any loss.
     """
 
     eps_low: float = 0.2
     eps_high: float = 0.28  # DAPO's clip-higher
-    dual_clip: float | None = None
-    behav_mode: str = "truncate"  # stale samples never get a behaviour weight above behav_cap
+    dual_clip: float | None = 3.0
+    behav_mode: str = "mask"
     behav_level: str = "token"
     behav_cap: float = 5.0
     behav_floor: float = 0.0
     aggregation: str = "token_mean"
     constant: float = 1.0
+    m2po_tau: float = 0.04
+    offpolicy_seq_mask: float | None = None
 
     def __post_init__(self):
         if not 0 <= self.eps_low < 1 or self.eps_high < 0:
@@ -74,6 +83,10 @@ class LossHParams:
             raise ValueError(f"aggregation={self.aggregation!r} not in {AGGREGATIONS}")
         if self.constant <= 0:
             raise ValueError(f"constant must be > 0, got {self.constant}")
+        if self.m2po_tau <= 0:
+            raise ValueError(f"m2po_tau must be > 0, got {self.m2po_tau}")
+        if self.offpolicy_seq_mask is not None and self.offpolicy_seq_mask <= 0:
+            raise ValueError(f"offpolicy_seq_mask must be > 0 or None, got {self.offpolicy_seq_mask}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,6 +259,47 @@ def reinforce_tis(logp, prox, behav, adv, segs, hp):
     }
 
 
+def m2_keep(log_r_BxT, mask_BxT, tau: float) -> jax.Array:
+    """M2PO's mask: drops the tokens of largest (log r)^2, fewest first, until the mean of (log r)^2 over
+    the remaining loss tokens is <= tau (the mean falls as the largest values go, so the first count
+    that satisfies it is the smallest). Returns 1 = kept, 0 = dropped, [B, T], without gradient."""
+    sq = jnp.where(mask_BxT > 0, jnp.square(jax.lax.stop_gradient(log_r_BxT)), -1.0).reshape(-1)
+    n = jnp.sum(mask_BxT > 0)
+    order = jnp.argsort(-sq)
+    top = jnp.maximum(sq[order], 0.0)
+    removed = jnp.concatenate([jnp.zeros(1, top.dtype), jnp.cumsum(top)])  # sum of the j largest
+    j = jnp.arange(removed.size)
+    ok = (removed[-1] - removed <= tau * (n - j) + 1e-9) & (j <= n)
+    drop_count = jnp.argmax(ok)
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.size))
+    return (rank >= drop_count).reshape(mask_BxT.shape).astype(jnp.float32)
+
+
+@register_loss("m2po", reads_prox=False)
+def m2po(logp, prox, behav, adv, segs, hp):
+    """M2PO (Zheng et al. 2025): no ratio clip; -r A with r = pi_theta / pi_behav on the tokens left once
+    the largest (log r)^2 are dropped until their mean is <= m2po_tau. The bound holds per micro-batch,
+    so it holds for every update (a mean of values <= tau); it can drop a little more than a whole-batch
+    greedy would."""
+    log_r = (logp - behav) * segs.mask_BxT
+    keep = m2_keep(log_r, segs.mask_BxT, hp.m2po_tau)
+    ratio = jnp.exp(jnp.clip(log_r, -30.0, 30.0))
+    zeros = jnp.zeros_like(ratio)
+    return -ratio * adv * keep, {
+        "clip_low": zeros,
+        "clip_high": zeros,
+        "dual_clip": zeros,
+        "is_weight": jax.lax.stop_gradient(ratio),
+        "behav_dropped": 1.0 - keep,
+    }
+
+
+def offpolicy_sequence_keep(logp, behav, adv, segs: Segments, delta: float) -> jax.Array:
+    """1 except on sequences with A < 0 whose mean log(pi_behav / pi_theta) exceeds delta, [B, T]."""
+    seq_kl = segs.token_mean(jax.lax.stop_gradient(behav - logp) * segs.mask_BxT)
+    return 1.0 - ((adv < 0) & (seq_kl > delta)).astype(jnp.float32)
+
+
 def policy_loss(kind: str, logp, prox_logp, behav_logp, advantages, mask, segment_ids=None, **hp):
     """A registered policy loss, aggregated to a (sum, count) pair.
 
@@ -272,6 +326,10 @@ def policy_loss(kind: str, logp, prox_logp, behav_logp, advantages, mask, segmen
     loss_BxT, stats = LOSSES[kind](logp, prox, behav, adv, segs, params)
     if set(stats) != set(LOSS_STATS):
         raise ValueError(f"loss {kind!r} returned stats {sorted(stats)}; a loss returns exactly {LOSS_STATS}")
+    seq_keep = jnp.ones_like(loss_BxT)
+    if params.offpolicy_seq_mask is not None:
+        seq_keep = offpolicy_sequence_keep(logp, behav, adv, segs, params.offpolicy_seq_mask)
+        loss_BxT = loss_BxT * seq_keep  # dropped sequences stay in the denominator (count is fixed)
     loss_sum, count = aggregate(loss_BxT, segs, params)
     m = segs.mask_BxT
     metrics = {
@@ -284,6 +342,7 @@ def policy_loss(kind: str, logp, prox_logp, behav_logp, advantages, mask, segmen
         "is_weight_sum": jnp.sum(stats["is_weight"] * m),
         "is_weight_max": jnp.max(stats["is_weight"] * m),
         "behav_dropped_frac_sum": jnp.sum(stats["behav_dropped"] * m),
+        "offpolicy_masked_frac_sum": jnp.sum((1.0 - seq_keep) * m),
     }
     return loss_sum, count, metrics
 
@@ -293,9 +352,20 @@ def combine_metrics(a: dict, b: dict) -> dict:
     return {k: jnp.maximum(a[k], b[k]) if k.endswith("_max") else a[k] + b[k] for k in a}
 
 
+def effective_sample_fraction(m: dict) -> jax.Array:
+    """Kish's effective sample size of rho = pi_theta / pi_behav over the loss tokens, as a fraction of
+    them: (sum rho)^2 / (n sum rho^2), in (0, 1]; 1 = on-policy. Needs the `rho_sum`, `rho_sq_sum` and
+    `tokens` sums (micro-batch sums add, so the fraction is exact for any split)."""
+    n = jnp.maximum(m["tokens"], 1.0)
+    return jnp.clip(jnp.square(m["rho_sum"]) / (n * jnp.maximum(m["rho_sq_sum"], 1e-30)), 0.0, 1.0)
+
+
 def finalize_metrics(m: dict) -> dict:
-    """Turns per-token `*_sum` entries into means (`clip_frac_sum` -> `clip_frac`, `x_sum` -> `x_mean`)."""
+    """Turns per-token `*_sum` entries into means (`clip_frac_sum` -> `clip_frac`, `x_sum` -> `x_mean`);
+    with the rho sums, adds `ess_frac` (effective_sample_fraction)."""
     out = {}
+    if "rho_sum" in m:
+        out["ess_frac"] = effective_sample_fraction(m)
     tokens = jnp.maximum(m["tokens"], 1.0)
     for k, v in m.items():
         if k.endswith("_frac_sum"):

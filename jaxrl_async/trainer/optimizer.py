@@ -11,7 +11,7 @@ _NO_DECAY = ("norm", "bias")
 
 
 def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
-    """0 -> lr over warmup_steps, then cosine to lr * end_lr_ratio at total_steps."""
+    """0 -> lr over warmup_steps, then cosine to lr * end_lr_ratio at total_steps (train steps)."""
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0 if cfg.warmup_steps else cfg.lr,
         peak_value=cfg.lr,
@@ -19,6 +19,13 @@ def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
         decay_steps=cfg.total_steps,
         end_value=cfg.lr * cfg.end_lr_ratio,
     )
+
+
+def update_schedule(cfg: TrainConfig) -> optax.Schedule:
+    """The rate of the n-th optimizer update: a train step makes cfg.minibatches updates, and the schedule
+    is in train steps, so that warmup_steps and total_steps mean steps whatever the minibatch count."""
+    per_step = learning_rate_schedule(cfg)
+    return lambda count: per_step(count // cfg.minibatches)
 
 
 def decay_mask(params) -> dict:
@@ -34,7 +41,7 @@ def decay_mask(params) -> dict:
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """The trainer's optimizer: [clip by global norm] -> AdamW(schedule)."""
     adamw = optax.adamw(
-        learning_rate_schedule(cfg),
+        update_schedule(cfg),
         b1=cfg.b1,
         b2=cfg.b2,
         eps=cfg.adam_eps,

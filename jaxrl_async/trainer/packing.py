@@ -65,12 +65,14 @@ class PackedBatch:
       num_sequences: sequences in the batch.
       num_loss_tokens: completion tokens (loss-mask ones) in the batch.
       num_skipped: sequences left out before packing (zero advantage, see TrainConfig).
+      updates: micro-batches per optimizer update, in order (they sum to M); () = one update of all.
     """
 
     arrays: dict
     num_sequences: int
     num_loss_tokens: int
     num_skipped: int = 0
+    updates: tuple[int, ...] = ()
 
     @property
     def num_micro(self) -> int:
@@ -84,6 +86,14 @@ class PackedBatch:
     def micro_batch(self, i: int) -> dict:
         """Micro-batch i: FIELDS -> [R, S]."""
         return {k: v[i] for k, v in self.arrays.items()}
+
+    def update_groups(self) -> list[range]:
+        """The micro-batch indices of each optimizer update (one update of all when `updates` is ())."""
+        counts = self.updates or (self.num_micro,)
+        if sum(counts) != self.num_micro:
+            raise ValueError(f"updates {counts} do not add up to the {self.num_micro} micro-batches")
+        starts = np.cumsum((0,) + tuple(counts))
+        return [range(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:], strict=True)]
 
 
 def ffd_bins(
@@ -210,3 +220,66 @@ def pad_rollouts(
     if max(lengths) > row_len:
         raise ValueError(f"a sequence of {max(lengths)} tokens exceeds the row length {row_len}")
     return _fill(rollouts, advantages, [[i] for i in range(len(rollouts))], rows_per_micro, row_len)
+
+
+def split_groups(group_ids: Sequence[int], lengths: Sequence[int], parts: int, seed: int) -> list[list[int]]:
+    """Splits a batch's sequences into `parts` disjoint shares of whole groups, token-balanced.
+
+    The groups (sequences sharing a group id) are visited in a seeded random order and each goes to the
+    share holding the fewest tokens so far (ties: the first), so every share gets at least one group,
+    the shares differ by at most one group's tokens, and which groups share an update is not decided by
+    their lengths. Returns each share's sequence indices in increasing order.
+
+    Raises:
+      ValueError: fewer groups than `parts` (the message names config.trainer.minibatches).
+    """
+    order_of: dict[int, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        order_of.setdefault(int(g), []).append(i)
+    groups = list(order_of.values())
+    if len(groups) < parts:
+        raise ValueError(
+            f"config.trainer.minibatches={parts}: the batch holds only {len(groups)} groups, and each "
+            "optimizer update needs at least one whole group (lower minibatches or raise prompts_per_step)"
+        )
+    loads = np.zeros(parts, np.int64)
+    shares: list[list[int]] = [[] for _ in range(parts)]
+    for g in np.random.default_rng(seed).permutation(len(groups)):
+        b = int(np.argmin(loads))
+        shares[b].extend(groups[g])
+        loads[b] += sum(int(lengths[i]) for i in groups[g])
+    return [sorted(s) for s in shares]
+
+
+def batch_seed(seed: int, group_ids: Sequence[int]) -> int:
+    """A split seed from the config's seed and the batch's group ids: every trainer process derives the
+    same one from the same batch, and paired runs (same data, same seed) split their batches alike."""
+    ids = sorted({int(g) % 2**32 for g in group_ids})
+    return int(np.random.SeedSequence([int(seed) % 2**32, *ids]).generate_state(1)[0])
+
+
+def pack_minibatches(
+    rollouts: Sequence[TrainSample],
+    advantages,
+    token_budget: int,
+    rows_per_micro: int,
+    minibatches: int,
+    seed: int,
+) -> PackedBatch:
+    """`minibatches` disjoint shares of whole groups (see split_groups), each packed into micro-batches
+    of its own; the result's `updates` says how many micro-batches each optimizer update takes."""
+    if len(rollouts) != len(advantages):
+        raise ValueError(f"{len(rollouts)} rollouts but {len(advantages)} advantages")
+    advantages = np.asarray(advantages, np.float32)
+    lengths = [sequence_length(r) for r in rollouts]
+    shares = split_groups([r.group_id for r in rollouts], lengths, minibatches, seed)
+    parts = [
+        pack_rollouts([rollouts[i] for i in s], advantages[s], token_budget, rows_per_micro) for s in shares
+    ]
+    arrays = {k: np.concatenate([p.arrays[k] for p in parts]) for k in FIELDS}
+    return PackedBatch(
+        arrays,
+        num_sequences=len(rollouts),
+        num_loss_tokens=sum(p.num_loss_tokens for p in parts),
+        updates=tuple(p.num_micro for p in parts),
+    )

@@ -1,8 +1,9 @@
 """The train state and step: prox logprobs, micro-batch gradient accumulation, skip-on-non-finite update.
 
-One `train_step` = `cfg.minibatches` optimizer updates over the step's packed micro-batches. Each micro-
-batch runs one jitted forward/backward that adds its gradient of `loss_sum` (and `count`, metrics) into
-a donated accumulator; a second jitted function divides by the total count, clips, applies AdamW and
+One `train_step` = exactly `cfg.minibatches` optimizer updates, each over its own share of the batch's
+groups packed into micro-batches of its own (`prepare_batch`). Each micro-batch runs one jitted
+forward/backward that adds its gradient of `loss_sum` (and `count`, metrics) into a donated
+accumulator; a second jitted function divides by the update's count, clips, applies AdamW and
 keeps the old parameters if the loss or gradient norm is not finite. Both compile once per micro-batch
 shape, so a variable number of micro-batches per step never recompiles.
 """
@@ -36,12 +37,13 @@ from jaxrl_async.trainer.losses import (
     Segments,
     aggregate,
     combine_metrics,
+    effective_sample_fraction,
     finalize_metrics,
     policy_loss,
     reads_prox,
 )
-from jaxrl_async.trainer.optimizer import learning_rate_schedule, make_optimizer
-from jaxrl_async.trainer.packing import FIELD_DTYPES, PackedBatch, TrainSample, pack_rollouts
+from jaxrl_async.trainer.optimizer import make_optimizer, update_schedule
+from jaxrl_async.trainer.packing import FIELD_DTYPES, PackedBatch, TrainSample, batch_seed, pack_minibatches
 
 
 @struct.dataclass
@@ -164,10 +166,15 @@ def create_train_state(
 
 
 def prepare_batch(cfg: TrainConfig, rollouts: Sequence[TrainSample]) -> PackedBatch:
-    """Advantages (cfg.advantage over reward / group_id) + packing into cfg's micro-batch shape.
+    """Advantages (cfg.advantage over reward / group_id), then cfg.minibatches disjoint, seeded-shuffled,
+    token-balanced shares of whole groups, each packed into micro-batches of its own (one per update).
 
-    With cfg.skip_zero_advantage, sequences whose advantage is 0 are left out (all of them are kept when
-    none has a non-zero advantage, so a step always has a batch); `batch.num_skipped` counts them.
+    With cfg.skip_zero_advantage, sequences whose advantage is 0 are left out, unless that leaves fewer
+    groups than updates (then all are kept, so every update still has a share); `batch.num_skipped`
+    counts them.
+
+    Raises:
+      ValueError: the batch has fewer groups than cfg.minibatches (names config.trainer.minibatches).
     """
     adv = np.asarray(
         compute_advantages(cfg.advantage, [r.reward for r in rollouts], [r.group_id for r in rollouts])
@@ -175,10 +182,12 @@ def prepare_batch(cfg: TrainConfig, rollouts: Sequence[TrainSample]) -> PackedBa
     skipped = 0
     if cfg.skip_zero_advantage:
         keep = np.flatnonzero(np.abs(adv) > 1e-8)
-        if 0 < len(keep) < len(rollouts):
+        kept_groups = len({rollouts[i].group_id for i in keep})
+        if 0 < len(keep) < len(rollouts) and kept_groups >= cfg.minibatches:
             skipped = len(rollouts) - len(keep)
             rollouts, adv = [rollouts[i] for i in keep], adv[keep]
-    batch = pack_rollouts(rollouts, adv, cfg.token_budget, cfg.rows_per_micro, min_micro=cfg.minibatches)
+    seed = batch_seed(cfg.minibatch_seed, [r.group_id for r in rollouts])
+    batch = pack_minibatches(rollouts, adv, cfg.token_budget, cfg.rows_per_micro, cfg.minibatches, seed)
     return dataclasses.replace(batch, num_skipped=skipped)
 
 
@@ -227,6 +236,10 @@ def _micro_loss(cfg, model_cfg, mesh, params, ref_params, mb, prox_BxT, prox_ver
     )
     m["entropy_sum"] = jnp.sum(entropy * mask)
     m["kl_behav_sum"] = jnp.sum(kl_estimate("k3", behav, logp) * mask)
+    # rho = pi_theta / pi_behav (no gradient), every loss alike: its effective sample size says how much
+    # of the batch the current weights can still learn from (Kish: (sum rho)^2 / (n sum rho^2)).
+    rho = jnp.exp(jnp.clip(jax.lax.stop_gradient(logp) - behav, -30.0, 30.0)) * mask
+    m["rho_sum"], m["rho_sq_sum"] = jnp.sum(rho), jnp.sum(rho * rho)
     if cfg.kl_coef > 0:
         ref_logp, _ = _model_logprobs(cfg, model_cfg, jax.lax.stop_gradient(ref_params), mb, False, mesh)
         kl_BxT = kl_estimate(cfg.kl_estimator, logp, ref_logp)
@@ -245,7 +258,7 @@ def _micro_loss(cfg, model_cfg, mesh, params, ref_params, mb, prox_BxT, prox_ver
 @functools.lru_cache(maxsize=32)
 def _compile(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh | None) -> _Compiled:
     tx = make_optimizer(cfg)
-    schedule = learning_rate_schedule(cfg)
+    schedule = update_schedule(cfg)
     param_sh = None if mesh is None else param_shardings(model_cfg, mesh, TRAINER_RULES)
     replicated = _replicated(mesh)
     batch_sh = replicated if mesh is None else NamedSharding(mesh, TRAINER_RULES.spec(("batch", "seq")))
@@ -275,6 +288,9 @@ def _compile(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh | None) -> _Co
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt = tx.update(grads, state.opt_state, state.params)
+        ess = effective_sample_fraction(acc["metrics"])
+        if cfg.ess_scaled_step:  # the step shrinks with the share of the batch the weights still use
+            updates = jax.tree.map(lambda u: (u * ess).astype(u.dtype), updates)
         new_params = optax.apply_updates(state.params, updates)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
         lr = schedule(state.updates)
@@ -284,7 +300,7 @@ def _compile(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh | None) -> _Co
             updates=state.updates + ok.astype(jnp.int32),
             skipped=state.skipped + (~ok).astype(jnp.int32),
         )
-        return state, {"loss": loss, "grad_norm": grad_norm, "applied": ok, "lr": lr}
+        return state, {"loss": loss, "grad_norm": grad_norm, "applied": ok, "lr": lr, "ess": ess}
 
     zero_fns = {}
 
@@ -386,20 +402,26 @@ def train_step(state: TrainState, batch: PackedBatch) -> tuple[TrainState, dict]
     A batch whose micro-batch shape differs from (rows_per_micro, token_budget) works but compiles anew.
 
     Returns:
-      (new state, metrics): device scalars (loss, grad_norm, lr, clip_frac, dual_clip_frac,
+      (new state, metrics): device scalars (loss, grad_norm, lr, updates (applied this step), ess_frac,
+      ess_step_min (the smallest update's ESS fraction), clip_frac, dual_clip_frac,
       is_weight_mean, is_weight_max, behav_dropped_frac, entropy_mean, kl_behav_mean, [kl_ref_mean],
       staleness_mean, staleness_max, tokens, input_tokens, sequences, skipped, version) and
       staleness_hist [staleness_bins] (per-token counts of trainer version - token version, the last
       bin holding all larger values). Fetch them after dispatching the next step to avoid a sync.
     """
     cfg = state.cfg
+    groups = batch.update_groups()
+    if len(groups) != cfg.minibatches:
+        raise ValueError(
+            f"config.trainer.minibatches={cfg.minibatches} but the batch is split into {len(groups)} "
+            "update(s); build it with prepare_batch(cfg, rollouts)"
+        )
     fns = _compile(cfg, state.model_cfg, state.mesh)
     mbs = _device_batch(fns, batch)
     prox_version = state.version + 0  # a buffer of its own: each update donates the state
     prox = [None] * len(mbs)
     if reads_prox(cfg.loss) and cfg.prox_mode == "recompute" and cfg.minibatches > 1:
-        prox = [fns.logprobs(state.params, mb) for mb in mbs]  # before any update of this step
-    groups = np.array_split(np.arange(len(mbs)), min(cfg.minibatches, len(mbs)))
+        prox = [fns.logprobs(state.params, mb) for mb in mbs]  # once, before any update of this step
     raw, loss_sum, count, outs = None, 0.0, 0.0, []
     for group in groups:
         acc = _accumulate(fns, state, [mbs[i] for i in group], [prox[i] for i in group], prox_version)
@@ -415,6 +437,8 @@ def train_step(state: TrainState, batch: PackedBatch) -> tuple[TrainState, dict]
         grad_norm=sum(o["grad_norm"] for o in outs) / len(outs),
         lr=outs[-1]["lr"],
         skipped=len(outs) - applied,
+        updates=applied,
+        ess_step_min=functools.reduce(jnp.minimum, [o["ess"] for o in outs]),
         version=state.version,
     )
     return state, metrics
