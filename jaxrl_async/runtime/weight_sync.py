@@ -1,6 +1,7 @@
 """Trainer -> sampler weights: resharded into the sampler layout after every train step, versioned.
 
-* One process (`LocalWeights`): `jax.device_put` from the trainer mesh into the sampler's shardings.
+* One process (`LocalWeights`): shard by shard from the trainer mesh into the sampler's shardings,
+  device to device (`WeightSync`, `shard_routes.ShardRoutes`).
 * Several processes (`TransferPublisher` on every trainer process, `TransferReceiver` on every actor):
   `jax.experimental.transfer`. Each trainer process casts its shards to the sampler dtype (a fresh copy:
   the next train step donates the state) and offers every *distinct* shard it owns for one pull per actor;
@@ -26,6 +27,7 @@ from jax.sharding import SingleDeviceSharding
 
 from jaxrl_async.model import ModelConfig, abstract_params, param_shardings
 from jaxrl_async.model.config import DTYPES
+from jaxrl_async.runtime.shard_routes import ShardRoutes
 from jaxrl_async.runtime.transport import NewWeights
 from jaxrl_async.sharding import SAMPLER_RULES, TRAINER_RULES, Rules
 
@@ -50,14 +52,16 @@ def checksum(params) -> float:
 
 
 class WeightSync:
-    """Moves parameters onto the sampler mesh with `jax.device_put` into the sampler's layout.
+    """Moves parameters onto the sampler mesh into the sampler's layout, device to device.
 
     The target shardings derive from the same parameter declaration as the trainer's, so the two layouts
     always describe one tree. With `dtype` (e.g. "bfloat16" from float32 master weights) the cast runs
-    on the trainer's devices before the transfer, so half the bytes move; `sampler_cfg` is then the
-    model config whose parameter layout the copy has (give it to the sampler's Engine).
-    The copy never shares a buffer with the trainer's parameters (the train step donates those), also
-    when both roles sit on the same devices.
+    once, on the trainer's devices, before the transfer, so only the sampler's bytes move; `sampler_cfg`
+    is then the model config whose parameter layout the copy has (give it to the sampler's Engine).
+    The copy goes shard by shard (`shard_routes.ShardRoutes`): a plain `jax.device_put` between the
+    meshes reads a whole leaf back to the host whenever a sampler shard is not one of the trainer's
+    shards (fsdp rows -> tensor columns). The copy never shares a buffer with the trainer's parameters
+    (the train step donates those), also when both roles sit on the same devices.
     """
 
     def __init__(
@@ -68,21 +72,26 @@ class WeightSync:
         self.shardings = param_shardings(cfg, sampler_mesh, rules)
         self.dtype = dtype  # e.g. "bfloat16" to sample in bf16 from fp32 master weights
         self.sampler_cfg = cfg if dtype is None else cfg.replace(param_dtype=dtype)
-        # A leaf already in `dtype` is copied: returning it as is would hand back the trainer's buffer.
-        cast = lambda x: jnp.copy(x) if x.dtype == jnp.dtype(dtype) else x.astype(dtype)
-        self._cast = jax.jit(lambda tree: jax.tree.map(cast, tree))
+        self._routes: dict = {}  # source shardings -> ShardRoutes
         self.last_seconds = 0.0
         self.total_seconds = 0.0
         self.count = 0
 
+    def routes_for(self, trainer_params: dict) -> ShardRoutes:
+        """The shard routes from `trainer_params`' layout (built once per layout)."""
+        leaves, treedef = jax.tree.flatten(trainer_params)
+        key = (treedef, tuple((x.shape, x.sharding) for x in leaves))
+        if key not in self._routes:
+            dst = treedef.flatten_up_to(self.shardings)
+            self._routes[key] = ShardRoutes([x.shape for x in leaves], [x.sharding for x in leaves], dst,
+                                            self.dtype)  # fmt: skip
+        return self._routes[key]
+
     def __call__(self, trainer_params: dict) -> dict:
         """Returns the sampler's copy; blocks until it has arrived so the timing is the transfer's."""
         t0 = time.perf_counter()
-        if self.dtype is not None:
-            # New buffers on the trainer's devices; where a target layout equals them they are reused.
-            out = jax.device_put(self._cast(trainer_params), self.shardings)
-        else:
-            out = jax.device_put(trainer_params, self.shardings, may_alias=False)
+        leaves, treedef = jax.tree.flatten(trainer_params)
+        out = jax.tree.unflatten(treedef, self.routes_for(trainer_params)(leaves))
         jax.block_until_ready(out)
         self.last_seconds = time.perf_counter() - t0
         self.total_seconds += self.last_seconds
