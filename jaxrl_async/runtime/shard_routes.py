@@ -31,9 +31,7 @@ Block = tuple[tuple[int, int], ...]  # (start, stop) per dimension
 
 
 def _block(index: tuple, shape: tuple) -> Block:
-    return tuple(
-        (s.start or 0, shape[i] if s.stop is None else s.stop) for i, s in enumerate(index)
-    )
+    return tuple((s.start or 0, shape[i] if s.stop is None else s.stop) for i, s in enumerate(index))
 
 
 def _overlap(a: Block, b: Block) -> Block | None:
