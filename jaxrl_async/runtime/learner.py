@@ -62,8 +62,10 @@ class LearnerConfig:
       total_steps: versions to train.
       max_head_staleness: drop groups older than this when trained (None = off).
       log_every, text_samples, checkpoint_every, checkpoint_minutes: see configs/base.py.
-      eval_every: versions between evaluations (the lead waits for the last one before stopping, and
-        for a version's own evaluation before checkpointing it, so the best checkpoint is known).
+      eval_every: versions between evaluations (actor 0 runs them beside sampling; the lead waits only
+        for the last one, before stopping). Training never waits for an evaluation: a checkpoint due at
+        an evaluated version carries its accuracy (for the best-checkpoint policy) only if that
+        evaluation had finished; the final checkpoint always does.
       followers: endpoints of the other trainer processes.
       actors: number of actors.
       dynamic_sampling: discard groups whose rewards are all equal as they arrive (DAPO), so every batch
@@ -155,6 +157,7 @@ class Learner:
         self.checksums: dict[int, float] = {}
         self.eval_s = 0.0
         self.trainer_idle_s = 0.0
+        self.step_spans: list[tuple[int, float, float]] = []  # (version, dispatched, finished), monotonic
         self.trained_tokens = 0
         self.history: list[dict[str, float]] = []
         self.done = False
@@ -167,7 +170,6 @@ class Learner:
         self.no_signal = False
         self._totals: list[tuple[float, dict]] = [(0.0, {k: 0.0 for k in _RATE_KEYS})]
         self._saved_at = time.monotonic()
-        self._save_after_eval: int | None = None
         self._stop_sent = False
         self.t_start = time.perf_counter()
         self._idle_since = self.t_start
@@ -194,9 +196,7 @@ class Learner:
         if self.inflight is not None and _ready(self.inflight.metrics):
             self._finish()
             progress = True
-        if self._save_after_eval is not None and self._eval_of(self.version) is not None:
-            self.save()
-        busy = self.inflight is not None or self._save_after_eval is not None
+        busy = self.inflight is not None
         if not busy and not self.preempting and not self.no_signal and self.version < self.cfg.total_steps:
             groups = self.queue.pop_batch(self.cfg.prompts_per_step, self.version)
             self._report_drops()
@@ -254,10 +254,6 @@ class Learner:
     def _eval_of(self, version: int) -> float | None:
         return next((a for v, a, _ in reversed(self.evals) if v == version), None)
 
-    def _is_eval_version(self, version: int) -> bool:
-        every = self.cfg.eval_every
-        return version == self.cfg.total_steps or bool(every and version % every == 0)
-
     def _all_drained(self) -> bool:
         stats = self.actor_stats
         return len(stats) == self.cfg.actors and all(s.get("drained") for s in stats.values())
@@ -269,6 +265,7 @@ class Learner:
             self.transport.send(f, TrainBatch(self.version + 1, groups))
         metrics, skipped = self.core.dispatch(groups)
         self.inflight = _InFlight(groups, metrics, skipped, now)
+        self._dispatched_at = time.monotonic()
 
     def _finish(self) -> None:
         step, self.inflight = self.inflight, None
@@ -280,6 +277,7 @@ class Learner:
             self._idle_since = time.perf_counter()
             return
         self.version = version
+        self.step_spans.append((version, self._dispatched_at, time.monotonic()))
         sync = self._publish()
         self._idle_since = time.perf_counter()
         rollouts = [r for g in step.groups for r in g]
@@ -290,10 +288,7 @@ class Learner:
         if self.version % self.cfg.log_every == 0:
             log.info(summary_line(self.version, values, SUMMARY_KEYS))
         if self.version < self.cfg.total_steps and self._save_due():
-            if self._is_eval_version(self.version) and self._eval_of(self.version) is None:
-                self._save_after_eval = self.version  # train on once its accuracy is in
-            else:
-                self.save()
+            self.save()  # at once: waiting for this version's evaluation would idle the trainer
 
     def _save_due(self) -> bool:
         every, minutes = self.cfg.checkpoint_every, self.cfg.checkpoint_minutes
@@ -319,7 +314,7 @@ class Learner:
         held = self.core.save(state, metrics, wait=final)
         self.checkpoint_stall_s.append(held)
         self.writer.scalars(self.version, {"perf/checkpoint_stall_s": held})
-        self._saved_at, self._save_after_eval = time.monotonic(), None
+        self._saved_at = time.monotonic()
 
     def _record_eval(self, m: EvalResult) -> None:
         self.eval_s += m.seconds
@@ -356,8 +351,8 @@ class Learner:
         )
 
     def elapsed(self) -> float:
-        """Seconds since the start, evaluation time excluded."""
-        return time.perf_counter() - self.t_start - self.eval_s
+        """Seconds since the start (evaluations run beside training, so their time counts)."""
+        return time.perf_counter() - self.t_start
 
     # ----- logging -----
 
@@ -462,6 +457,7 @@ class Learner:
         return {
             "steps": self.version,
             "eval_s": self.eval_s,
+            "step_spans": list(self.step_spans),
             "train_tokens_per_s": self.trained_tokens / train_wall,
             "steady_train_tokens_per_s": steady_rate(hist),
             "steady_sampler_idle_frac": steady_rate(hist, "time/sampler_idle_s"),

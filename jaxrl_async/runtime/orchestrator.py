@@ -32,6 +32,7 @@ from jaxrl_async.runtime import build
 from jaxrl_async.runtime.actor import Actor, ActorConfig
 from jaxrl_async.runtime.cluster import Cluster, PeerFailure, Roles
 from jaxrl_async.runtime.coordinator import Coordinator
+from jaxrl_async.runtime.evaluation import trainer_idle_during
 from jaxrl_async.runtime.learner import Follower, Learner, LearnerConfig, TrainerCore
 from jaxrl_async.runtime.metrics import MetricsWriter
 from jaxrl_async.runtime.transport import Hello, LocalTransport, Preempt, ZmqTransport
@@ -343,6 +344,8 @@ def _summary(proc: _Process, wall: float) -> dict[str, Any]:
         **proc.coordinator.summary(),
         "warm_start": proc.warm_start_info,
         "reward_stats": actor0.get("reward_stats"),
+        "eval_spans": actor0.get("eval_spans"),
+        "trainer_during_eval": trainer_idle_during(actor0.get("eval_spans"), learner.step_spans),
     }
     with open(os.path.join(run.workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=str)
