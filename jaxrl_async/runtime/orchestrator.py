@@ -147,8 +147,9 @@ def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
         log.info("resumed from %s at version %d", ckpts.directory, version)
     if roles.multi:
         publisher = TransferPublisher(
-            cluster, model_cfg, t_mesh, sampler_dtype(model_cfg), len(roles.samplers), run.verify_weights
-        )
+            cluster, model_cfg, t_mesh, tuple(run.mesh.sampler), sampler_dtype(model_cfg),
+            len(roles.samplers), run.verify_weights,
+        )  # fmt: skip
         local_weights = None
     else:
         s_mesh = build.sampler_mesh(run, cluster)

@@ -105,18 +105,7 @@ class ShardRoutes:
         return jnp.dtype(self.dtype) if self.dtype is not None else jnp.dtype(self._src_dtypes[leaf])
 
     def _cut_fn(self, idx: list[int]):
-        slices = [self.pieces[i].src_slices for i in idx]
-        dtype = self.dtype
-
-        def cut(shards):
-            out = []
-            for x, sl in zip(shards, slices, strict=True):
-                y = x[sl]
-                # A fresh buffer always: the trainer's next step donates its shards.
-                out.append(jnp.copy(y) if dtype is None or y.dtype == jnp.dtype(dtype) else y.astype(dtype))
-            return out
-
-        return jax.jit(cut)
+        return cut_fn([self.pieces[i].src_slices for i in idx], self.dtype)
 
     def _place_fn(self, dev, leaves: tuple[int, ...]):
         """One jitted call on `dev` that lays the pieces of every leaf in `leaves` into its block."""
@@ -127,17 +116,7 @@ class ShardRoutes:
                 shape = tuple(hi - lo for lo, hi in self.blocks[leaf][dev])
                 where = [p.dst_slices for p in self.pieces if p.leaf == leaf and p.dst_device == dev]
                 plan.append((shape, self._leaf_dtype(leaf), where))
-
-            def place(parts_per_leaf):
-                out = []
-                for (shape, dtype, where), parts in zip(plan, parts_per_leaf, strict=True):
-                    block = jnp.zeros(shape, dtype)
-                    for sl, a in zip(where, parts, strict=True):
-                        block = block.at[sl].set(a)
-                    out.append(block)
-                return out
-
-            self._place[key] = jax.jit(place)
+            self._place[key] = place_fn(plan)
         return self._place[key]
 
     def __call__(self, leaves: list) -> list:
@@ -170,3 +149,59 @@ class ShardRoutes:
             )
             for leaf, (shape, sharding) in enumerate(zip(self.shapes, self.dst, strict=True))
         ]
+
+
+def cut_fn(slices: list[tuple[slice, ...]], dtype=None):
+    """A jitted function of a list of arrays (on one device) -> each cut to its slices and cast to
+    `dtype`, always into a fresh buffer (the trainer's next step donates its shards)."""
+
+    def cut(shards):
+        out = []
+        for x, sl in zip(shards, slices, strict=True):
+            y = x[sl]
+            out.append(jnp.copy(y) if dtype is None or y.dtype == jnp.dtype(dtype) else y.astype(dtype))
+        return out
+
+    return jax.jit(cut)
+
+
+def place_fn(plan: list[tuple[tuple, object, list]]):
+    """A jitted function laying pieces into blocks on one device; `plan` per block: (shape, dtype, the
+    pieces' slices within it), the argument per block: the pieces in that order."""
+
+    def place(parts_per_block):
+        return [_tile(list(zip(where, parts, strict=True)), 0) for (_, _, where), parts in
+                zip(plan, parts_per_block, strict=True)]  # fmt: skip
+
+    return jax.jit(place)
+
+
+def _tile(pieces: list, dim: int):
+    """The block from pieces that tile it as a grid (both layouts are regular tilings): concatenated
+    dimension by dimension, so every element is written once (no zero fill, no update in place)."""
+    if len(pieces) == 1:
+        return pieces[0][1]
+    rows: dict[int, list] = {}
+    for sl, a in pieces:
+        rows.setdefault(sl[dim].start, []).append((sl, a))
+    if len(rows) == 1:
+        return _tile(pieces, dim + 1)
+    return jnp.concatenate([_tile(rows[k], dim + 1) for k in sorted(rows)], axis=dim)
+
+
+def distinct_blocks(sharding, shape: tuple) -> dict[Block, list]:
+    """Each distinct block of an array of `shape` under `sharding` -> the devices that hold it."""
+    out: dict[Block, list] = {}
+    for dev, ix in sharding.devices_indices_map(tuple(shape)).items():
+        out.setdefault(_block(ix, tuple(shape)), []).append(dev)
+    return out
+
+
+def overlap(a: Block, b: Block) -> Block | None:
+    """The intersection of two blocks (None when empty)."""
+    return _overlap(a, b)
+
+
+def local_slices(block: Block, within: Block) -> tuple[slice, ...]:
+    """`block` as slices of the array that holds `within`."""
+    return _local(block, within)
