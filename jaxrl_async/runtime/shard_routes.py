@@ -51,6 +51,7 @@ class _Piece:
     src_slices: tuple[slice, ...]  # within the source shard
     dst_device: object
     dst_slices: tuple[slice, ...]  # within the target block
+    whole: bool  # the piece is its source shard entire
 
 
 class ShardRoutes:
@@ -82,12 +83,23 @@ class ShardRoutes:
                     # loaded replica.
                     src_dev = dev if dev in holders else min(holders, key=lambda h: load.get(h, 0))
                     load[src_dev] = load.get(src_dev, 0) + 1
-                    self.pieces.append(_Piece(leaf, src_dev, _local(part, have), dev, _local(part, want)))
-        self._by_src = {k: list(g) for k, g in itertools.groupby(
-            sorted(range(len(self.pieces)), key=lambda i: self.pieces[i].src_device.id),
-            key=lambda i: self.pieces[i].src_device)}  # fmt: skip
-        self._cut = {dev: self._cut_fn(idx) for dev, idx in self._by_src.items()}
+                    piece = _Piece(leaf, src_dev, _local(part, have), dev, _local(part, want), part == have)
+                    self.pieces.append(piece)
+        self._cuts: dict = {}  # source dtypes -> (per source device: (piece indices, jitted cut))
         self._place: dict = {}
+
+    def _cuts_for(self, dtypes: tuple) -> dict:
+        """The pieces to cut per source device. A whole shard going to another device in its own dtype is
+        not cut: `device_put` copies it device to device into a fresh buffer already."""
+        if dtypes not in self._cuts:
+            cut = [i for i, p in enumerate(self.pieces) if not (
+                p.whole and p.src_device != p.dst_device
+                and (self.dtype is None or jnp.dtype(self.dtype) == dtypes[p.leaf]))]  # fmt: skip
+            device = lambda i: self.pieces[i].src_device
+            ordered = sorted(cut, key=lambda i: device(i).id)
+            by_src = {k: list(g) for k, g in itertools.groupby(ordered, key=device)}
+            self._cuts[dtypes] = {dev: (idx, self._cut_fn(idx)) for dev, idx in by_src.items()}
+        return self._cuts[dtypes]
 
     @property
     def bytes_moved(self) -> int:
@@ -123,10 +135,9 @@ class ShardRoutes:
         """The leaves (global arrays in the source shardings) in the target shardings."""
         self._src_dtypes = [x.dtype for x in leaves]
         shard_of = [{s.device: s.data for s in x.addressable_shards} for x in leaves]
-        moved: list = [None] * len(self.pieces)
-        for dev, idx in self._by_src.items():
-            cut = self._cut[dev]([shard_of[self.pieces[i].leaf][dev] for i in idx])
-            for i, a in zip(idx, cut, strict=True):
+        moved: list = [shard_of[p.leaf][p.src_device] for p in self.pieces]  # whole shards, uncut
+        for idx, cut in self._cuts_for(tuple(self._src_dtypes)).values():
+            for i, a in zip(idx, cut([moved[i] for i in idx]), strict=True):
                 moved[i] = a
         arrived = jax.device_put(moved, [p.dst_device for p in self.pieces])
         parts: dict = {}
