@@ -231,6 +231,8 @@ class Actor:
             self._eval = Evaluation(self.eval_engine, self.rewards, self.tokenizer, self.eval_prompts, params,
                                     version)  # fmt: skip
             self._eval_began = time.monotonic()
+            if self._eval.done:  # no held-out prompts: nothing to wait for
+                self._eval_finished()
             return
         self._eval_due_next.append((version, params))
         if len(self._eval_due_next) > 1:
