@@ -39,14 +39,11 @@ def test_group_filter_off_keeps_everything_and_reports_nothing():
     assert len(kept) == 2 and filtered == [] and not f.exhausted and f.step_values() == {}
 
 
-def test_save_policy_by_steps_by_time_and_after_eval():
-    p = SavePolicy(every=2, minutes=0.0, eval_every=4, total_steps=10, saved_at=0.0)
-    assert [p.after_step(v, 0.0, accuracy_known=False) for v in range(1, 11)] == [
-        None, "save", None, "after_eval", None, "save", None, "after_eval", None, None]  # fmt: skip
-    assert p.after_step(4, 0.0, accuracy_known=True) == "save"
-    assert p.is_eval_version(10) and not p.is_eval_version(6)
-    timed = SavePolicy(every=0, minutes=1.0, eval_every=0, total_steps=10, saved_at=100.0)
-    assert timed.after_step(3, 159.0, False) is None and timed.after_step(3, 161.0, False) == "save"
+def test_save_policy_by_steps_and_by_time_never_the_last_version():
+    p = SavePolicy(every=2, minutes=0.0, total_steps=10, saved_at=0.0)
+    assert [v for v in range(1, 11) if p.due(v, 0.0)] == [2, 4, 6, 8]  # 10: the final save covers it
+    timed = SavePolicy(every=0, minutes=1.0, total_steps=10, saved_at=100.0)
+    assert not timed.due(3, 159.0) and timed.due(3, 161.0) and not timed.due(10, 161.0)
 
 
 class _Writer:

@@ -8,8 +8,10 @@ sampler) and moves the model's parameters from one to the other every repetition
 `jaxrl_async.runtime.weight_sync`: the trainer casts its shards into a fresh copy and offers them
 (`jax.experimental.transfer.await_pull`), the sampler pulls them and lays them out. Reports the median
 seconds on the sampler side (GB/s) and on the trainer side (what the trainer's loop pays per version),
-beside `numpy` copying the same bytes and `jax.device_put` between two devices of one process (the
-one-process runs' weight sync). Then the sampler sends train batches of rollouts (`--samples` completions
+and the sampler device's live buffer bytes after the last pull, beside `numpy` copying the same bytes
+and, in one process of 4 CPU devices, `jax.device_put`, the one-process runs' `WeightSync` (shard
+routes; its trainer stall is the dispatch) and an on-device copy, 1 -> 1 device and fsdp (2,1) -> tensor
+(1,2). Then the sampler sends train batches of rollouts (`--samples` completions
 of `--tokens` tokens each, as the actor does) to the learner lead's ZeroMQ hub: median seconds per batch
 from send to receipt, and MB/s of the pickled messages.
 """
@@ -76,7 +78,7 @@ def _worker(pid: int, port: int, tmp: str, preset: str, reps: int, samples: int,
     if pid == 0:
         params = init_params(cfg, jax.random.key(0), t_mesh, TRAINER_RULES)
         nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
-        pub = TransferPublisher(cluster, cfg, t_mesh, cfg.param_dtype, num_actors=1)
+        pub = TransferPublisher(cluster, cfg, t_mesh, (1, 1), cfg.param_dtype, num_actors=1)
         trainer_s = []
         for v in range(reps + 1):
             cluster.barrier(f"transfer_{v}")
@@ -113,10 +115,16 @@ def _worker(pid: int, port: int, tmp: str, preset: str, reps: int, samples: int,
         for v in range(reps + 1):
             cluster.barrier(f"transfer_{v}")
             t0 = time.perf_counter()
-            recv.receive(NewWeights(v))
+            last = recv.receive(NewWeights(v))
             pulled.append(time.perf_counter() - t0)
             cluster.barrier(f"pulled_{v}")
-        out.update(transfer_sampler_s=pulled[1:])
+        import gc
+
+        gc.collect()  # the device's live buffers: the last version received (`last`) and nothing else
+        live = {(a.unsafe_buffer_pointer(), a.nbytes) for x in jax.live_arrays() for a in
+                (s.data for s in x.addressable_shards) if a.device == devices[1]}  # fmt: skip
+        out.update(transfer_sampler_s=pulled[1:], receiver_bytes=sum(n for _, n in live))
+        del last
         batch = _rollout_batch(samples, tokens)
         size = sum(map(len, codec.encode("learner", Rollouts(0, batch, {}))))
         actor = ZmqTransport(["actor:0"], False, cluster.lookup("hub"), 1, secret.load())
@@ -197,25 +205,48 @@ def codec_cost(samples: int, tokens: int, reps: int) -> dict:
     return {**out, "ratio": ratio}
 
 
-def _local_device_put(preset: str, reps: int) -> float:
-    """Median seconds of `jax.device_put` of the parameters between two devices of one process."""
-    code = f"""
-import time, statistics, jax
-jax.config.update("jax_num_cpu_devices", 2)
+_ONE_PROCESS = """
+import json, statistics, time, jax, jax.numpy as jnp
+jax.config.update("jax_num_cpu_devices", 4)
 from jaxrl_async.model import init_params, param_shardings, presets
+from jaxrl_async.runtime.weight_sync import WeightSync
 from jaxrl_async.sharding import SAMPLER_RULES, TRAINER_RULES, make_mesh
-cfg = presets.get({preset!r}, vocab_size=32000 if {preset!r} != "tiny" else 64)
-d = jax.devices()
-p = init_params(cfg, jax.random.key(0), make_mesh((1, 1), ("fsdp", "tensor"), [d[0]]), TRAINER_RULES)
-t = param_shardings(cfg, make_mesh((1, 1), ("data", "tensor"), [d[1]]), SAMPLER_RULES)
-ts = []
-for _ in range({reps} + 1):
-    t0 = time.perf_counter(); jax.block_until_ready(jax.device_put(p, t)); ts.append(time.perf_counter() - t0)
-print(statistics.median(ts[1:]))
+cfg = presets.get(PRESET, vocab_size=32000 if PRESET != "tiny" else 64)
+d, reps, out = jax.devices(), REPS, {}
+def med(fn):
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter(); jax.block_until_ready(fn()); ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+layouts = (("1 -> 1 device", (1, 1), (1, 1)), ("fsdp (2,1) -> tensor (1,2)", (2, 1), (1, 2)))
+for name, t_shape, s_shape in layouts:
+    nt, ns = t_shape[0] * t_shape[1], s_shape[0] * s_shape[1]
+    t_mesh = make_mesh(t_shape, ("fsdp", "tensor"), d[:nt])
+    s_mesh = make_mesh(s_shape, ("data", "tensor"), d[nt : nt + ns])
+    p = init_params(cfg, jax.random.key(0), t_mesh, TRAINER_RULES)
+    sync = WeightSync(cfg, s_mesh)
+    out[f"device_put {name}"] = {"seconds": med(lambda: jax.device_put(p, sync.shardings))}
+    stall = []
+    def routed():
+        t0 = time.perf_counter(); o = sync(p, wait=False); stall.append(time.perf_counter() - t0); return o
+    seconds = med(routed)
+    out[f"WeightSync shard routes {name}"] = {"seconds": seconds, "trainer_seconds": statistics.median(stall)}
+    if nt == 1:
+        copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t))
+        out["on-device copy (one device)"] = {"seconds": med(lambda: copy(p))}
+print(json.dumps(out))
 """
+
+
+def _one_process(preset: str, reps: int) -> dict:
+    """Median seconds of the one-process weight paths (`jax.device_put`, `WeightSync`, an on-device copy)
+    on 4 CPU devices of one process, with the trainer's stall per version for `WeightSync`."""
+    code = _ONE_PROCESS.replace("PRESET", repr(preset)).replace("REPS", str(reps))
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    return float(res.stdout.strip().splitlines()[-1])
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def main(argv) -> None:
@@ -252,18 +283,24 @@ def main(argv) -> None:
         sampler = json.load(open(f"{tmp}/weight_sync_1.json"))
     med = statistics.median
     gb = trainer["bytes"] / 1e9
-    local_put = _local_device_put(preset, reps)
+    memcpy = med(trainer["memcpy_s"])
     rows = {
-        "transfer (pull)": (med(sampler["transfer_sampler_s"]), med(trainer["transfer_trainer_s"])),
-        "numpy copy (one process)": (med(trainer["memcpy_s"]), None),
-        "device_put (two devices, one process)": (local_put, None),
-    }
+        "numpy copy (one process)": (memcpy, None, None),
+        **{f"{k} (one process)": (v["seconds"], v.get("trainer_seconds"), None)
+           for k, v in _one_process(preset, reps).items()},
+        "transfer pull (two processes)": (
+            med(sampler["transfer_sampler_s"]), med(trainer["transfer_trainer_s"]), sampler["receiver_bytes"]
+        ),
+    }  # fmt: skip
     out = {"preset": preset, "gbytes": gb, "reps": reps, "rows": {}}
     print(f"\n{preset}: {gb:.3f} GB of parameters, median of {reps}\n")
-    print("| method | seconds (receiver) | GB/s | trainer seconds per sync |\n|---|---|---|---|")
-    for name, (s, t) in rows.items():
-        out["rows"][name] = {"seconds": s, "gb_per_s": gb / s, "trainer_seconds": t}
-        print(f"| {name} | {s:.4f} | {gb / s:.2f} | {'' if t is None else f'{t:.4f}'} |")
+    print("| path | seconds (receiver) | GB/s | x memcpy time | trainer stall per version (s) | "
+          "receiver live bytes after (GB) |\n|---|---|---|---|---|---|")  # fmt: skip
+    for name, (s, t, live) in rows.items():
+        out["rows"][name] = {"seconds": s, "gb_per_s": gb / s, "x_memcpy": s / memcpy, "trainer_seconds": t,
+                             "receiver_live_bytes": live}  # fmt: skip
+        cells = ["" if t is None else f"{t:.4f}", "" if live is None else f"{live / 1e9:.3f}"]
+        print(f"| {name} | {s:.4f} | {gb / s:.2f} | {s / memcpy:.2f} | {cells[0]} | {cells[1]} |")
     mb = trainer["rollout_bytes"] / 1e6
     roll = med(trainer["rollout_s"])
     out["rollouts"] = {"mbytes": mb, "seconds": roll, "mb_per_s": mb / roll, "samples": samples}

@@ -33,6 +33,7 @@ from jaxrl_async.perf.scenario import scenario_from_dict
 from jaxrl_async.perf.shared_host import load_role_bench, predict_async, predict_sync, sweep_shared
 from jaxrl_async.perf.simulator import simulate
 from jaxrl_async.perf.system import build_system, load_train_bench
+from jaxrl_async.perf.weight_sync import sync_report
 
 _SCENARIO = flags.DEFINE_string("scenario", None, "scenario JSON (tools/scenarios/)")
 _HARDWARE = flags.DEFINE_string(
@@ -212,6 +213,13 @@ def split_report() -> dict:
         "published": sc.raw.get("published"),
         "sources": sc.raw.get("sources"),
     }
+    if best:
+        extra["weight_sync_s"] = {
+            "link": system.sync_link.name if system.sync_link else None,
+            "charged_s": best.sync_s,
+            "by_link": sync_report(system.sync_weight_bytes, best.trainer_devices, best.sampler_devices,
+                                   best.replicas),  # fmt: skip
+        }
     report = build_report(system, results, sync, best, sims, extra)
     write_report(_OUT.value, report)
     plot_sweep(os.path.join(_OUT.value, "sweep.png"), results, sync, sc.max_staleness, best=best)
@@ -225,6 +233,12 @@ def split_report() -> dict:
             f"best: {best.sampler_devices} sampler + {best.trainer_devices} trainer devices, "
             f"{best.tokens_per_s:.4g} tok/s, {report['speedup']:.2f}x sync ({sync.tokens_per_s:.4g} tok/s), "
             f"max staleness {best.max_staleness:.2f}, mean {best.mean_staleness:.2f}"
+        )
+        ws = extra["weight_sync_s"]
+        print(
+            f"weight sync per version ({system.sync_weight_bytes / 1e9:.3g} GB x {best.replicas} replicas, "
+            f"{best.trainer_devices} -> {best.sampler_devices} devices): charged {ws['charged_s']:.3g} s "
+            f"over {ws['link']}; " + ", ".join(f"{k} {v:.3g} s" for k, v in ws["by_link"].items())
         )
     else:
         print("no split is within η and fits in memory (see the table)")

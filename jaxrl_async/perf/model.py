@@ -25,7 +25,8 @@ class SplitResult:
       train_rate: samples/s the trainer consumes when never starved.
       window_rate: samples/s the staleness window allows (inf when it never binds).
       samples_per_s, tokens_per_s: predicted throughput (response tokens consumed by the trainer).
-      train_step_s: trainer compute time per step.
+      train_step_s: trainer time per step (async: with the weight sync's seconds per version).
+      sync_s: the weight sync's seconds per version over the system's link (0 for sync RL: colocated).
       period_s: time between versions (N / samples_per_s).
       decode_batch: mean busy slots per replica.
       max_staleness: longest sample's age in versions at training time.
@@ -52,6 +53,7 @@ class SplitResult:
     mean_staleness: float
     bottleneck: str
     imbalance: float
+    sync_s: float = 0.0
     feasible: bool = True
     reason: str = ""
     within_eta: bool = True
@@ -98,6 +100,7 @@ def analyze_sync(system: System) -> SplitResult:
     gen_s, mean_batch = batch_generation_s(system, reps, n)
     mean_len = wl.lengths.mean()
     train_s = system.trainer.step_s(system.train_tokens(mean_len), system.total_devices)
+    # Colocated: the sampler's copy is taken on the same devices (an on-device copy, not a link).
     period = gen_s + train_s
     x = n / period
     feasible = system.total_devices >= system.trainer.min_devices
@@ -172,7 +175,8 @@ def analyze_split(system: System, sampler_devices: int, trainer_devices: int) ->
     n = wl.samples_per_batch
     reps = max(system.replicas(sampler_devices), 1)
     mean_len = wl.lengths.mean()
-    train_s = system.trainer.step_s(system.train_tokens(mean_len), trainer_devices)
+    sync_s = system.sync_s(trainer_devices, sampler_devices)
+    train_s = system.trainer.step_s(system.train_tokens(mean_len), trainer_devices) + sync_s
     train_rate = n / train_s
     slots = reps * sp.max_batch
     t_full = sp.step_s(sp.max_batch)
@@ -224,6 +228,7 @@ def analyze_split(system: System, sampler_devices: int, trainer_devices: int) ->
         mean_staleness=mean_stale,
         bottleneck=bottleneck,
         imbalance=imbalance,
+        sync_s=sync_s,
     )
 
 

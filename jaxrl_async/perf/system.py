@@ -19,6 +19,7 @@ from jaxrl_async.paging import mean_resident_tokens
 from jaxrl_async.perf.hardware import Hardware
 from jaxrl_async.perf.latency import DecodeBench, DecodeLatency, latency_from_hardware
 from jaxrl_async.perf.shapes import ModelShape
+from jaxrl_async.perf.weight_sync import Link, get_link, link_for, sync_seconds
 from jaxrl_async.perf.workload import Workload
 
 
@@ -89,10 +90,19 @@ class System:
     trainer: Trainer
     workload: Workload
     max_staleness: int
+    sync_link: Link | None = None  # the weight sync's link (None: not charged)
+    sync_weight_bytes: float = 0.0  # bytes of one version in the sampler's dtype
 
     def __post_init__(self):
         if self.total_devices <= 0 or self.max_staleness < 0:
             raise ValueError("System needs total_devices > 0 and max_staleness >= 0")
+
+    def sync_s(self, trainer_devices: int, sampler_devices: int) -> float:
+        """Seconds per version to move the weights to every replica (charged to the trainer's step)."""
+        if self.sync_link is None:
+            return 0.0
+        reps = max(self.replicas(sampler_devices), 1)
+        return sync_seconds(self.sync_weight_bytes * reps, self.sync_link, trainer_devices, sampler_devices)
 
     def replicas(self, sampler_devices: int) -> int:
         return sampler_devices // self.sampler.devices_per_replica
@@ -175,6 +185,7 @@ def build_system(
     train_overhead_s: float = 0.0,
     update_s: float = 0.0,
     static_batch: bool = False,
+    sync_link: str = "auto",
 ) -> System:
     """Derive a System from hardware and model shape; benchmark files override the roofline guesses.
 
@@ -202,6 +213,8 @@ def build_system(
       train_overhead_s: fixed seconds per train step (optimizer, weight publish).
       update_s: sampler stall per weight update.
       static_batch: decode steps cost t(max batch) whatever the busy slots (see `Sampler`).
+      sync_link: the weight sync's link (`perf.weight_sync.LINKS`; "auto": the hardware's one-node link;
+        "none": not charged); its seconds per version are added to every train step.
 
     Returns:
       The System.
@@ -246,4 +259,5 @@ def build_system(
         1, math.ceil(shape.params * train_bytes_per_param / (hw.mem_bytes * (1 - mem_reserve_frac)))
     )
     trainer = Trainer(tps, min_dev, train_overhead_s)
-    return System(total_devices, sampler, trainer, workload, max_staleness)
+    link = None if sync_link == "none" else link_for(hw.name) if sync_link == "auto" else get_link(sync_link)
+    return System(total_devices, sampler, trainer, workload, max_staleness, link, shape.weight_bytes)

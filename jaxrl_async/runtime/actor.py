@@ -1,6 +1,8 @@
 """The actor: one sampler replica. It starts the prompts the coordinator grants, decodes them with
 continuous batching, grades the completions, sends finished groups to the learner, and swaps in each new
-policy version between decode calls (in flight). Actor 0 also measures held-out accuracy.
+policy version between decode calls (in flight). Actor 0 also measures held-out accuracy, on its own
+schedule beside sampling (`evaluation.Evaluation`: one greedy generate call per round, with the weights of
+the version under evaluation), so neither sampling nor, in one process, training waits for it.
 
 One `poll()` is one round of its event loop: read messages, apply new weights, ask for prompts, run one
 generate call, hand completions to the reward service and finished groups to the learner. It never blocks
@@ -20,7 +22,7 @@ import numpy as np
 
 from jaxrl_async.rewards.shaping import overlong_penalty
 from jaxrl_async.rollouts import Rollout
-from jaxrl_async.runtime.evaluation import evaluate_accuracy
+from jaxrl_async.runtime.evaluation import Evaluation
 from jaxrl_async.runtime.messages import (
     EvalResult,
     NewWeights,
@@ -87,6 +89,8 @@ class Actor:
       rewards: the reward service (its worker processes grade while the actor decodes).
       tokenizer: decodes completions for grading and logs.
       eval_prompts: held-out prompts (actor 0 only).
+      eval_engine: greedy, with weights of its own (an evaluation keeps its version while the sampling
+        engine swaps in newer ones).
       transport: the run's transport; this role reads "actor:<index>".
       weights: receives published versions (`LocalWeights` or `TransferReceiver`).
       max_new_tokens_fn: optional group id -> generation cap (benchmarks impose a length distribution).
@@ -117,6 +121,9 @@ class Actor:
         self.weight_s = 0.0
         self.checksums: dict[int, float] = {}
         self.evals: list[tuple[int, float]] = []
+        self._eval: Evaluation | None = None  # the evaluation in progress
+        self._eval_due_next: list[tuple[int, Any]] = []  # (version, params) due while one ran
+        self.eval_spans: list[tuple[int, float, float]] = []  # (version, start, end), time.monotonic
         self._drained_sent = False
 
     # ----- the event loop -----
@@ -146,6 +153,9 @@ class Actor:
         completions = self.loop.step(self._admit_none)
         active = bool(completions) or not self.loop.idle
         self._grade(completions)
+        if self._eval is not None:
+            self._eval.step()
+            active = True
         if not active and self._pending:  # only rewards in flight: sleep until one lands
             self.rewards.wait(0.005)
         self._collect()
@@ -208,19 +218,37 @@ class Actor:
                 self.loop.update_params(params, m.version, mode)
                 self.version = m.version
             if due:
-                self._evaluate(m.version)
+                self._schedule_eval(m.version, params)
 
     def _eval_due(self, version: int) -> bool:
         every = self.cfg.eval_every
         return version == self.cfg.total_steps or bool(every and version % every == 0)
 
-    def _evaluate(self, version: int) -> None:
-        t0 = time.perf_counter()
-        acc = evaluate_accuracy(self.eval_engine, self.rewards, self.tokenizer, self.eval_prompts, None)
-        seconds = time.perf_counter() - t0
+    def _schedule_eval(self, version: int, params) -> None:
+        """Starts evaluating `version` now, or after the evaluations in progress and waiting (each waiting
+        one holds its version's weights: say so when they pile up)."""
+        if self._eval is None:
+            self._eval = Evaluation(self.eval_engine, self.rewards, self.tokenizer, self.eval_prompts, params,
+                                    version)  # fmt: skip
+            self._eval_began = time.monotonic()
+            if self._eval.done:  # no held-out prompts: nothing to wait for
+                self._eval_finished()
+            return
+        self._eval_due_next.append((version, params))
+        if len(self._eval_due_next) > 1:
+            log.warning("evaluations fall behind: versions %s wait for version %d's (each holds a copy of "
+                        "its weights; raise config.eval_every or lower config.eval_prompts)",
+                        [v for v, _ in self._eval_due_next], self._eval.version)  # fmt: skip
+
+    def _eval_finished(self) -> None:
+        ev, self._eval = self._eval, None
+        seconds = time.perf_counter() - ev.started
         self.eval_s += seconds
-        self.evals.append((version, acc))
-        self.transport.send("learner", EvalResult(version, acc, seconds))
+        self.evals.append((ev.version, ev.accuracy))
+        self.eval_spans.append((ev.version, self._eval_began, time.monotonic()))
+        self.transport.send("learner", EvalResult(ev.version, ev.accuracy, seconds))
+        if self._eval_due_next:
+            self._schedule_eval(*self._eval_due_next.pop(0))
 
     def _grade(self, completions) -> None:
         for c in completions:
@@ -233,6 +261,11 @@ class Actor:
     def _collect(self) -> None:
         g = self.cfg.samples_per_prompt
         for res in self.rewards.poll():
+            if self._eval is not None and self._eval.owns(res.request_id):
+                self._eval.take(res.reward)
+                if self._eval.done:
+                    self._eval_finished()
+                continue
             c = self._pending.pop(res.request_id)
             group = self._groups.setdefault(int(c.uid), [])
             cap, cfg = self.engine.cfg.max_new_tokens, self.cfg
@@ -269,6 +302,7 @@ class Actor:
             "sample_tokens": self.sample_tokens,
             "idle_s": self.idle_s + (time.perf_counter() - self._idle_since if self._idle_since else 0.0),
             "eval_s": self.eval_s,
+            "eval_spans": list(self.eval_spans),
             "weight_s": self.weight_s,
             "occupancy": s.occupancy,
             "completions": s.completions,

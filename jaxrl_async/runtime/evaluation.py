@@ -1,8 +1,20 @@
-"""Greedy pass@1 on held-out prompts with a sampler engine and the reward service."""
+"""Greedy pass@1 on held-out prompts with a sampler engine and the reward service.
+
+An evaluation runs on its own schedule beside sampling (`Evaluation`): the actor advances it by one
+generate call of the greedy eval engine per round of its event loop, between the sampling engine's calls,
+and grades its completions through the reward service without waiting. So in a one-process run the
+trainer keeps stepping while an evaluation is in progress, and the sampler keeps producing rollouts.
+Why its own schedule (and its own engine and weights) rather than its own slots in the running engine:
+the sampling engine swaps in every new version between calls, but an evaluation must decode every token
+with the weights of the version it evaluates. The eval engine therefore holds its own copy of that
+version's weights while an evaluation runs (one extra copy of the weights on the sampler's devices), and
+its slots, cache and greedy settings stay out of the sampling engine's admission.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
@@ -18,10 +30,65 @@ def eval_sampler_config(cfg: SamplerConfig, data: int, max_slots: int = 64) -> S
     )
 
 
+class Evaluation:
+    """One evaluation of one policy version, advanced one generate call at a time (see the module
+    docstring).
+
+    Args:
+      engine: a greedy engine (temperature 0) on the sampler mesh with weights of its own.
+      rewards: the RewardService; its results for this evaluation carry keys ("eval", version, uid).
+      tokenizer: decodes completions.
+      prompts: jaxrl_async.data.Prompt records.
+      params: the version's weights in the sampler layout (None: the engine's current weights).
+      version: their policy version.
+    """
+
+    def __init__(self, engine: Engine, rewards, tokenizer, prompts, params, version: int):
+        if params is not None:
+            engine.update_params(params, version)
+        self.version, self.rewards, self.tokenizer = version, rewards, tokenizer
+        self.loop = SamplerLoop(engine)
+        for p in prompts:
+            tokens = tuple(int(t) for t in p.tokens)
+            self.loop.add_request(Request(uid=p.uid, prompt_tokens=tokens, metadata=p))
+        self.total = len(prompts)
+        self.correct = 0
+        self.graded = 0
+        self.started = time.perf_counter()
+        self.calls = 0
+
+    def owns(self, request_id) -> bool:
+        """Whether a reward result belongs to this evaluation."""
+        return isinstance(request_id, tuple) and request_id[:2] == ("eval", self.version)
+
+    def step(self) -> None:
+        """One generate call; finished completions go to the reward service."""
+        if self.loop.idle:
+            return
+        self.calls += 1
+        for c in self.loop.step():
+            text, meta = self.tokenizer.decode(c.tokens), dict(c.metadata.metadata)
+            self.rewards.submit(("eval", self.version, c.uid), c.metadata.text, text, meta)
+
+    def take(self, reward: float) -> None:
+        """One graded completion."""
+        self.graded += 1
+        self.correct += reward >= 1.0
+
+    @property
+    def done(self) -> bool:
+        return self.graded == self.total
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.total if self.total else 0.0
+
+
 def evaluate_accuracy(
     engine: Engine, rewards, tokenizer, prompts, sampler_params, version: int | None = None
 ) -> float:
-    """The fraction of `prompts` whose greedy completion gets reward >= 1.
+    """The fraction of `prompts` whose greedy completion gets reward >= 1, all at once (blocking: for tools
+    outside the event loop; the actor uses `Evaluation`).
 
     Args:
       engine: a greedy engine (temperature 0) on the sampler mesh.
@@ -49,3 +116,36 @@ def evaluate_accuracy(
     items = [(c.metadata.text, tokenizer.decode(c.tokens), dict(c.metadata.metadata)) for c in completions]
     scores = rewards.grade_batch(items)
     return float(np.mean([r >= 1.0 for r in scores])) if scores else 0.0
+
+
+def trainer_idle_during(eval_spans, step_spans) -> dict:
+    """How much of the evaluations' wall time the trainer spent without a step in flight, beside the same
+    fraction outside them (the trainer also idles while it waits for rollouts).
+
+    Args:
+      eval_spans: (version, start, end) of each evaluation (time.monotonic, the actor's `eval_spans`).
+      step_spans: (version, dispatched, finished) of each train step (the learner's `step_spans`).
+    Returns {"eval_s", "trainer_busy_s", "trainer_idle_frac", "trainer_idle_frac_outside",
+    "versions_trained"}: the last counts the train steps that finished while an evaluation was running.
+    """
+    steps = list(step_spans or ())
+    total = busy = 0.0
+    trained = 0
+    for _, start, end in eval_spans or ():
+        total += end - start
+        for _, a, b in steps:
+            busy += max(0.0, min(b, end) - max(a, start))
+            trained += start < b < end
+    outside = busy_all = 0.0
+    if steps:
+        outside = steps[-1][2] - steps[0][1]  # the training span
+        busy_all = sum(b - a for _, a, b in steps)
+        for _, start, end in eval_spans or ():
+            outside -= max(0.0, min(end, steps[-1][2]) - max(start, steps[0][1]))
+    return {
+        "eval_s": total,
+        "trainer_busy_s": busy,
+        "trainer_idle_frac": 1.0 - busy / total if total else 0.0,
+        "trainer_idle_frac_outside": 1.0 - (busy_all - busy) / outside if outside > 0 else 0.0,
+        "versions_trained": trained,
+    }

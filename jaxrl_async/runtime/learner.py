@@ -56,8 +56,10 @@ class LearnerConfig:
       total_steps: versions to train.
       max_head_staleness: drop groups older than this when trained (None = off).
       log_every, text_samples, checkpoint_every, checkpoint_minutes: see configs/base.py.
-      eval_every: versions between evaluations (the lead waits for the last one before stopping, and
-        for a version's own evaluation before checkpointing it, so the best checkpoint is known).
+      eval_every: versions between evaluations (actor 0 runs them beside sampling; the lead waits only
+        for the last one, before stopping). Training never waits for an evaluation: a checkpoint due at
+        an evaluated version carries its accuracy (for the best-checkpoint policy) only if that
+        evaluation had finished; the final checkpoint always does.
       followers: endpoints of the other trainer processes.
       actors: number of actors.
       dynamic_sampling: discard groups whose rewards are all equal as they arrive (DAPO), so every batch
@@ -150,6 +152,7 @@ class Learner:
         self.checksums: dict[int, float] = {}
         self.eval_s = 0.0
         self.trainer_idle_s = 0.0
+        self.step_spans: list[tuple[int, float, float]] = []  # (version, dispatched, finished), monotonic
         self.trained_tokens = 0
         self.log = StepLog(writer, cfg.text_samples)
         self.done = False
@@ -158,9 +161,8 @@ class Learner:
         self.checkpoint_stall_s: list[float] = []
         self.filter = GroupFilter(cfg.dynamic_sampling, cfg.dynamic_sampling_patience * cfg.prompts_per_step)
         self.no_signal = False
-        self.save_policy = SavePolicy(cfg.checkpoint_every, cfg.checkpoint_minutes, cfg.eval_every,
-                                      cfg.total_steps, saved_at=time.monotonic())  # fmt: skip
-        self._save_after_eval: int | None = None
+        self.save_policy = SavePolicy(cfg.checkpoint_every, cfg.checkpoint_minutes, cfg.total_steps,
+                                      saved_at=time.monotonic())  # fmt: skip
         self._stop_sent = False
         self.t_start = time.perf_counter()
         self._idle_since = self.t_start
@@ -187,9 +189,7 @@ class Learner:
         if self.inflight is not None and _ready(self.inflight.metrics):
             self._finish()
             progress = True
-        if self._save_after_eval is not None and self._eval_of(self.version) is not None:
-            self.save()
-        busy = self.inflight is not None or self._save_after_eval is not None
+        busy = self.inflight is not None
         if not busy and not self.preempting and not self.no_signal and self.version < self.cfg.total_steps:
             groups = self.queue.pop_batch(self.cfg.prompts_per_step, self.version)
             self._report_drops()
@@ -253,6 +253,7 @@ class Learner:
             self.transport.send(f, TrainBatch(self.version + 1, groups))
         metrics, skipped = self.core.dispatch(groups)
         self.inflight = _InFlight(groups, metrics, skipped, now)
+        self._dispatched_at = time.monotonic()
 
     def _finish(self) -> None:
         step, self.inflight = self.inflight, None
@@ -264,6 +265,7 @@ class Learner:
             self._idle_since = time.perf_counter()
             return
         self.version = version
+        self.step_spans.append((version, self._dispatched_at, time.monotonic()))
         sync = self._publish()
         self._idle_since = time.perf_counter()
         rollouts = [r for g in step.groups for r in g]
@@ -273,11 +275,8 @@ class Learner:
         values = self._log_step(step.groups, metrics, step_s, sync)
         if self.version % self.cfg.log_every == 0:
             log.info(summary_line(self.version, values, SUMMARY_KEYS))
-        known = self._eval_of(self.version) is not None
-        todo = self.save_policy.after_step(self.version, time.monotonic(), known)
-        if todo == "after_eval":
-            self._save_after_eval = self.version  # train on; save once its accuracy is in
-        elif todo == "save":
+        # At once, even before this version's evaluation is in: waiting for it would idle the trainer.
+        if self.save_policy.due(self.version, time.monotonic()):
             self.save()
 
     def _publish(self) -> float:
@@ -301,7 +300,7 @@ class Learner:
         held = self.core.save(state, metrics, wait=final)
         self.checkpoint_stall_s.append(held)
         self.writer.scalars(self.version, {"perf/checkpoint_stall_s": held})
-        self.save_policy.saved_at, self._save_after_eval = time.monotonic(), None
+        self.save_policy.saved_at = time.monotonic()
 
     def _record_eval(self, m: EvalResult) -> None:
         self.eval_s += m.seconds
@@ -338,8 +337,8 @@ class Learner:
         )
 
     def elapsed(self) -> float:
-        """Seconds since the start, evaluation time excluded."""
-        return time.perf_counter() - self.t_start - self.eval_s
+        """Seconds since the start (evaluations run beside training, so their time counts)."""
+        return time.perf_counter() - self.t_start
 
     # ----- logging -----
 
@@ -380,6 +379,7 @@ class Learner:
         return {
             "steps": self.version,
             "eval_s": self.eval_s,
+            "step_spans": list(self.step_spans),
             "train_tokens_per_s": self.trained_tokens / train_wall,
             "steady_train_tokens_per_s": steady_rate(hist),
             "steady_sampler_idle_frac": steady_rate(hist, "time/sampler_idle_s"),

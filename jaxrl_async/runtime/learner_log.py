@@ -139,31 +139,23 @@ def steady_rate(hist: list[dict[str, float]], key: str = "time/trained_tokens") 
 @dataclasses.dataclass
 class SavePolicy:
     """When the learner checkpoints: every `every` versions and/or every `minutes`, never the last version
-    (the final save covers it), and a version that is evaluated only once its accuracy is known (the
-    checkpoints keep the best by it), so the caller trains on meanwhile.
+    (the final save covers it). A save does not wait for the version's evaluation (that would idle the
+    trainer): a checkpoint carries its accuracy only when the evaluation has already finished.
 
     Attributes:
       every: versions between checkpoints (0 = by time only).
       minutes: wall minutes between checkpoints (0 = by versions only).
-      eval_every: versions between evaluations (0 = only the last version).
       total_steps: the run's last version.
       saved_at: time.monotonic() of the last save (the run's start before any).
     """
 
     every: int
     minutes: float
-    eval_every: int
     total_steps: int
     saved_at: float
 
-    def is_eval_version(self, version: int) -> bool:
-        return version == self.total_steps or bool(self.eval_every and version % self.eval_every == 0)
-
-    def after_step(self, version: int, now: float, accuracy_known: bool) -> str | None:
-        """What to do after training `version`: "save" now, "after_eval" (save once its accuracy is in),
-        or None."""
+    def due(self, version: int, now: float) -> bool:
+        """Whether to save after training `version`, at time `now`."""
         by_steps = bool(self.every and version % self.every == 0)
         by_time = bool(self.minutes and now - self.saved_at > 60 * self.minutes)
-        if version >= self.total_steps or not (by_steps or by_time):
-            return None
-        return "after_eval" if self.is_eval_version(version) and not accuracy_known else "save"
+        return version < self.total_steps and (by_steps or by_time)

@@ -32,6 +32,7 @@ from jaxrl_async.runtime import build, secret
 from jaxrl_async.runtime.actor import Actor, ActorConfig
 from jaxrl_async.runtime.cluster import Cluster, PeerFailure, Roles
 from jaxrl_async.runtime.coordinator import Coordinator
+from jaxrl_async.runtime.evaluation import trainer_idle_during
 from jaxrl_async.runtime.lag import lagged
 from jaxrl_async.runtime.learner import Follower, Learner, LearnerConfig, TrainerCore
 from jaxrl_async.runtime.messages import Hello, Preempt, WarmStartParams
@@ -149,8 +150,9 @@ def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
         log.info("resumed from %s at version %d", ckpts.directory, version)
     if roles.multi:
         publisher = TransferPublisher(
-            cluster, model_cfg, t_mesh, sampler_dtype(model_cfg), len(roles.samplers), run.verify_weights
-        )
+            cluster, model_cfg, t_mesh, tuple(run.mesh.sampler), sampler_dtype(model_cfg),
+            len(roles.samplers), run.verify_weights,
+        )  # fmt: skip
         local_weights = None
     else:
         s_mesh = build.sampler_mesh(run, cluster)
@@ -347,6 +349,8 @@ def _summary(proc: _Process, wall: float) -> dict[str, Any]:
         **proc.coordinator.summary(),
         "warm_start": proc.warm_start_info,
         "reward_stats": actor0.get("reward_stats"),
+        "eval_spans": actor0.get("eval_spans"),
+        "trainer_during_eval": trainer_idle_during(actor0.get("eval_spans"), learner.step_spans),
     }
     with open(os.path.join(run.workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=str)

@@ -38,7 +38,7 @@ import struct
 
 from jaxrl_async.runtime import codec
 from jaxrl_async.runtime.cluster import PeerFailure
-from jaxrl_async.runtime.messages import Hello, NewWeights  # noqa: F401 - NewWeights: importers of its old place
+from jaxrl_async.runtime.messages import Hello
 
 log = logging.getLogger(__name__)
 

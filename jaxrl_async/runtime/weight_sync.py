@@ -1,10 +1,14 @@
 """Trainer -> sampler weights: resharded into the sampler layout after every train step, versioned.
 
-* One process (`LocalWeights`): `jax.device_put` from the trainer mesh into the sampler's shardings.
+* One process (`LocalWeights`): shard by shard from the trainer mesh into the sampler's shardings,
+  device to device (`WeightSync`, `shard_routes.ShardRoutes`).
 * Several processes (`TransferPublisher` on every trainer process, `TransferReceiver` on every actor):
-  `jax.experimental.transfer`. Each trainer process casts its shards to the sampler dtype (a fresh copy:
-  the next train step donates the state) and offers every *distinct* shard it owns for one pull per actor;
-  the actor pulls all shards into its first device, joins them and reshards locally.
+  `jax.experimental.transfer`, shard to shard. Each version is cut into pieces, the overlaps of the
+  distinct trainer shards with the distinct sampler blocks (`_PiecePlan`, derived on both sides from the
+  model declaration and the two mesh shapes). Each trainer process cuts and casts its pieces to the
+  sampler dtype in one jitted call per device (a fresh copy: the next train step donates the state) and
+  offers them for one pull per actor; the actor pulls each piece straight onto the sampler device whose
+  block it belongs to and lays the blocks out there. No device holds more than its own blocks.
 
 Why the transfer server and not a cross-process `jax.device_put`: `device_put` across processes is a
 collective point (both sides must enter it together, only between same-spec shardings, and a sender that
@@ -15,8 +19,8 @@ between decode calls. `tools/bench_transport.py` measures both against a local c
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
-import functools
 import time
 
 import jax
@@ -26,10 +30,18 @@ from jax.sharding import SingleDeviceSharding
 
 from jaxrl_async.model import ModelConfig, abstract_params, param_shardings
 from jaxrl_async.model.config import DTYPES
-from jaxrl_async.runtime.transport import NewWeights
-from jaxrl_async.sharding import SAMPLER_RULES, TRAINER_RULES, Rules
+from jaxrl_async.runtime import shard_routes
+from jaxrl_async.runtime.messages import NewWeights
+from jaxrl_async.runtime.shard_routes import ShardRoutes
+from jaxrl_async.sharding import SAMPLER_RULES, TRAINER_RULES, Rules, make_mesh
 
-_MAX_ACTORS = 4096  # pull ids: version * _MAX_ACTORS + actor
+_MAX_ACTORS = 4096  # pull ids: (version * _MAX_ACTORS + actor) * _MAX_BUCKETS + bucket
+_MAX_BUCKETS = 4096
+BUCKET_BYTES = 64 << 20  # pieces are offered in buckets of about this many bytes (the last may be smaller)
+
+
+def _uuid(version: int, actor: int, bucket: int) -> int:
+    return (version * _MAX_ACTORS + actor) * _MAX_BUCKETS + bucket
 
 
 @jax.jit
@@ -50,14 +62,16 @@ def checksum(params) -> float:
 
 
 class WeightSync:
-    """Moves parameters onto the sampler mesh with `jax.device_put` into the sampler's layout.
+    """Moves parameters onto the sampler mesh into the sampler's layout, device to device.
 
     The target shardings derive from the same parameter declaration as the trainer's, so the two layouts
     always describe one tree. With `dtype` (e.g. "bfloat16" from float32 master weights) the cast runs
-    on the trainer's devices before the transfer, so half the bytes move; `sampler_cfg` is then the
-    model config whose parameter layout the copy has (give it to the sampler's Engine).
-    The copy never shares a buffer with the trainer's parameters (the train step donates those), also
-    when both roles sit on the same devices.
+    once, on the trainer's devices, before the transfer, so only the sampler's bytes move; `sampler_cfg`
+    is then the model config whose parameter layout the copy has (give it to the sampler's Engine).
+    The copy goes shard by shard (`shard_routes.ShardRoutes`): a plain `jax.device_put` between the
+    meshes reads a whole leaf back to the host whenever a sampler shard is not one of the trainer's
+    shards (fsdp rows -> tensor columns). The copy never shares a buffer with the trainer's parameters
+    (the train step donates those), also when both roles sit on the same devices.
     """
 
     def __init__(
@@ -68,22 +82,31 @@ class WeightSync:
         self.shardings = param_shardings(cfg, sampler_mesh, rules)
         self.dtype = dtype  # e.g. "bfloat16" to sample in bf16 from fp32 master weights
         self.sampler_cfg = cfg if dtype is None else cfg.replace(param_dtype=dtype)
-        # A leaf already in `dtype` is copied: returning it as is would hand back the trainer's buffer.
-        cast = lambda x: jnp.copy(x) if x.dtype == jnp.dtype(dtype) else x.astype(dtype)
-        self._cast = jax.jit(lambda tree: jax.tree.map(cast, tree))
+        self._routes: dict = {}  # source shardings -> ShardRoutes
         self.last_seconds = 0.0
         self.total_seconds = 0.0
         self.count = 0
 
-    def __call__(self, trainer_params: dict) -> dict:
-        """Returns the sampler's copy; blocks until it has arrived so the timing is the transfer's."""
+    def routes_for(self, trainer_params: dict) -> ShardRoutes:
+        """The shard routes from `trainer_params`' layout (built once per layout)."""
+        leaves, treedef = jax.tree.flatten(trainer_params)
+        key = (treedef, tuple((x.shape, x.sharding) for x in leaves))
+        if key not in self._routes:
+            dst = treedef.flatten_up_to(self.shardings)
+            self._routes[key] = ShardRoutes([x.shape for x in leaves], [x.sharding for x in leaves], dst,
+                                            self.dtype)  # fmt: skip
+        return self._routes[key]
+
+    def __call__(self, trainer_params: dict, wait: bool = True) -> dict:
+        """Returns the sampler's copy. With `wait` it blocks until the copy has arrived (the timing is the
+        transfer's); without, it returns once the copy is dispatched (the timing is what the caller was
+        held): the sampler's next call and the trainer's next step are ordered after it by JAX, so nothing
+        reads a half-written copy and the donation of the trainer's buffers waits for the copy's reads."""
         t0 = time.perf_counter()
-        if self.dtype is not None:
-            # New buffers on the trainer's devices; where a target layout equals them they are reused.
-            out = jax.device_put(self._cast(trainer_params), self.shardings)
-        else:
-            out = jax.device_put(trainer_params, self.shardings, may_alias=False)
-        jax.block_until_ready(out)
+        leaves, treedef = jax.tree.flatten(trainer_params)
+        out = jax.tree.unflatten(treedef, self.routes_for(trainer_params)(leaves))
+        if wait:
+            jax.block_until_ready(out)
         self.last_seconds = time.perf_counter() - t0
         self.total_seconds += self.last_seconds
         self.count += 1
@@ -91,7 +114,13 @@ class WeightSync:
 
 
 class LocalWeights:
-    """One process: the published message carries the sampler-layout arrays themselves."""
+    """One process: the published message carries the sampler-layout arrays themselves.
+
+    The sync is dispatched, not waited for (`WeightSync(wait=False)`): no host read of the event loop
+    waits for the copy, so the trainer's next step and the sampler's next decode call are dispatched at
+    once and the copy runs on the devices between them. `last_seconds` is then the trainer's stall (the
+    dispatch), not the transfer (`tools/bench_sync_one_process.py` times the transfer).
+    """
 
     def __init__(self, sync: WeightSync, verify: bool = False):
         self.sync, self.verify = sync, verify
@@ -101,67 +130,107 @@ class LocalWeights:
         return self.sync.last_seconds
 
     def publish(self, version: int, params) -> NewWeights:
-        out = self.sync(params)
+        out = self.sync(params, wait=False)
         return NewWeights(version, out, checksum(out) if self.verify else None)
 
     def receive(self, message: NewWeights):
         return message.params
 
 
-def _owned_shards(shardings: list, shapes: list) -> list[list[tuple[int, tuple, object]]]:
-    """Per leaf: (owner process, index, owner device) of every distinct shard (replicas are taken once,
-    from the first device that holds them)."""
-    plan = []
-    for sh, shape in zip(shardings, shapes, strict=True):
-        seen, leaf = set(), []
-        for device, index in sh.devices_indices_map(shape).items():
-            key = tuple((s.start, s.stop) for s in index)
-            if key not in seen:
-                seen.add(key)
-                leaf.append((device.process_index, index, device))
-        plan.append(leaf)
-    return plan
+@dataclasses.dataclass(frozen=True)
+class _Offer:
+    """One piece of one leaf: the overlap of a trainer shard with a sampler block."""
+
+    leaf: int
+    process: int  # the trainer process that cuts and offers it
+    device: object  # the trainer device whose shard holds it
+    src_slices: tuple  # within that shard
+    block: tuple  # the sampler block it belongs to ((start, stop) per dimension)
+    dst_slices: tuple  # within the block
+    shape: tuple
 
 
-def _norm(index: tuple, shape: tuple) -> tuple[slice, ...]:
-    return tuple(slice(s.start or 0, shape[i] if s.stop is None else s.stop) for i, s in enumerate(index))
+class _PiecePlan:
+    """What each trainer process offers for every version, derived identically on both sides from the
+    model declaration, the trainer mesh and the sampler mesh's shape (no message carries it).
 
+    A piece is the overlap of one distinct trainer shard with one distinct sampler block (the sampler
+    layout's blocks depend on its mesh shape only), so each sampler device receives exactly the bytes
+    of its own blocks, straight from the trainer shards that hold them.
+    """
 
-class _ShardPlan:
-    """Which trainer process offers which shard of which leaf; derived identically on both sides from
-    the model declaration and the trainer mesh (no message carries it)."""
-
-    def __init__(self, model_cfg: ModelConfig, trainer_mesh, dtype):
+    def __init__(self, model_cfg: ModelConfig, trainer_mesh, sampler_shape: tuple, dtype):
         specs = abstract_params(model_cfg)
         leaves, self.treedef = jax.tree.flatten(specs)
-        shardings = jax.tree.leaves(param_shardings(model_cfg, trainer_mesh, TRAINER_RULES))
         self.shapes = [tuple(x.shape) for x in leaves]
         self.dtype = jnp.dtype(dtype)
-        self.trainer_shardings = shardings
-        self.plan = _owned_shards(shardings, self.shapes)
-        self.processes = sorted({p for leaf in self.plan for p, _, _ in leaf})
+        t_sh = jax.tree.leaves(param_shardings(model_cfg, trainer_mesh, TRAINER_RULES))
+        n = int(np.prod(sampler_shape))
+        geometry = make_mesh(tuple(sampler_shape), ("data", "tensor"), jax.devices()[:n])  # indices only
+        s_sh = jax.tree.leaves(param_shardings(model_cfg, geometry, SAMPLER_RULES))
+        self.trainer_shardings = t_sh
+        self.pieces: list[_Offer] = []
+        for leaf, shape in enumerate(self.shapes):
+            wanted = sorted(shard_routes.distinct_blocks(s_sh[leaf], shape))
+            for have, holders in shard_routes.distinct_blocks(t_sh[leaf], shape).items():
+                dev = holders[0]
+                for want in wanted:
+                    part = shard_routes.overlap(have, want)
+                    if part is None:
+                        continue
+                    src, dst = shard_routes.local_slices(part, have), shard_routes.local_slices(part, want)
+                    size = tuple(hi - lo for lo, hi in part)
+                    self.pieces.append(_Offer(leaf, dev.process_index, dev, src, want, dst, size))
+        self.processes = sorted({p.process for p in self.pieces})
 
-    def offered_by(self, pid: int) -> list[tuple[int, tuple, object]]:
-        """(leaf, index, device) of the shards process `pid` offers, in pull order."""
-        return [(i, ix, dev) for i, leaf in enumerate(self.plan) for p, ix, dev in leaf if p == pid]
+    def offered_by(self, pid: int) -> list[_Offer]:
+        """The pieces process `pid` offers, in pull order."""
+        return [p for p in self.pieces if p.process == pid]
+
+    def buckets(self, pid: int, bucket_bytes: int) -> list[list[_Offer]]:
+        """Process `pid`'s pieces in pull order, cut into buckets of about `bucket_bytes` (a piece is
+        never split; one larger than a bucket is a bucket of its own)."""
+        out: list[list[_Offer]] = [[]]
+        size = 0
+        for p in self.offered_by(pid):
+            n = int(np.prod(p.shape)) * self.dtype.itemsize
+            if out[-1] and size + n > bucket_bytes:
+                out.append([])
+                size = 0
+            out[-1].append(p)
+            size += n
+        if len(out) > _MAX_BUCKETS:
+            raise ValueError(f"{len(out)} buckets of {bucket_bytes} bytes: more than {_MAX_BUCKETS}")
+        return out if out[0] else []
 
 
 class TransferPublisher:
-    """Trainer side: offers each version's shards to every actor (see the module docstring).
+    """Trainer side: offers each version's pieces to every actor (see the module docstring).
 
     Every trainer process must call `publish` for every version, in the same order as its train steps.
     """
 
-    def __init__(self, cluster, model_cfg: ModelConfig, trainer_mesh, dtype, num_actors: int, verify=False):
+    def __init__(self, cluster, model_cfg: ModelConfig, trainer_mesh, sampler_shape, dtype, num_actors: int,
+                 verify=False, bucket_bytes: int = BUCKET_BYTES):  # fmt: skip
         from jax.experimental import transfer
 
         self.pid, self.num_actors, self.verify = cluster.process_id, num_actors, verify
-        self.plan = _ShardPlan(model_cfg, trainer_mesh, dtype)
-        self.mine = self.plan.offered_by(self.pid)
+        self.plan = _PiecePlan(model_cfg, trainer_mesh, sampler_shape, dtype)
+        self.buckets = self.plan.buckets(self.pid, bucket_bytes)
         self.server = transfer.start_transfer_server(
             jax.local_devices()[0].client, f"{cluster.host}:0", [f"{cluster.host}:0"]
         )
         cluster.publish(f"transfer/{self.pid}", self.server.address())
+        # Per bucket, one jitted cut + cast per local trainer device: the cast happens once, on the trainer,
+        # only the pieces' bytes are written, and a bucket can be pulled as soon as its own cut is done.
+        self._cuts = []
+        for bucket in self.buckets:
+            by_device: dict = {}
+            for i, p in enumerate(bucket):
+                by_device.setdefault(p.device, []).append(i)
+            dtype = self.plan.dtype
+            self._cuts.append([(dev, idx, shard_routes.cut_fn([bucket[i].src_slices for i in idx], dtype))
+                               for dev, idx in by_device.items()])  # fmt: skip
         shardings = jax.tree.unflatten(self.plan.treedef, self.plan.trainer_shardings)
         self._cast = jax.jit(
             lambda p: jax.tree.map(lambda x: x.astype(self.plan.dtype), p), out_shardings=shardings
@@ -172,84 +241,109 @@ class TransferPublisher:
     def publish(self, version: int, params) -> NewWeights:
         """Offers `params` (trainer layout) as `version`; returns the message for the actors."""
         t0 = time.perf_counter()
-        transit = jax.tree.leaves(self._cast(params))
-        arrays = []
-        for leaf, _, device in self.mine:
-            shard = next(s for s in transit[leaf].addressable_shards if s.device == device)
-            arrays.append(shard.data)
-        jax.block_until_ready(arrays)
-        for actor in range(self.num_actors):
-            if arrays:
-                self.server.await_pull(version * _MAX_ACTORS + actor, arrays)
-        self._offered[version] = arrays
+        leaves = jax.tree.leaves(params)
+        offered = []
+        # Offered as dispatched: a pull of a bucket waits for its cut on the trainer's devices, so the
+        # trainer's loop goes on (its next step is ordered after the cuts' reads) while buckets are cut and
+        # pulled one after the other.
+        for b, (bucket, cuts) in enumerate(zip(self.buckets, self._cuts, strict=True)):
+            arrays: list = [None] * len(bucket)
+            for dev, idx, cut in cuts:
+                shards = [next(s.data for s in leaves[bucket[i].leaf].addressable_shards if s.device == dev)
+                          for i in idx]  # fmt: skip
+                for i, a in zip(idx, cut(shards), strict=True):
+                    arrays[i] = a
+            for actor in range(self.num_actors):
+                self.server.await_pull(_uuid(version, actor, b), arrays)
+            offered.append(arrays)
+        self._offered[version] = offered
         self._offered.pop(version - 2, None)
-        total = checksum(jax.tree.unflatten(self.plan.treedef, transit)) if self.verify else None
+        total = checksum(self._cast(params)) if self.verify else None
         self.last_seconds = time.perf_counter() - t0
         return NewWeights(version, None, total)
 
 
 class TransferReceiver:
-    """Actor side: pulls every shard of a version from the trainer processes and lays it out for the
-    sampler mesh."""
+    """Actor side: pulls each piece of a version straight onto the sampler device whose block it belongs
+    to, and lays the blocks out in the sampler layout: no array is joined on one device. A block held by
+    several devices of the replica (the data axis) is pulled once and copied device to device."""
 
     def __init__(self, cluster, actor: int, model_cfg: ModelConfig, trainer_mesh, sampler_mesh, dtype,
-                 timeout_s: float = 300.0):  # fmt: skip
+                 timeout_s: float = 300.0, bucket_bytes: int = BUCKET_BYTES):  # fmt: skip
         from jax.experimental import transfer
 
         self.actor, self.timeout_s = actor, timeout_s
-        self.plan = _ShardPlan(model_cfg, trainer_mesh, dtype)
-        self.device = sampler_mesh.devices.flat[0]
+        self.plan = _PiecePlan(model_cfg, trainer_mesh, tuple(sampler_mesh.devices.shape), dtype)
+        self.buckets = {p: self.plan.buckets(p, bucket_bytes) for p in self.plan.processes}
+        self.target = jax.tree.leaves(param_shardings(model_cfg, sampler_mesh, SAMPLER_RULES))
+        self.holders = [shard_routes.distinct_blocks(sh, shape) for sh, shape in
+                        zip(self.target, self.plan.shapes, strict=True)]  # fmt: skip
         self.server = transfer.start_transfer_server(
-            self.device.client, f"{cluster.host}:0", [f"{cluster.host}:0"]
+            sampler_mesh.devices.flat[0].client, f"{cluster.host}:0", [f"{cluster.host}:0"]
         )
         self.conns = {p: self.server.connect(cluster.lookup(f"transfer/{p}")) for p in self.plan.processes}
-        self.target = param_shardings(model_cfg, sampler_mesh, SAMPLER_RULES)
+        self._place: dict = {}
         self.last_seconds, self.last_bytes = 0.0, 0
 
     def receive(self, message: NewWeights):
-        """The sampler-layout params of `message.version` (blocks until every shard has arrived)."""
+        """The sampler-layout params of `message.version` (blocks until every piece has arrived)."""
         t0 = time.perf_counter()
-        plan, uuid = self.plan, message.version * _MAX_ACTORS + self.actor
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.timeout_s)
-        pieces: list[list] = [[] for _ in plan.shapes]
-        for p in plan.processes:
-            offered = plan.offered_by(p)
-            here = SingleDeviceSharding(self.device)
-            specs = [
-                jax.ShapeDtypeStruct(
-                    tuple(s.stop - s.start for s in _norm(ix, plan.shapes[leaf])), plan.dtype, sharding=here
-                )
-                for leaf, ix, _ in offered
-            ]
-            arrays = self.conns[p].pull(uuid, specs, timeout=deadline)
-            for (leaf, ix, _), a in zip(offered, arrays, strict=True):
-                pieces[leaf].append((_norm(ix, plan.shapes[leaf]), a))
-        leaves = [
-            parts[0][1] if len(parts) == 1 else _join(plan.shapes[i], plan.dtype, parts)
-            for i, parts in enumerate(pieces)
-        ]
-        out = jax.device_put(jax.tree.unflatten(plan.treedef, leaves), self.target)
+        parts, nbytes = self.pull(message)
+        out = jax.tree.unflatten(self.plan.treedef, self.assemble(parts))
         jax.block_until_ready(out)
         self.last_seconds = time.perf_counter() - t0
-        self.last_bytes = sum(x.nbytes for x in leaves)
+        self.last_bytes = nbytes
         return out
 
+    def pull(self, message: NewWeights) -> tuple[dict, int]:
+        """Every piece of `message.version` on the sampler device(s) of its block: ((leaf, device) -> the
+        [(slices in the block, piece)], bytes pulled)."""
+        plan = self.plan
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.timeout_s)
+        parts: dict = {}  # (leaf, device) -> [(dst_slices, array)]
+        copies = []  # (leaf, device, slices, array on another holder of the block)
+        nbytes = 0
+        pulls = [(proc, b, o) for proc in plan.processes for b, o in enumerate(self.buckets[proc])]
+        for p, b, offered in pulls:
+            first = [self.holders[o.leaf][o.block][0] for o in offered]
+            specs = [jax.ShapeDtypeStruct(o.shape, plan.dtype, sharding=SingleDeviceSharding(d))
+                     for o, d in zip(offered, first, strict=True)]  # fmt: skip
+            arrays = self.conns[p].pull(_uuid(message.version, self.actor, b), specs, timeout=deadline)
+            for o, d, a in zip(offered, first, arrays, strict=True):
+                nbytes += a.nbytes
+                parts.setdefault((o.leaf, d), []).append((o.dst_slices, a))
+                copies += [(o.leaf, other, o.dst_slices, a) for other in self.holders[o.leaf][o.block][1:]]
+        if copies:  # replicas of a block within the replica: device to device
+            moved = jax.device_put([a for *_, a in copies], [d for _, d, _, _ in copies])
+            for (leaf, d, sl, _), a in zip(copies, moved, strict=True):
+                parts.setdefault((leaf, d), []).append((sl, a))
+        return parts, nbytes
 
-def _join(shape: tuple, dtype, parts: list):
-    """One array of `shape` from (index, shard) pieces that tile it."""
-    index = tuple(tuple((s.start, s.stop) for s in ix) for ix, _ in parts)
-    return _join_fn(tuple(shape), jnp.dtype(dtype), index)(*[a for _, a in parts])
-
-
-@functools.lru_cache(maxsize=256)
-def _join_fn(shape, dtype, index):
-    def join(*shards):
-        out = jnp.zeros(shape, dtype)
-        for ix, a in zip(index, shards, strict=True):
-            out = out.at[tuple(slice(b, e) for b, e in ix)].set(a)
-        return out
-
-    return jax.jit(join)
+    def assemble(self, parts: dict) -> list:
+        """The leaves in the sampler layout from `pull`'s pieces (each device lays out its own blocks)."""
+        blocks: dict = {}
+        joins: dict = {}
+        for (leaf, dev), got in parts.items():
+            if len(got) == 1:
+                blocks[(leaf, dev)] = got[0][1]
+            else:
+                joins.setdefault(dev, []).append(leaf)
+        for dev, leaves in joins.items():
+            key = (dev, tuple(leaves))
+            if key not in self._place:
+                plan = []
+                for leaf in leaves:
+                    shape = self.target[leaf].shard_shape(self.plan.shapes[leaf])
+                    plan.append((shape, self.plan.dtype, [sl for sl, _ in parts[(leaf, dev)]]))
+                self._place[key] = shard_routes.place_fn(plan)
+            placed = self._place[key]([[a for _, a in parts[(leaf, dev)]] for leaf in leaves])
+            blocks.update({(leaf, dev): b for leaf, b in zip(leaves, placed, strict=True)})
+        return [
+            jax.make_array_from_single_device_arrays(
+                shape, sh, [blocks[(leaf, d)] for d in sh.addressable_devices_indices_map(shape)]
+            )
+            for leaf, (shape, sh) in enumerate(zip(self.plan.shapes, self.target, strict=True))
+        ]
 
 
 def sampler_dtype(model_cfg: ModelConfig) -> str:
