@@ -343,7 +343,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
             f"batch's config.prompts_per_step={c['prompts_per_step']} groups"
         )
     if tr.controlled_lag and (c["checkpoint_every"] or c["checkpoint_minutes"]):
-        raise ConfigError(  # a periodic save waits for the version's evaluation, which lags k versions
+        raise ConfigError(  # a run resumed from a mid-run save would restart its lag (0..k-1 stale again)
             f"config.trainer.controlled_lag={tr.controlled_lag}: needs config.checkpoint_every=0 and "
             "config.checkpoint_minutes=0 (only the final checkpoint)"
         )
