@@ -183,3 +183,29 @@ def test_the_documented_plan_check_commands_succeed_verbatim():
         assert proc.returncode == 0, (cmd, out[-3000:])
         for role in ("trainer", "sampler"):
             assert re.search(rf"{role} headroom: .* -> ok", out), (cmd, out[-2000:])
+
+
+def test_a_layout_under_the_margin_is_refused_with_the_numbers_and_fields():
+    """The command exits 1 and names the role, the figures and the fields (tiny config, a memory fraction
+    so small that nothing fits)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = REPO
+    cmd = [
+        "tools/plan_check.py",
+        "--config",
+        "configs/tiny_arith.py",
+        "--hardware",
+        "h100",
+        "--mem-fraction",
+        "1e-6",
+    ]
+    res = subprocess.run(
+        [sys.executable, *cmd], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "plan check refuses this layout" in res.stdout
+    assert re.search(
+        r"trainer: peak .* GiB usable \(74\.5 GiB x memory fraction 0\.00\) .* under the 8% margin",
+        res.stdout,
+    )
+    assert "config.mesh.trainer" in res.stdout and "config.sampler.num_slots" in res.stdout
