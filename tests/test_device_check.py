@@ -24,7 +24,7 @@ def test_device_check_smoke_runs_every_stage_and_writes_its_json(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=1200,
+        timeout=2400,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((out / "device_check.json").read_text())
@@ -33,7 +33,7 @@ def test_device_check_smoke_runs_every_stage_and_writes_its_json(tmp_path):
         assert res[name]["done"], name
     assert res["env"]["missing"] == {}
     points = [(p["batch"], p["context"]) for p in res["decode"]["points"]]
-    assert points == [(1, 16), (2, 16), (1, 32), (2, 32)]
+    assert points == [(1, 16), (1, 32)]
     assert all(p["tok_s"] > 0 and p["host_gap_s"] >= 0 for p in res["decode"]["points"])
     for layout in res["attention"]["layouts"].values():  # the run's attention vs blocked, same inputs
         assert layout["max_grad_diff"] < 1e-4 and abs(layout["loss"] - layout["loss_blocked"]) < 1e-3
