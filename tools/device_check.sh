@@ -17,7 +17,7 @@
 #   sync_8b         in-process weight sync, 8B                                 (tools/bench_sync_one_process.py)
 #   run             a 10-step async run (0.5B shape, synthetic arithmetic, both roles on device 0)
 #                                                                                       (launch/run.py)
-# Time limits (seconds): 45 + 150 + 50 + 60 + 65 + 30 + 45 + 55 = 500 s, inside 8.5 minutes of one H200
+# Time limits (seconds): 40 + 145 + 50 + 60 + 80 + 30 + 45 + 50 = 500 s, inside 8.5 minutes of one H200
 # with the rest for starting up and the report. OUT/device_check.json combines the stages and the bars.
 # Exits non-zero when a stage failed or timed out (not for a missed bar).
 #
@@ -81,7 +81,7 @@ else
   fi
   # What launch/gpu_node.sh gives a run: the 8B decode at batch 64 x 8k holds ~95 GB.
   export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"
-  limit=(45 150 50 60 65 30 45 55)
+  limit=(40 145 50 60 80 30 45 50)
   decode=(--preset qwen3-8b --dtype bfloat16 --batches 1,8,64 --contexts 1024,8192 --new-tokens 64
           --steps-per-call 16 --reps 3 --hardware "$hardware")
   attention=(--preset qwen3-8b --dtype bfloat16 --seq-len 32768 --reps 3)

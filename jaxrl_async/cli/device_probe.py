@@ -22,8 +22,8 @@ Stages:
                 does).
 
 Flags are parsed with argparse, not absl: a stage imports benchmark modules (bench_decode, bench_train)
-whose absl flags share names with these. The JSON file is rewritten after every measured point, so a stage killed by its time limit keeps what it
-measured; `"done": true` marks a stage that finished.
+whose absl flags share names with these. The JSON file is rewritten after every measured point, so a
+stage killed by its time limit keeps what it measured; `"done": true` marks a stage that finished.
 """
 
 from __future__ import annotations
