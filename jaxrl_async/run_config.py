@@ -119,7 +119,8 @@ class ModelSection:
     # at lr 1e-6 an AdamW step is below half a bf16 ulp of most weights, so bf16 masters do not move.
     param_dtype: str = "float32"
     # Training and prefill attention: "auto" (cuDNN flash via jax.nn.dot_product_attention on GPU, the
-    # splash Pallas kernel on TPU, "reference" on CPU) | "reference" | "dot_product" | "splash".
+    # splash Pallas kernel on TPU, "reference" on CPU) | "reference" | "dot_product" | "blocked" (plain-JAX
+    # flash-style, any backend) | "splash" (TPU; refused on a GPU). docs/train.md, "Attention and long rows".
     attention: str = "auto"
     vocab_size: int = 0  # Preset override; 0 = the tokenizer's vocabulary size (rounded up to 8).
     n_layers: int = 0  # Preset override; 0 = the preset's layer count.
