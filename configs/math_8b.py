@@ -50,12 +50,15 @@ def get_config(layout: str = "v5p"):
         c.eval_slots = 5  # actor 0's greedy engine: the 5 per data shard of the 48-chip plan
         c.trainer.rows_per_micro = 8  # one 32k-token row per fsdp shard per micro-batch
     elif layout == "h100":
+        # Sized so that each role leaves the plan check's 8% margin of the 68.5 GiB JAX may use on an
+        # 80 GB GPU under launch/gpu_node.sh (XLA_PYTHON_CLIENT_MEM_FRACTION=0.92); see the trainer's row
+        # length at the end of this function. Qwen3-8B, per GPU: trainer 62.8 GiB, sampler 62.0 GiB.
         c.mesh.sampler = (4, 1)
         c.mesh.trainer = (2, 2)  # (4, 1) with 4 rows needed ~71 of 75 GiB at 8k-token rows: too tight
-        # 8 per GPU: a 28k-position slot of Qwen3-8B holds 3.9 GiB of bf16 KV; beside 15 GiB of weights,
-        # a second copy during a weight update and the eval engine's cache, more do not fit.
-        c.sampler.num_slots = 32
-        c.eval_slots = 8  # 2 per GPU (each as long as a sampler slot)
+        # 7 per GPU: a 28k-position slot of Qwen3-8B holds 3.9 GiB of bf16 KV beside 15 GiB of weights, a
+        # second copy during a weight update and the eval engine's cache; 8 per GPU left 2% headroom.
+        c.sampler.num_slots = 28
+        c.eval_slots = 4  # 1 per GPU (each as long as a sampler slot); 2 per GPU cost 3.9 GiB of headroom
         c.trainer.rows_per_micro = 2
     else:
         raise ValueError(f"math_8b: unknown layout {layout!r} (v5p, h100)")
@@ -87,4 +90,9 @@ def get_config(layout: str = "v5p"):
     c.trainer.minibatches = 4
     c.trainer.compute_dtype = "bfloat16"
     c.trainer.remat = True
+    if layout == "h100":
+        # Rows exactly as long as the longest sequence (1,024 + 27,648 = 28,672 positions; a multiple of
+        # the 4,096-position logits chunk and of the attention blocks): 32,768-position rows need 66.2 GiB
+        # per trainer GPU, 3.4% headroom, under the margin.
+        c.trainer.token_budget = 28672
     return c

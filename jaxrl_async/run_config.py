@@ -120,7 +120,8 @@ class ModelSection:
     # at lr 1e-6 an AdamW step is below half a bf16 ulp of most weights, so bf16 masters do not move.
     param_dtype: str = "float32"
     # Training and prefill attention: "auto" (cuDNN flash via jax.nn.dot_product_attention on GPU, the
-    # splash Pallas kernel on TPU, "reference" on CPU) | "reference" | "dot_product" | "splash".
+    # splash Pallas kernel on TPU, "reference" on CPU) | "reference" | "dot_product" | "blocked" (plain-JAX
+    # flash-style, any backend) | "splash" (TPU; refused on a GPU). docs/train.md, "Attention and long rows".
     attention: str = "auto"
     vocab_size: int = 0  # Preset override; 0 = the tokenizer's vocabulary size (rounded up to 8).
     n_layers: int = 0  # Preset override; 0 = the preset's layer count.
@@ -246,21 +247,26 @@ def _positive(values: dict, *names: str, allow_zero: tuple[str, ...] = ()) -> No
             )
 
 
+def memory_sections(c: dict[str, Any]) -> dict[str, Any]:
+    """The sampler and trainer dataclasses of a config (its `to_dict()`), validated as `component_sections`
+    does: the two sections that size device memory. A plan check builds only these (it reads no data)."""
+    sampler = _section("sampler", SamplerConfig, dict(c["sampler"]))
+    trainer = dict(c["trainer"])
+    if not trainer.get("total_steps"):  # 0: the schedule spans the run
+        trainer["total_steps"] = c["total_steps"]
+    derived = {"temperature": sampler.logprob_temperature}
+    return {"sampler": sampler, "trainer": _section("trainer", TrainConfig, trainer, derived=derived)}
+
+
 def component_sections(c: dict[str, Any]) -> dict[str, Any]:
     """The component dataclasses of a config (its `to_dict()`), derived fields filled in (DERIVED, the
     task's reward, the schedule's length); raises ConfigError naming the first bad field."""
-    other = {name: cls for name, cls in SECTIONS.items() if name not in ("trainer", "reward")}
+    other = {name: cls for name, cls in SECTIONS.items() if name not in ("trainer", "reward", "sampler")}
     sections = {name: _section(name, cls, dict(c[name])) for name, cls in other.items()}
     reward = dict(c["reward"])
     reward["reward"] = reward.get("reward") or TASK_REWARD[sections["data"].task]  # "": the task's
     sections["reward"] = _section("reward", RewardConfig, reward)
-    trainer = dict(c["trainer"])
-    if not trainer.get("total_steps"):  # 0: the schedule spans the run
-        trainer["total_steps"] = c["total_steps"]
-    sections["trainer"] = _section(
-        "trainer", TrainConfig, trainer, derived={"temperature": sections["sampler"].logprob_temperature}
-    )
-    return sections
+    return {**sections, **memory_sections(c)}
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> RunConfig:

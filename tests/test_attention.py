@@ -1,8 +1,12 @@
 """Attention implementations match the reference on packed rows: outputs, loss and gradients, prefill.
 
 "splash" runs here in Pallas interpret mode (the TPU kernel's own code, interpreted on CPU); "dot_product"
-runs jax.nn.dot_product_attention's XLA implementation (cuDNN needs a GPU).
+runs jax.nn.dot_product_attention's XLA implementation (cuDNN needs a GPU: its packed layout's segment
+lengths and offsets are checked against the reference mask here, the kernel itself by
+tools/device_check.sh); "blocked" is plain JAX.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +21,7 @@ from jaxrl_async.trainer import TrainConfig, create_train_state, loss_and_grads,
 
 sample = Rollout.for_trainer  # the run's record, built as the trainer reads it
 
-FAST = ("dot_product", "splash")
+FAST = ("dot_product", "blocked", "splash")
 MODEL = presets.tiny(vocab_size=64, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffw_size=128)
 
 
@@ -121,5 +125,131 @@ def test_auto_picks_by_platform_and_unknown_names_fail():
     assert attention.resolve("auto", "gpu") == "dot_product"
     assert attention.resolve("auto", "tpu") == "splash"
     assert attention.resolve("splash", "cpu") == "splash"
-    with pytest.raises(ValueError, match="attention"):
+    assert attention.resolve("blocked", "gpu") == "blocked"
+    with pytest.raises(ValueError, match="config.model.attention"):
         attention.resolve("flash")
+    with pytest.raises(ValueError, match="config.model.attention: 'splash' .* GPU"):
+        attention.resolve("splash", "gpu")
+
+
+def _layout(name: str, t: int) -> np.ndarray:
+    """[2, t] segment ids: the layouts a packed row takes."""
+    seg = np.zeros((2, t), np.int32)
+    if name == "one segment":
+        seg[:] = 1
+    elif name == "many short":  # 1- to 3-token segments back to back
+        lengths = np.tile([1, 2, 3], t)
+        ends = np.cumsum(lengths)
+        for row in range(2):
+            start = 0
+            for i, end in enumerate(ends[ends <= t - row]):
+                seg[row, start:end] = i + 1
+                start = end
+    elif name == "ragged":
+        seg[0, :7], seg[0, 7 : t - 3], seg[0, t - 3 :] = 1, 2, 3
+        seg[1, : t // 2], seg[1, t // 2 :] = 5, 9  # ids need not count from 1
+    elif name == "padding tail":
+        seg[0, : t // 3], seg[0, t // 3 : t - 40] = 1, 2
+        seg[1, :5] = 1  # almost all padding
+    return seg
+
+
+LAYOUTS = ("one segment", "many short", "ragged", "padding tail")
+
+
+@functools.partial(jax.jit, static_argnames=("block",))
+def _blocked_and_reference(q, k, v, seg, w, block):
+    """Outputs and (q, k, v) gradients of a weighted sum, blocked and reference (one compile per shape:
+    the segment layout is an argument)."""
+    mask = attention.packed_causal_mask(seg, q.shape[1], q.shape[0])
+    fns = (
+        lambda q, k, v: attention.blocked_attention(q, k, v, seg, block=block),
+        lambda q, k, v: attention.reference_attention(q, k, v, mask),
+    )
+    out = []
+    for fn in fns:
+        loss = functools.partial(lambda f, *a: jnp.sum(f(*a) * w), fn)
+        out.append((fn(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)))
+    return out
+
+
+@pytest.mark.parametrize("t,block", [(200, 64), (130, None)])
+def test_blocked_attention_equals_the_reference_forward_and_gradients(t, block):
+    """Blocked (online-softmax) attention is the reference, at every position, on every segment layout,
+    with T a multiple of the block or not."""
+    rng = np.random.default_rng(t)
+    q = jnp.asarray(rng.standard_normal((2, t, 4, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, t, 2, 16)), jnp.float32) for _ in range(2))
+    w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    for name in LAYOUTS:
+        seg = jnp.asarray(_layout(name, t))
+        (out, grads), (ref, ref_grads) = _blocked_and_reference(q, k, v, seg, w, block)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=1e-5, err_msg=name)
+        for g, r in zip(grads, ref_grads, strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-5, rtol=1e-4, err_msg=name)
+
+
+def test_blocked_attention_in_bfloat16_stays_close_to_the_float32_reference():
+    rng = np.random.default_rng(7)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 300, 4, 16)), jnp.float32) for _ in range(3))
+    k, v = k[:, :, :2], v[:, :, :2]
+    seg = jnp.asarray(_layout("ragged", 300)[:1])
+    ref = jax.jit(attention.reference_attention)(q, k, v, attention.packed_causal_mask(seg, 300, 1))
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    out = jax.jit(functools.partial(attention.blocked_attention, block=128))(*bf, seg)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=3e-2, rtol=3e-2)
+
+
+def test_blocked_attention_memory_does_not_grow_with_t_squared():
+    """The compiled forward+backward of a 4k row: the reference holds [heads, T, T] float32 scores
+    (256 MiB here), the blocked version a few [heads, block, block] tiles and O(T) buffers."""
+    t, h, kd = 4096, 4, 16
+    q = jax.ShapeDtypeStruct((1, t, h, kd), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, t, 2, kd), jnp.float32)
+    seg = jax.ShapeDtypeStruct((1, t), jnp.int32)
+
+    def temps(fn):
+        loss = lambda q, k, v, s: jnp.sum(fn(q, k, v, s))
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        return grad.lower(q, kv, kv, seg).compile().memory_analysis().temp_size_in_bytes
+
+    ref = temps(
+        lambda q, k, v, s: attention.reference_attention(q, k, v, attention.packed_causal_mask(s, t, 1))
+    )
+    blocked = temps(lambda q, k, v, s: attention.blocked_attention(q, k, v, s, block=256))
+    assert ref > h * t * t * 4  # the T^2 scores
+    assert blocked < 16 * 2**20  # O(T x block): far under one head's T x T scores (64 MiB)
+
+
+def _mask_from_packed_layout(seqlen_BxM, offsets_BxM1, t):
+    """The mask cuDNN's PADDING_CAUSAL packed layout applies: causal within each (offset, length) run."""
+    b, m = seqlen_BxM.shape
+    mask = np.zeros((b, t, t), bool)
+    for row in range(b):
+        for j in range(m):
+            n, start = int(seqlen_BxM[row, j]), int(offsets_BxM1[row, j])
+            if n < 0:
+                assert start == -1 and (seqlen_BxM[row, j:] == -1).all()
+                break
+            mask[row, start : start + n, start : start + n] = np.tril(np.ones((n, n), bool))
+        assert offsets_BxM1[row, m] == -1
+    return mask
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cudnn_packed_layout_describes_the_reference_mask(layout):
+    """The segment lengths and offsets handed to cuDNN mask exactly as the reference does on real tokens;
+    a row with more runs than max_segments is counted, so attend() takes the blocked path for it."""
+    t = 96
+    seg = _layout(layout, t)
+    m = attention.max_segments(t)
+    packed = jax.jit(attention.packed_layout, static_argnums=1)(jnp.asarray(seg), m)
+    seqlen, offsets, count = (np.asarray(x) for x in packed)
+    np.testing.assert_array_equal(count, [len(set(row[row != 0])) for row in seg])  # one run per id here
+    real = seg != 0
+    ref = np.asarray(attention.packed_causal_mask(jnp.asarray(seg), t, 2)) & real[:, :, None]
+    if (count <= m).all():
+        np.testing.assert_array_equal(_mask_from_packed_layout(seqlen, offsets, t), ref)
+    else:
+        assert layout == "many short" and count.max() > m  # these rows go to blocked_attention

@@ -1,13 +1,24 @@
 """Plan check: the train step compiles for a trainer mesh on abstract arrays and reports memory."""
 
 import dataclasses
+import glob
+import os
+import re
+import shlex
+import subprocess
+import sys
 
 import jax
+import pytest
 
 from jaxrl_async.model import presets
 from jaxrl_async.runtime.plan_check import (
+    GPU_NODE_MEM_FRACTION,
+    MIN_HEADROOM,
     decode_memory,
+    headroom,
     kv_cache_bytes,
+    mem_fraction,
     plan_check,
     sampler_weight_bytes,
     target_platform,
@@ -18,6 +29,7 @@ from jaxrl_async.sampler import SamplerConfig
 from jaxrl_async.trainer import TrainConfig
 
 CFG = presets.tiny(vocab_size=256, n_layers=2)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_train_memory_grows_with_the_micro_batch_and_shrinks_with_sharding():
@@ -78,8 +90,11 @@ def test_memory_efficient_attention_shows_in_the_compiled_train_step():
 def test_the_target_platform_decides_the_attention_compiled():
     bf16 = TrainConfig(token_budget=4096, compute_dtype="bfloat16")
     gpu = trainer_attention(bf16, CFG, "gpu")
-    assert (gpu["target"], gpu["compiled_as"]) == ("cudnn", "splash")
-    assert gpu["mask_bytes_per_row"] == 5 * 4096**2  # bool mask + bf16 bias + bf16 bias gradient
+    # cuDNN's packed layout: segment lengths and offsets, no [T, T] mask to add beside the stand-in.
+    assert gpu == {"target": "cudnn", "compiled_as": "splash"}
+    assert trainer_attention(bf16, CFG.replace(attention="blocked"), "gpu")["compiled_as"] == "blocked"
+    with pytest.raises(ValueError, match="config.model.attention"):
+        trainer_attention(bf16, CFG.replace(attention="splash"), "gpu")
     assert trainer_attention(bf16, CFG, "tpu")["target"] == "splash"
     assert trainer_attention(bf16, CFG, "cpu")["compiled_as"] == "reference"
     assert trainer_attention(TrainConfig(token_budget=64), CFG, "gpu")["compiled_as"] == "dot_product"
@@ -112,3 +127,85 @@ def test_decode_memory_of_a_bf16_model_drops_the_cpu_upcast_copies():
     assert m["temp_size_accelerator"] == f32["temp_size"]  # temporaries taken from the f32 twin
     assert f32["temp_size_accelerator"] == f32["temp_size"]
     assert m["peak_accelerator"] >= m["argument_size"]
+
+
+def test_the_memory_fraction_is_the_launchers_and_a_short_margin_is_refused_by_name():
+    with open(os.path.join(REPO, "launch", "gpu_node.sh")) as f:
+        launcher = f.read()
+    assert f"XLA_PYTHON_CLIENT_MEM_FRACTION:-{GPU_NODE_MEM_FRACTION}" in launcher
+    assert mem_fraction("gpu", {}) == (GPU_NODE_MEM_FRACTION, "launch/gpu_node.sh")
+    env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8"}
+    assert mem_fraction("gpu", env) == (0.8, "XLA_PYTHON_CLIENT_MEM_FRACTION")
+    assert mem_fraction("tpu", env)[0] == 1.0
+    with pytest.raises(ValueError, match="XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        mem_fraction("gpu", {"XLA_PYTHON_CLIENT_MEM_FRACTION": "1.5"})
+    gib = 2**30
+    usable = 100 * gib * 0.9
+    peaks = {"trainer": usable - 10 * gib, "sampler": usable - 5 * gib}
+    room, refusals = headroom(peaks, 100 * gib, 0.9, 0.08)
+    assert room["trainer"]["ok"] and not room["sampler"]["ok"]
+    assert room["sampler"]["headroom_bytes"] == 5 * gib
+    (msg,) = refusals
+    assert msg.startswith("sampler: peak 85.00 GiB of 90.00 GiB usable (100.0 GiB x memory fraction 0.90)")
+    assert "under the 8% margin (7.20 GiB)" in msg and "config.sampler.num_slots" in msg
+    assert 0 < MIN_HEADROOM < 0.5
+
+
+def _documented_plan_checks() -> list[str]:
+    """Every plan-check command line in README.md and docs/*.md, as written there."""
+    commands = []
+    for path in [os.path.join(REPO, "README.md"), *sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))]:
+        with open(path) as f:
+            for line in f:
+                m = re.match(r"\s*(python tools/plan_check\.py [^#`]*)", line)
+                if m and m.group(1).strip() not in commands:
+                    commands.append(m.group(1).strip())
+    return commands
+
+
+def test_the_documented_plan_check_commands_succeed_verbatim():
+    """README's "will it fit?" lines and the performance-model doc's, run as written (a fresh shell: no
+    XLA flags, no memory fraction set, no data file): each exits 0 with both roles inside the margin."""
+    commands = _documented_plan_checks()
+    readme = "python tools/plan_check.py --config configs/math_8b.py:h100 --preset qwen3-8b --hardware h100"
+    assert readme in commands
+    assert len(commands) >= 3
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION")}
+    env["PYTHONPATH"] = REPO
+    procs = []
+    for cmd in commands:  # all at once: each is mostly one compile thread
+        argv = shlex.split(cmd)
+        assert argv[0] == "python"
+        procs.append(subprocess.Popen([sys.executable, *argv[1:]], cwd=REPO, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))  # fmt: skip
+    for cmd, proc in zip(commands, procs, strict=True):
+        out, _ = proc.communicate(timeout=1800)
+        assert proc.returncode == 0, (cmd, out[-3000:])
+        for role in ("trainer", "sampler"):
+            assert re.search(rf"{role} headroom: .* -> ok", out), (cmd, out[-2000:])
+
+
+def test_a_layout_under_the_margin_is_refused_with_the_numbers_and_fields():
+    """The command exits 1 and names the role, the figures and the fields (tiny config, a memory fraction
+    so small that nothing fits)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = REPO
+    cmd = [
+        "tools/plan_check.py",
+        "--config",
+        "configs/tiny_arith.py",
+        "--hardware",
+        "h100",
+        "--mem-fraction",
+        "1e-6",
+    ]
+    res = subprocess.run(
+        [sys.executable, *cmd], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "plan check refuses this layout" in res.stdout
+    assert re.search(
+        r"trainer: peak .* GiB usable \(74\.5 GiB x memory fraction 0\.00\) .* under the 8% margin",
+        res.stdout,
+    )
+    assert "config.mesh.trainer" in res.stdout and "config.sampler.num_slots" in res.stdout

@@ -1,50 +1,71 @@
 #!/usr/bin/env bash
-# Device checks on one accelerator (written for a lent GPU; about 7 minutes, every stage time-limited):
-#   1. decode tokens/s of a Qwen2.5-1.5B-shaped random-weight model in bf16, batch 1 and the largest batch
-#      that fits, against the HBM roofline               (tools/bench_decode.py)
-#   2. train-step MFU against the GPU's bf16 peak (Qwen2.5-1.5B shape, bf16 compute, fp32 masters)
-#                                                         (tools/bench_train.py)
-#   3. weight-sync GB/s trainer -> sampler, colocated and (with 2+ devices) across two meshes
-#                                                         (tools/bench_sync_one_process.py)
-#   4. a 30-step async run of a Qwen2.5-0.5B-shaped model on synthetic arithmetic, then a check that the
-#      README's TensorBoard tags are present             (launch/run.py)
-# Writes OUT/{decode,train,weight_sync,stages}.json, OUT/run/ and OUT/device_check.json (all of it, with
-# the peer bars checked: decode >= 70% of HBM bandwidth at batch 1, MFU >= 40%, sync <= 0.5 s colocated).
-# Exits non-zero when a stage failed or timed out, or a TensorBoard tag is missing (not for a missed bar).
+# The device check: a staged probe of one accelerator, run from this tree on the machine's own Python and
+# JAX (nothing is installed into it; no network). Missing packages come as wheels built here by
+# tools/build_device_wheels.sh and are unpacked under OUT/site (`pip install --no-index --target`).
 #
-#   tools/device_check.sh [--hardware h100|h200|...] [--out DIR]
-#   tools/device_check.sh --smoke [--out DIR]     # tiny shapes on CPU in about a minute (the test suite's)
+# Stages, in order of value, each under its own time limit and each writing its own OUT/<stage>.json as
+# it goes (OUT/stages.json after every stage), so a stage that times out keeps what it measured:
+#   env             versions, devices, imports of everything the project needs        (cli/device_probe.py)
+#   decode          8B-shaped paged decode, random bf16 weights, batch 1/8/64 x context 1k/8k: % of the
+#                   HBM roofline and the host gap between calls                        (cli/device_probe.py)
+#   attention       packed-row attention forward + backward at 32k positions, 8B heads (cuDNN packed
+#                   layout vs blocked)                                                  (cli/device_probe.py)
+#   train_mfu       train step MFU at 2 x 4k-token rows, 1.5B shape                     (tools/bench_train.py)
+#   train_memory    train step memory at one 32k-token row, 1.5B shape: the device compiler's figure and
+#                   the real peak against the plan check's                             (cli/device_probe.py)
+#   sync_1p5b       in-process weight sync, 1.5B                               (tools/bench_sync_one_process.py)
+#   sync_8b         in-process weight sync, 8B                                 (tools/bench_sync_one_process.py)
+#   run             a 10-step async run (0.5B shape, synthetic arithmetic, both roles on device 0)
+#                                                                                       (launch/run.py)
+# Time limits (seconds): 40 + 145 + 50 + 60 + 80 + 30 + 45 + 50 = 500 s, inside 8.5 minutes of one H200
+# with the rest for starting up and the report. OUT/device_check.json combines the stages and the bars.
+# Exits non-zero when a stage failed or timed out (not for a missed bar).
 #
-# Nothing is downloaded: every model has random weights, the data are generated.
-set -euo pipefail
+#   tools/build_device_wheels.sh                  # here, once: device_wheels/ (git-ignored)
+#   tools/device_check.sh [--hardware h200|h100|...] [--out DIR] [--wheels DIR]
+#   tools/device_check.sh --smoke [--out DIR]     # tiny shapes on CPU (the test suite's)
+set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the tools below check this checkout's package
 
 smoke=0
 out=runs/device_check
 hardware=""
+wheels=device_wheels
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --smoke) smoke=1 ;;
     --out) out="$2"; shift ;;
     --hardware) hardware="$2"; shift ;;
+    --wheels) wheels="$2"; shift ;;
     *) echo "device_check.sh: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
 done
+python="${PYTHON:-python3}"
 mkdir -p "$out"
-rm -rf "$out/run" "$out"/*.json
+rm -rf "$out/run" "$out"/*.json "$out"/*.log
+site=""
+if compgen -G "$wheels/*.whl" > /dev/null; then  # the packages this machine lacks, unpacked beside the tree
+  site="$(cd "$out" && pwd)/site"
+  rm -rf "$site"
+  "$python" -m pip install --quiet --no-deps --no-index --target "$site" "$wheels"/*.whl \
+    > "$out/wheels.log" 2>&1 || { echo "device_check.sh: installing $wheels failed:"; cat "$out/wheels.log"; }
+fi
+export PYTHONPATH="$PWD${site:+:$site}${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's package first
+probe=("$python" -m jaxrl_async.cli.device_probe)
 
 if [[ $smoke == 1 ]]; then
   export JAX_PLATFORMS=cpu
-  # Two CPU devices, so the weight sync also runs across two meshes.
-  export XLA_FLAGS="--xla_force_host_platform_device_count=2"
-  limit=(120 120 60 240)  # seconds per stage on a shared 2-core machine
-  decode=(--preset tiny --quick --batches 1,max --max-batch 8)
+  limit=(240 240 240 240 240 240 240 300)  # generous: on a shared, loaded 2-core CPU only load times out
+  decode=(--preset tiny --dtype float32 --batches 1 --contexts 16,32 --new-tokens 8 --steps-per-call 4
+          --reps 1)
+  attention=(--preset tiny --dtype float32 --seq-len 256 --reps 1)
   train=(--model tiny --rows 2 --budget 64 --steps 1 --matmul-n 256)
-  sync=(--preset tiny --dtype float32 --reps 2)
+  train_memory=(--preset tiny --rows 1 --budget 128)
+  sync_small=(--preset tiny --dtype float32 --reps 1)
+  sync_big=(--preset tiny --dtype bfloat16 --reps 1)
   run=(--config.total_steps=3 --config.trainer.total_steps=3 --config.trainer.warmup_steps=1
-       --config.eval_every=3 --config.eval_prompts=16 --config.prompts_per_step=8
+       --config.eval_every=3 --config.eval_prompts=8 --config.prompts_per_step=8
        --config.sampler.num_slots=16)
 else
   if [[ -z $hardware ]] && command -v nvidia-smi > /dev/null; then
@@ -58,45 +79,60 @@ else
     echo "device_check.sh: pass --hardware (a jaxrl_async.perf preset) for the roofline and MFU" >&2
     exit 2
   fi
-  limit=(120 90 45 180)
-  decode=(--preset qwen2.5-1.5b --dtype bfloat16 --batches 1,max --prompt-len 128 --new-tokens 512
-          --hardware "$hardware")
+  # What launch/gpu_node.sh gives a run: the 8B decode at batch 64 x 8k holds ~95 GB.
+  export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"
+  limit=(40 145 50 60 80 30 45 50)
+  decode=(--preset qwen3-8b --dtype bfloat16 --batches 1,8,64 --contexts 1024,8192 --new-tokens 64
+          --steps-per-call 16 --reps 3 --hardware "$hardware")
+  attention=(--preset qwen3-8b --dtype bfloat16 --seq-len 32768 --reps 3)
   train=(--model qwen2.5-1.5b --dtype bfloat16 --rows 2 --budget 4096 --steps 3 --hardware "$hardware")
-  sync=(--preset qwen2.5-1.5b --dtype bfloat16 --reps 5)
-  # The CPU demo's task and sizes with a 0.5B-shaped model in bf16 (fp32 masters), both roles on GPU 0.
+  train_memory=(--preset qwen2.5-1.5b --rows 1 --budget 32768)
+  sync_small=(--preset qwen2.5-1.5b --dtype bfloat16 --reps 5)
+  sync_big=(--preset qwen3-8b --dtype bfloat16 --reps 3)
   run=(--config.model.preset=qwen2.5-0.5b --config.model.n_layers=0 --config.model.dtype=bfloat16
-       --config.total_steps=30 --config.trainer.total_steps=30 --config.eval_every=10
-       --config.eval_prompts=128 --config.mesh.colocate=True)
+       --config.total_steps=10 --config.trainer.total_steps=10 --config.eval_every=5
+       --config.eval_prompts=32 --config.mesh.colocate=True)
 fi
 
+names=()
 declare -A status
-stage() {  # stage NAME SECONDS COMMAND...: runs a stage under a time limit, recording how it ended
+write_stages() {
+  {
+    echo "{"
+    local sep=""
+    for n in "${names[@]}"; do
+      printf '%s "%s": %s\n' "$sep" "$n" "${status[$n]}"
+      sep=","
+    done
+    echo "}"
+  } > "$out/stages.json.tmp" && mv "$out/stages.json.tmp" "$out/stages.json"
+}
+stage() {  # stage NAME SECONDS COMMAND...: one stage under its time limit; records how it ended
   local name="$1" seconds="$2"
   shift 2
   local t0=$SECONDS rc=0
   echo "== $name (limit ${seconds}s)"
-  timeout "$seconds" "$@" > "$out/$name.log" 2>&1 || rc=$?
-  tail -n 4 "$out/$name.log"
+  timeout -k 5 "$seconds" "$@" > "$out/$name.log" 2>&1 || rc=$?
+  tail -n 3 "$out/$name.log"
   local timed_out=false
-  [[ $rc == 124 ]] && timed_out=true
-  status[$name]="{\"rc\": $rc, \"timed_out\": $timed_out, \"seconds\": $((SECONDS - t0))}"
+  [[ $rc == 124 || $rc == 137 ]] && timed_out=true
+  names+=("$name")
+  status[$name]="{\"rc\": $rc, \"timed_out\": $timed_out, \"seconds\": $((SECONDS - t0)), \"limit\": $seconds}"
+  write_stages
 }
 
-stage decode "${limit[0]}" python tools/bench_decode.py "${decode[@]}" --latency-only --skip-hf \
-  --json-out "$out/decode.json"
-stage train "${limit[1]}" python tools/bench_train.py "${train[@]}" --tail-seqs 0 --json-out "$out/train.json"
-stage weight_sync "${limit[2]}" python tools/bench_sync_one_process.py "${sync[@]}" \
-  --json-out "$out/weight_sync.json"
-stage run "${limit[3]}" python launch/run.py --config=configs/tiny_arith.py --config.workdir="$out/run" \
+stage env "${limit[0]}" "${probe[@]}" --stage env --json-out "$out/env.json"
+stage decode "${limit[1]}" "${probe[@]}" --stage decode "${decode[@]}" --json-out "$out/decode.json"
+stage attention "${limit[2]}" "${probe[@]}" --stage attention "${attention[@]}" --json-out "$out/attention.json"
+stage train_mfu "${limit[3]}" "$python" tools/bench_train.py "${train[@]}" --tail-seqs 0 \
+  --json-out "$out/train_mfu.json"
+stage train_memory "${limit[4]}" "${probe[@]}" --stage train_memory "${train_memory[@]}" \
+  --json-out "$out/train_memory.json"
+stage sync_1p5b "${limit[5]}" "$python" tools/bench_sync_one_process.py "${sync_small[@]}" \
+  --json-out "$out/sync_1p5b.json"
+stage sync_8b "${limit[6]}" "$python" tools/bench_sync_one_process.py "${sync_big[@]}" \
+  --json-out "$out/sync_8b.json"
+stage run "${limit[7]}" "$python" launch/run.py --config=configs/tiny_arith.py --config.workdir="$out/run" \
   --config.warm_start.enabled=False --config.mesh.sampler="(1,1)" --config.mesh.trainer="(1,1)" "${run[@]}"
 
-{
-  echo "{"
-  sep=""
-  for name in decode train weight_sync run; do
-    printf '%s "%s": %s\n' "$sep" "$name" "${status[$name]}"
-    sep=","
-  done
-  echo "}"
-} > "$out/stages.json"
-python tools/device_check_report.py "$out"
+"$python" tools/device_check_report.py "$out"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 
 from absl import app, flags
 
@@ -32,6 +33,13 @@ _OUT = flags.DEFINE_string("out", "", "also write the JSON report here")
 _MEDIAN_LEN = flags.DEFINE_float("median-len", 512, "paged KV plan: median response length")
 _P99_LEN = flags.DEFINE_float("p99-len", 4096, "paged KV plan: 99th percentile length")
 _PROMPT_LEN = flags.DEFINE_integer("prompt-len", 256, "paged KV plan: typical prompt length")
+_MEM_FRACTION = flags.DEFINE_float(
+    "mem-fraction",
+    None,
+    "share of device memory JAX may use (default: XLA_PYTHON_CLIENT_MEM_FRACTION if "
+    "set, else launch/gpu_node.sh's on a GPU, the whole memory on a TPU)",
+)
+_MARGIN = flags.DEFINE_float("margin", None, "least headroom, as a share of the usable memory")
 flags.mark_flags_as_required(["config"])
 
 
@@ -43,7 +51,7 @@ def load_config(spec: str):
     return module.get_config(arg) if arg else module.get_config()
 
 
-def main(argv) -> None:
+def main(argv) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     config = load_config(_CONFIG.value)
@@ -55,8 +63,15 @@ def main(argv) -> None:
 
     from jaxrl_async.model import from_hf_config, presets
     from jaxrl_async.perf.hardware import get_hardware
-    from jaxrl_async.run_config import component_sections
-    from jaxrl_async.runtime.plan_check import paged_kv_plan, plan_check, target_platform
+    from jaxrl_async.run_config import memory_sections
+    from jaxrl_async.runtime.plan_check import (
+        MIN_HEADROOM,
+        headroom,
+        mem_fraction,
+        paged_kv_plan,
+        plan_check,
+        target_platform,
+    )
 
     m = config.model
     numerics = dict(dtype=m.dtype, param_dtype=m.param_dtype, attention=_ATTENTION.value or m.attention)
@@ -67,21 +82,30 @@ def main(argv) -> None:
         model_cfg = presets.get(_PRESET.value or m.preset, **numerics)
     if _TOKEN_BUDGET.value:
         config.trainer.token_budget = _TOKEN_BUDGET.value
-    sections = component_sections(config.to_dict())
+    sections = memory_sections(config.to_dict())  # no data or reward section: a plan check reads no data
     train_cfg, sampler_cfg = sections["trainer"], sections["sampler"]
     hw = get_hardware(_HARDWARE.value)
     platform = target_platform(hw.name)
+    if _MEM_FRACTION.value is not None:
+        if not 0 < _MEM_FRACTION.value <= 1:
+            raise app.UsageError(f"--mem-fraction={_MEM_FRACTION.value}: must be in (0, 1]")
+        fraction, source = _MEM_FRACTION.value, "--mem-fraction"
+    else:
+        fraction, source = mem_fraction(platform, dict(os.environ))
+    margin = MIN_HEADROOM if _MARGIN.value is None else _MARGIN.value
+    if not 0 <= margin < 1:
+        raise app.UsageError(f"--margin={margin}: must be in [0, 1)")
     report = plan_check(model_cfg, train_cfg, sampler_cfg, config.mesh, platform, config.eval_slots)
     report["hardware"] = {"name": hw.name, "mem_bytes": hw.mem_bytes}
-    report["fits"] = {
-        "trainer": report["trainer"]["peak_estimate"] <= hw.mem_bytes,
-        "sampler": report["sampler"]["peak"] <= hw.mem_bytes,
-    }
+    peaks = {"trainer": report["trainer"]["peak_estimate"], "sampler": report["sampler"]["peak"]}
+    report["fits"] = {role: peak <= hw.mem_bytes * fraction for role, peak in peaks.items()}
+    report["headroom"], refusals = headroom(peaks, hw.mem_bytes, fraction, margin)
+    report["headroom"].update(mem_fraction=fraction, mem_fraction_from=source, margin=margin)
     sa = report["sampler"]
     not_kv = sa["peak"] - sa["decode_state"]  # weights, the eval cache, decode temporaries
     group = int(config.get("samples_per_prompt", 1))
     report["paged_kv"] = paged_kv_plan(
-        model_cfg, sampler_cfg, tuple(config.mesh.sampler), hw.mem_bytes - not_kv,
+        model_cfg, sampler_cfg, tuple(config.mesh.sampler), hw.mem_bytes * fraction - not_kv,
         _MEDIAN_LEN.value, _P99_LEN.value, group, _PROMPT_LEN.value,
     )  # fmt: skip
     print(json.dumps(report, indent=2))
@@ -97,9 +121,21 @@ def main(argv) -> None:
         f"{group}) vs {pk['sequences_slotted']} for the slotted cache; num_slots={sampler_cfg.num_slots} "
         f"caps the decode batch at {pk['decode_batch_long_tail']}"
     )
+    hr = report["headroom"]
+    for role in ("trainer", "sampler"):
+        r = hr[role]
+        print(
+            f"  {role} headroom: {r['headroom_bytes'] / 2**30:.2f} GiB ({r['headroom_fraction']:.1%}) of "
+            f"{r['usable_bytes'] / 2**30:.2f} GiB usable (memory fraction {fraction:.2f} from {source}); "
+            f"margin {margin:.0%} -> {'ok' if r['ok'] else 'REFUSED'}"
+        )
     if _OUT.value:
         with open(_OUT.value, "w") as f:
             json.dump(report, f, indent=2)
+    if refusals:
+        print("plan check refuses this layout:\n  " + "\n  ".join(refusals))
+        return 1
+    return 0
 
 
 def summary(report: dict, config, train_cfg, sampler_cfg) -> str:
@@ -111,13 +147,12 @@ def summary(report: dict, config, train_cfg, sampler_cfg) -> str:
     att = tr["attention"]
     an = sa["analytic"]
     lines = [
-        f"\nper device, {hw['name']} has {hw['mem_bytes'] / gib:.0f} GiB",
+        f"\nper device, {hw['name']} has {hw['mem_bytes'] / gib:.1f} GiB, JAX may use "
+        f"{report['headroom']['mem_fraction']:.2f} of it",
         f"  trainer {tuple(config.mesh.trainer)}: {train_cfg.rows_per_micro} rows x {train_cfg.token_budget} "
         f"tokens per micro-batch; params {tr['dtypes']['params']}, optimizer state "
         f"{tr['dtypes']['optimizer_state']}",
-        f"    attention {att['target']} (compiled as {att['compiled_as']}"
-        + (f", + dense segment masks {g(att['mask_bytes'])}" if att["mask_bytes"] else "")
-        + ")",
+        f"    attention {att['target']} (compiled as {att['compiled_as']})",
         f"    micro-batch: args {g(tr['argument_size'])} + optimizer state {g(tr['optimizer_state_bytes'])}, "
         f"temps {g(tr['temp_size'])}; update: temps {g(tr['apply']['temp_size'])}",
         f"    peak ~{g(tr['peak_estimate'])} -> {verdict(ok['trainer'])}",

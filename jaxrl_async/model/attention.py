@@ -3,16 +3,22 @@
 `ModelConfig.attention` names the implementation:
   reference    masked einsums with float32 scores [B, G, R, T, S] (the model's own `_attention`): the
                ground truth on every backend, and the CPU default. Memory grows with T^2 x heads x 4 bytes.
-  dot_product  `jax.nn.dot_product_attention`: implementation="cudnn" (cuDNN flash attention) on a GPU
-               with bf16/fp16 inputs, "xla" otherwise. The public API takes no segment ids, so packed
-               rows pass a boolean [B, 1, T, S] segment mask, which cuDNN adds as a bf16 bias (and returns
-               a bias gradient of the same shape): O(T^2) bytes per row, but not x heads x fp32 scores.
+  dot_product  `jax.nn.dot_product_attention`: cuDNN flash attention on a GPU with bf16/fp16 inputs, XLA's
+               dense implementation otherwise. Packed rows (segment ids) on cuDNN use its packed layout:
+               per-row segment lengths and offsets (O(T) int32, no T x T mask or bias, no bias gradient),
+               which needs a Hopper or newer GPU; rows with more than `max_segments(T)` segments take the
+               blocked path below instead (a `lax.cond`, so the result is always right).
+  blocked      flash-style attention in plain JAX: query blocks x key blocks with an online softmax, only
+               the blocks on or below the diagonal, and a custom VJP that recomputes the scores from the
+               log-sum-exp. Memory O(T x block) per head, correct gradients, any backend.
   splash       the TPU splash-attention Pallas kernel (jax.experimental.pallas.ops.tpu): causal, segment
-               ids native, no T^2 buffer. On other backends it runs in Pallas interpret mode (tests).
+               ids native, no T^2 buffer. On CPU it runs in Pallas interpret mode (tests, the plan check);
+               a GPU cannot run it (an error names config.model.attention).
   auto         GPU -> dot_product, TPU -> splash, otherwise reference.
 
 Every implementation masks a packed row the same way for real tokens: a token attends to itself and to
-earlier tokens of its own segment. Padding positions (segment id 0) get finite outputs that differ between
+earlier tokens of its own segment. Segments are contiguous runs of one id, as packing writes them (the
+cuDNN packed layout relies on it). Padding positions (segment id 0) get finite outputs that differ between
 implementations and are never used.
 
 Einsum letters as in the model: B batch, T query positions, S key positions, H query heads, G KV heads,
@@ -25,6 +31,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxrl_async.model.config import ATTENTION
@@ -35,15 +42,27 @@ _AUTO = {"gpu": "dot_product", "tpu": "splash"}
 # Splash block size: 512 is the usual TPU choice for long rows; shorter rows use one block (a multiple
 # of 128, the kernel's lane width).
 _SPLASH_BLOCK = 512
+# Blocked attention: 512 x 512 score tiles for long rows (per head 1 MiB of float32), one smaller block of
+# a multiple of 128 for short rows.
+_BLOCK = 512
+# jax < 0.11 strides the packed layout's KV offsets by the query head count (fixed in 0.11): there, grouped
+# KV heads are repeated to the query head count before the packed cuDNN call.
+_PACKED_GQA_OK = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
 
 
 def resolve(impl: str, platform: str | None = None) -> str:
     """The implementation `impl` runs as on `platform` (default: JAX's default backend)."""
     if impl not in ATTENTION:
-        raise ValueError(f"attention={impl!r} not in {ATTENTION}")
+        raise ValueError(f"config.model.attention: {impl!r} not in {ATTENTION}")
+    platform = platform or jax.default_backend()
+    if impl == "splash" and platform == "gpu":
+        raise ValueError(
+            "config.model.attention: 'splash' is the TPU Pallas kernel and cannot run on a GPU; "
+            "use 'dot_product' (cuDNN) or 'blocked'"
+        )
     if impl != "auto":
         return impl
-    return _AUTO.get(platform or jax.default_backend(), "reference")
+    return _AUTO.get(platform, "reference")
 
 
 def reference_attention(q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask_BxTxS):
@@ -83,14 +102,18 @@ def attend(impl: str, q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT=None, mes
         return reference_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, packed_causal_mask(segment_ids_BxT, t, b))
     if impl == "dot_product":
         return _dot_product(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT)
+    if impl == "blocked":
+        return blocked_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT)
     return _splash_sharded(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT, mesh)
 
 
 def _dot_product(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT):
     on_gpu = jax.default_backend() == "gpu"
     cudnn = on_gpu and q_BxTxHxK.dtype in (jnp.bfloat16, jnp.float16)
+    if cudnn and segment_ids_BxT is not None:
+        return _cudnn_packed(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT)
     mask = None
-    if segment_ids_BxT is not None:
+    if segment_ids_BxT is not None:  # XLA's dense implementation: it builds T x S scores anyway
         seg = segment_ids_BxT
         mask = seg[:, None, :, None] == seg[:, None, None, :]  # [B, 1, T, S]; causality via is_causal
     out = jax.nn.dot_product_attention(
@@ -102,6 +125,191 @@ def _dot_product(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT):
         implementation="cudnn" if cudnn else "xla",
     )
     return out.astype(q_BxTxHxK.dtype)
+
+
+def max_segments(t: int) -> int:
+    """Segments per row the packed cuDNN call is built for (a static shape): one per 256 positions, 8 to
+    256. A row with more takes the blocked path."""
+    return max(8, min(256, t // 256))
+
+
+def packed_layout(segment_ids_BxT, m: int):
+    """cuDNN's packed layout of rows whose segments are contiguous runs (id 0 = padding, never attended).
+
+    Returns (seqlen_BxM, offsets_BxM1, count_B): each run's length and start (-1 past the row's runs, as
+    jax's cuDNN wrapper expects), and each row's run count (may exceed m: the caller checks).
+    """
+    seg = segment_ids_BxT
+    prev = jnp.pad(seg[:, :-1], ((0, 0), (1, 0)))
+    starts_BxT = (seg != prev) & (seg != 0)
+    count_B = jnp.sum(starts_BxT, axis=1, dtype=jnp.int32)
+    run_BxT = jnp.cumsum(starts_BxT, axis=1, dtype=jnp.int32) - 1  # run index of each position
+
+    def one_row(starts_T, run_T, real_T):
+        offsets = jnp.nonzero(starts_T, size=m, fill_value=-1)[0].astype(jnp.int32)
+        lengths = jax.ops.segment_sum(real_T.astype(jnp.int32), jnp.where(real_T, run_T, m), m + 1)[:m]
+        valid = jnp.arange(m) < jnp.sum(starts_T)
+        return jnp.where(valid, lengths, -1), jnp.pad(
+            jnp.where(valid, offsets, -1), (0, 1), constant_values=-1
+        )
+
+    seqlen_BxM, offsets_BxM1 = jax.vmap(one_row)(starts_BxT, run_BxT, seg != 0)
+    return seqlen_BxM, offsets_BxM1, count_B
+
+
+def _cudnn_packed(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT):
+    """cuDNN flash attention on packed rows through its packed layout (jax's cuDNN wrapper, which the
+    public `jax.nn.dot_product_attention` does not expose for packing); rows with more runs than
+    `max_segments` fall back to `blocked_attention`."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    b, t, h, kd = q_BxTxHxK.shape
+    g = k_BxTxGxK.shape[2]
+    m = max_segments(t)
+    seqlen_BxM, offsets_BxM1, count_B = packed_layout(segment_ids_BxT, m)
+    k, v = k_BxTxGxK, v_BxTxGxK
+    if g != h and not _PACKED_GQA_OK:
+        k, v = jnp.repeat(k, h // g, axis=2), jnp.repeat(v, h // g, axis=2)
+
+    def cudnn(q, k, v):
+        try:
+            out = fa.dot_product_attention(
+                q, k, v, None, None, seqlen_BxM, seqlen_BxM, offsets_BxM1, offsets_BxM1,
+                scale=kd**-0.5, mask_type=fa.MaskType.PADDING_CAUSAL,
+            )  # fmt: skip
+        except NotImplementedError as e:  # e.g. the packed layout needs Hopper or newer
+            raise ValueError(
+                f"config.model.attention: 'dot_product' on packed rows needs cuDNN's packed layout, which "
+                f"this GPU cannot run ({e}); use 'blocked'"
+            ) from e
+        real = (segment_ids_BxT != 0)[:, :, None, None]
+        return jnp.where(real, out, 0).astype(q.dtype)  # cuDNN leaves padding positions unwritten
+
+    def fallback(q, k, v):
+        return blocked_attention(q, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT)
+
+    return jax.lax.cond(jnp.max(count_B) <= m, cudnn, fallback, q_BxTxHxK, k, v)
+
+
+def _block_mask(seg_q, seg_k, i, j, block):
+    """[B, bq, bk]: query block i may see key block j (causal within a segment; padding sees itself)."""
+    qpos = i * block + jnp.arange(block)
+    kpos = j * block + jnp.arange(block)
+    causal = qpos[:, None] >= kpos[None, :]
+    same = (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_q[:, :, None] != 0)
+    return (causal[None] & same) | (qpos[:, None] == kpos[None, :])[None]
+
+
+def _blocks(t: int, block: int | None) -> tuple[int, int]:
+    block = block or min(_BLOCK, _round_up(t, 128))
+    return block, _round_up(t, block)
+
+
+def blocked_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT=None, block: int | None = None):
+    """Causal (packed) attention in blocks with an online softmax: O(T x block) memory per head.
+
+    Rows are padded to a whole number of blocks with segment 0. Equal to `reference_attention` under
+    `packed_causal_mask` (also at padding positions), forward and gradients.
+    """
+    b, t, h, kd = q_BxTxHxK.shape
+    g = k_BxTxGxK.shape[2]
+    block, tp = _blocks(t, block)
+    seg = jnp.ones((b, t), jnp.int32) if segment_ids_BxT is None else segment_ids_BxT.astype(jnp.int32)
+    pad = ((0, 0), (0, tp - t), (0, 0), (0, 0))
+    q_BxTxGxRxK = jnp.pad(q_BxTxHxK, pad).reshape(b, tp, g, h // g, kd)
+    out = _flash(block, q_BxTxGxRxK, jnp.pad(k_BxTxGxK, pad), jnp.pad(v_BxTxGxK, pad), jnp.pad(seg, pad[:2]))
+    return out[:, :t].reshape(b, t, h, kd).astype(q_BxTxHxK.dtype)
+
+
+def _slice(x, i, block, axis=1):
+    return jax.lax.dynamic_slice_in_dim(x, i * block, block, axis=axis)
+
+
+def _flash_forward(block, q_BxTxGxRxK, k_BxTxGxK, v_BxTxGxK, seg_BxT):
+    b, tp, g, r, kd = q_BxTxGxRxK.shape
+    scale = kd**-0.5
+    nb = tp // block
+
+    def q_block(i, carry):
+        out_BxTxGxRxK, lse_BxGxRxT = carry
+        q_i = _slice(q_BxTxGxRxK, i, block)
+        seg_i = _slice(seg_BxT, i, block)
+
+        def k_block(j, state):
+            m_, l_, acc = state  # [B, G, R, bq], [B, G, R, bq], [B, G, R, bq, K] (float32)
+            s = jnp.einsum("bqgrk,bsgk->bgrqs", q_i, _slice(k_BxTxGxK, j, block),
+                           preferred_element_type=jnp.float32) * scale  # fmt: skip
+            s = jnp.where(
+                _block_mask(seg_i, _slice(seg_BxT, j, block), i, j, block)[:, None, None], s, _NEG_INF
+            )
+            m_new = jnp.maximum(m_, jnp.max(s, axis=-1))
+            p = jnp.exp(s - m_new[..., None])
+            corr = jnp.exp(m_ - m_new)
+            pv = jnp.einsum("bgrqs,bsgk->bgrqk", p, _slice(v_BxTxGxK, j, block).astype(jnp.float32))
+            return m_new, l_ * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv
+
+        init = (jnp.full((b, g, r, block), _NEG_INF, jnp.float32), jnp.zeros((b, g, r, block), jnp.float32),
+                jnp.zeros((b, g, r, block, kd), jnp.float32))  # fmt: skip
+        m_, l_, acc = jax.lax.fori_loop(0, i + 1, k_block, init)  # key blocks on or below the diagonal
+        o_BxQxGxRxK = (acc / l_[..., None]).transpose(0, 3, 1, 2, 4)
+        out_BxTxGxRxK = jax.lax.dynamic_update_slice_in_dim(out_BxTxGxRxK, o_BxQxGxRxK, i * block, axis=1)
+        lse_BxGxRxT = jax.lax.dynamic_update_slice_in_dim(lse_BxGxRxT, m_ + jnp.log(l_), i * block, axis=3)
+        return out_BxTxGxRxK, lse_BxGxRxT
+
+    init = (jnp.zeros((b, tp, g, r, kd), jnp.float32), jnp.zeros((b, g, r, tp), jnp.float32))
+    return jax.lax.fori_loop(0, nb, q_block, init)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(block, q_BxTxGxRxK, k_BxTxGxK, v_BxTxGxK, seg_BxT):
+    return _flash_forward(block, q_BxTxGxRxK, k_BxTxGxK, v_BxTxGxK, seg_BxT)[0]
+
+
+def _flash_fwd(block, q, k, v, seg):
+    out, lse = _flash_forward(block, q, k, v, seg)
+    return out, (q, k, v, seg, out, lse)  # O(T) residuals: the scores are recomputed in the backward
+
+
+def _flash_bwd(block, res, do_BxTxGxRxK):
+    q, k, v, seg, out, lse_BxGxRxT = res
+    b, tp, g, r, kd = q.shape
+    scale = kd**-0.5
+    nb = tp // block
+    do = do_BxTxGxRxK.astype(jnp.float32)
+    delta_BxGxRxT = jnp.einsum("btgrk,btgrk->bgrt", do, out)
+
+    def k_block(j, carry):
+        dq_BxTxGxRxK, dk_BxTxGxK, dv_BxTxGxK = carry
+        k_j, v_j = _slice(k, j, block).astype(jnp.float32), _slice(v, j, block).astype(jnp.float32)
+        seg_j = _slice(seg, j, block)
+
+        def q_block(i, state):
+            dq, dk_j, dv_j = state
+            q_i = _slice(q, i, block).astype(jnp.float32)
+            do_i = _slice(do, i, block)
+            s = jnp.einsum("bqgrk,bsgk->bgrqs", q_i, k_j) * scale
+            mask = _block_mask(_slice(seg, i, block), seg_j, i, j, block)[:, None, None]
+            p = jnp.where(mask, jnp.exp(s - _slice(lse_BxGxRxT, i, block, 3)[..., None]), 0.0)
+            dv_j = dv_j + jnp.einsum("bgrqs,bqgrk->bsgk", p, do_i)
+            dp = jnp.einsum("bqgrk,bsgk->bgrqs", do_i, v_j)
+            ds = p * (dp - _slice(delta_BxGxRxT, i, block, 3)[..., None]) * scale
+            dk_j = dk_j + jnp.einsum("bgrqs,bqgrk->bsgk", ds, q_i)
+            dq_i = _slice(dq, i, block) + jnp.einsum("bgrqs,bsgk->bqgrk", ds, k_j)
+            return jax.lax.dynamic_update_slice_in_dim(dq, dq_i, i * block, axis=1), dk_j, dv_j
+
+        zeros = jnp.zeros((b, block, g, kd), jnp.float32)
+        dq_BxTxGxRxK, dk_j, dv_j = jax.lax.fori_loop(j, nb, q_block, (dq_BxTxGxRxK, zeros, zeros))
+        dk_BxTxGxK = jax.lax.dynamic_update_slice_in_dim(dk_BxTxGxK, dk_j, j * block, axis=1)
+        dv_BxTxGxK = jax.lax.dynamic_update_slice_in_dim(dv_BxTxGxK, dv_j, j * block, axis=1)
+        return dq_BxTxGxRxK, dk_BxTxGxK, dv_BxTxGxK
+
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    dq, dk, dv = jax.lax.fori_loop(0, nb, k_block, init)
+    seg_ct = np.zeros(seg.shape, jax.dtypes.float0)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), seg_ct
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def _round_up(n: int, m: int) -> int:

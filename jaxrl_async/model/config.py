@@ -14,7 +14,7 @@ _HF_ARCH = {v: k for k, v in _ARCHS.items()}
 _MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 DTYPES = ("float32", "bfloat16")
 # Training and prefill attention (jaxrl_async.model.attention): "auto" picks by platform.
-ATTENTION = ("auto", "reference", "dot_product", "splash")
+ATTENTION = ("auto", "reference", "dot_product", "blocked", "splash")
 
 
 @dataclasses.dataclass(frozen=True)

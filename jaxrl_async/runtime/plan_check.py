@@ -11,9 +11,12 @@ counting the optimizer state, which is live while micro-batches run.
 
 Attention on the target: the memory-efficient kernels cannot be compiled for a GPU or TPU here, so the
 trainer is compiled with the splash kernel's own code in Pallas interpret mode, a flash-attention stand-in
-with the same O(T) residuals. For cuDNN (GPU "dot_product") the dense segment mask it takes is added
-analytically: per row on a device, a [T, T] bool mask, its bf16 bias and the bf16 bias gradient the
-kernel returns (5 T^2 bytes). "reference" is compiled as it is (float32 scores, T^2 x heads).
+with the same O(T) residuals. cuDNN (GPU "dot_product") takes packed rows in its packed layout (segment
+lengths and offsets, `model.attention.packed_layout`): no [T, T] mask or bias. "reference" and "blocked"
+are compiled as they are (the reference with float32 scores, T^2 x heads).
+
+Headroom: a role's peak against the memory JAX may use on the target (device memory x the memory
+fraction, `mem_fraction`); `headroom` refuses a role that leaves less than MIN_HEADROOM of it.
 
 Sampler: every buffer a sampler device holds. The sampler's engine and the greedy eval engine (which
 shares its weights, `Engine(weights_from=...)`) are both compiled: their arguments are the weights
@@ -42,8 +45,59 @@ from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
 from jaxrl_async.trainer import TrainConfig
 from jaxrl_async.trainer.train_step import compile_abstract
 
-# Bytes per [T, T] element of the cuDNN path's dense segment mask: bool mask + bf16 bias + bf16 dbias.
-_CUDNN_MASK_BYTES = 1 + 2 + 2
+# XLA_PYTHON_CLIENT_MEM_FRACTION: launch/gpu_node.sh exports this value (a test keeps the two equal); a GPU
+# process started without it preallocates JAX's default, 0.75. TPUs take the whole HBM.
+GPU_NODE_MEM_FRACTION = 0.92
+DEFAULT_MEM_FRACTION = {"gpu": 0.75, "tpu": 1.0, "cpu": 1.0}
+# Refuse a layout whose compiled peak leaves less than this share of the usable memory: the CPU compile
+# does not see the GPU/TPU compiler's own schedule and fusions, cuDNN/Pallas workspaces, the prefill
+# outputs waiting to be inserted (up to 0.6 GiB for math_8b) or allocator fragmentation.
+MIN_HEADROOM = 0.08
+
+
+def mem_fraction(platform: str, env: dict[str, str]) -> tuple[float, str]:
+    """(fraction of device memory JAX may use, where it came from) on `platform`, given the environment."""
+    value = env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    if platform == "gpu" and value:
+        try:
+            frac = float(value)
+        except ValueError:
+            raise ValueError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={value!r}: not a number") from None
+        if not 0 < frac <= 1:
+            raise ValueError(f"XLA_PYTHON_CLIENT_MEM_FRACTION={value!r}: must be in (0, 1]")
+        return frac, "XLA_PYTHON_CLIENT_MEM_FRACTION"
+    if platform == "gpu":
+        return GPU_NODE_MEM_FRACTION, "launch/gpu_node.sh"
+    return DEFAULT_MEM_FRACTION[platform], f"{platform} default"
+
+
+# The config fields that move each role's peak, named in a refusal.
+ROLE_FIELDS = {
+    "trainer": "config.mesh.trainer, config.trainer.rows_per_micro, config.trainer.token_budget",
+    "sampler": "config.mesh.sampler, config.sampler.num_slots, config.eval_slots, "
+    "config.sampler.max_prompt_len + config.sampler.max_new_tokens",
+}
+
+
+def headroom(peaks: dict[str, float], mem_bytes: float, fraction: float, margin: float = MIN_HEADROOM):
+    """Per role: the usable bytes (mem_bytes x fraction), the headroom the compiled peak leaves, and
+    whether it is at least `margin` of the usable bytes. Returns (per-role dict, refusal messages)."""
+    usable = mem_bytes * fraction
+    out, refusals = {}, []
+    gib = 2**30
+    for role, peak in peaks.items():
+        room = usable - peak
+        ok = room >= margin * usable
+        out[role] = {"usable_bytes": int(usable), "peak_bytes": int(peak), "headroom_bytes": int(room),
+                     "headroom_fraction": room / usable, "ok": ok}  # fmt: skip
+        if not ok:
+            refusals.append(
+                f"{role}: peak {peak / gib:.2f} GiB of {usable / gib:.2f} GiB usable "
+                f"({mem_bytes / gib:.1f} GiB x memory fraction {fraction:.2f}) leaves {room / gib:.2f} GiB "
+                f"({room / usable:.1%}), under the {margin:.0%} margin ({margin * usable / gib:.2f} GiB); "
+                f"shrink {ROLE_FIELDS[role]}"
+            )
+    return out, refusals
 
 
 def target_platform(hardware_name: str) -> str:
@@ -59,14 +113,13 @@ def _dtypes(tree) -> list[str]:
 
 
 def trainer_attention(cfg: TrainConfig, model_cfg: ModelConfig, platform: str) -> dict:
-    """Which attention the trainer runs on `platform`, what is compiled here for it, and the extra bytes
-    per packed row (cuDNN's dense segment mask)."""
+    """Which attention the trainer runs on `platform` and what is compiled here for it (cuDNN takes
+    packed rows as segment lengths and offsets, O(T) int32: nothing to add beside the stand-in)."""
     target = attention.resolve(model_cfg.attention, platform)
     compute = cfg.compute_dtype or model_cfg.dtype
     if target == "dot_product" and platform == "gpu" and compute in ("bfloat16", "float16"):
-        mask = _CUDNN_MASK_BYTES * cfg.token_budget**2
-        return {"target": "cudnn", "compiled_as": "splash", "mask_bytes_per_row": mask}
-    return {"target": target, "compiled_as": target, "mask_bytes_per_row": 0}
+        return {"target": "cudnn", "compiled_as": "splash"}
+    return {"target": target, "compiled_as": target}
 
 
 def train_memory(
@@ -80,8 +133,7 @@ def train_memory(
 
     The top-level figures are the micro-batch program's (forward/backward into the gradient accumulator);
     `apply` is the optimizer update's, `prox_logprobs` the pi_prox forward's (minibatches > 1).
-    `peak_estimate` is the largest phase, counting the optimizer state (live while micro-batches run)
-    and, for cuDNN attention, its dense segment masks.
+    `peak_estimate` is the largest phase, counting the optimizer state (live while micro-batches run).
     """
     mesh = make_mesh(trainer_shape, ("fsdp", "tensor"), devices)
     att = trainer_attention(cfg, model_cfg, platform)
@@ -89,20 +141,18 @@ def train_memory(
     acc = compiled_memory(programs["accumulate"])
     apply = compiled_memory(programs["apply"])
     opt = programs["optimizer_state_bytes"]
-    rows_per_device = -(-cfg.rows_per_micro // trainer_shape[0])
-    mask = att["mask_bytes_per_row"] * rows_per_device
     state = programs["state"]
-    phases = [acc["peak_estimate"] + opt + mask, apply["peak_estimate"]]
+    phases = [acc["peak_estimate"] + opt, apply["peak_estimate"]]
     prox = None
     if programs["logprobs"] is not None:  # minibatches > 1: the pi_prox forward before any update
         prox = compiled_memory(programs["logprobs"])
-        phases.append(prox["peak_estimate"] + opt + mask)
+        phases.append(prox["peak_estimate"] + opt)
     return {
         **acc,
         "apply": apply,
         "prox_logprobs": prox,
         "optimizer_state_bytes": opt,
-        "attention": {"target": att["target"], "compiled_as": att["compiled_as"], "mask_bytes": mask},
+        "attention": att,
         "dtypes": {"params": _dtypes(state.params), "optimizer_state": _dtypes(state.opt_state)},
         "peak_estimate": max(phases),
     }
