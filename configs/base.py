@@ -36,6 +36,12 @@ def get_config() -> ml_collections.ConfigDict:
     # Slots of the greedy eval engine (rounded down to a multiple of mesh.sampler's data axis, at most the
     # sampler's): its KV cache sits beside the sampler's on the same devices, slots x slot length.
     c.eval_slots = 64
+    # "own": the eval engine holds its own copy of the weights, so an evaluation decodes every token with
+    # the version it evaluates while sampling moves on (one more weight copy per sampler device). "shared":
+    # it shares the sampler's weights (no copy; for models whose second copy would not fit): new versions
+    # reach a running evaluation too, the log names the versions it spanned, and versions due while
+    # another evaluation runs are skipped (logged), except the last one.
+    c.eval_weights = "own"
     c.log_every = 1  # Train steps between TensorBoard writes and summary lines.
     c.text_samples = 4  # Completions (with rewards) written to TensorBoard as text at each log step.
     c.checkpoint_every = 50  # Train steps between orbax checkpoints (0 = by time only); always at the end.

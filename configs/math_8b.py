@@ -59,6 +59,9 @@ def get_config(layout: str = "v5p"):
         # second copy during a weight update and the eval engine's cache; 8 per GPU left 2% headroom.
         c.sampler.num_slots = 28
         c.eval_slots = 4  # 1 per GPU (each as long as a sampler slot); 2 per GPU cost 3.9 GiB of headroom
+        # The eval engine shares the sampler's weights: a copy of its own would add 15 GiB per GPU (the
+        # (4, 1) sampler replicates Qwen3-8B's weights on each) and not fit beside 7 slots per GPU.
+        c.eval_weights = "shared"
         c.trainer.rows_per_micro = 2
     else:
         raise ValueError(f"math_8b: unknown layout {layout!r} (v5p, h100)")

@@ -32,6 +32,7 @@ SECTIONS = {
     "warm_start": WarmStartConfig,
 }
 MODES = ("async", "sync")
+EVAL_WEIGHTS = ("own", "shared")  # config.eval_weights (configs/base.py)
 # The reward that grades each data task when config.reward.reward is "" (a row's own metadata["reward"]
 # still overrides it).
 TASK_REWARD = {
@@ -219,6 +220,7 @@ class RunConfig:
     eval_every: int
     eval_prompts: int
     eval_slots: int
+    eval_weights: str
     log_every: int
     text_samples: int
     checkpoint_every: int
@@ -281,6 +283,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         raise ConfigError("config.workdir: required (e.g. --config.workdir=runs/my_run)")
     if c["mode"] not in MODES:
         raise ConfigError(f"config.mode: {c['mode']!r} not in {MODES}")
+    if c.get("eval_weights", "own") not in EVAL_WEIGHTS:
+        raise ConfigError(f"config.eval_weights: {c['eval_weights']!r} not in {EVAL_WEIGHTS}")
     _positive(
         c, "total_steps", "prompts_per_step", "samples_per_prompt", "eval_prompts", "eval_slots", "log_every"
     )
@@ -380,6 +384,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         eval_every=c["eval_every"],
         eval_prompts=c["eval_prompts"],
         eval_slots=c["eval_slots"],
+        eval_weights=c.get("eval_weights", "own"),
         log_every=c["log_every"],
         text_samples=c["text_samples"],
         checkpoint_every=c["checkpoint_every"],

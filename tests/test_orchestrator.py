@@ -54,6 +54,8 @@ def _small(workdir, **overrides):
 
 def test_config_errors_name_the_field(tmp_path):
     n = len(jax.devices())
+    with pytest.raises(ConfigError, match=r"config\.eval_weights: 'copy' not in \('own', 'shared'\)"):
+        validate(_small(tmp_path, eval_weights="copy"), n)
     with pytest.raises(ConfigError, match=r"config\.trainer: .*lr"):
         validate(_small(tmp_path, **{"trainer.lr": -1.0}), n)
     with pytest.raises(ConfigError, match=r"config\.mode"):
@@ -231,11 +233,14 @@ def test_sampler_devices_hold_two_copies_of_the_weights(tmp_path):
         proc.close()
 
 
-def test_trainer_steps_while_an_evaluation_is_in_progress(tmp_path):
+@pytest.mark.parametrize("eval_weights", ["own", "shared"])
+def test_trainer_steps_while_an_evaluation_is_in_progress(tmp_path, eval_weights):
     """A long evaluation (32 held-out prompts through 2 greedy slots) does not stop the one-process loop:
-    train versions finish between its start and its end."""
+    train versions finish between its start and its end, whether the eval engine holds its own weights
+    or shares the sampler's (config.eval_weights)."""
     summary = run_from_config(
-        _small(tmp_path, total_steps=3, eval_every=0, eval_prompts=32, eval_slots=2, checkpoint_every=1)
+        _small(tmp_path, total_steps=3, eval_every=0, eval_prompts=32, eval_slots=2, checkpoint_every=1,
+               eval_weights=eval_weights)  # fmt: skip
     )
     assert [v for v, _, _ in summary["eval_spans"]] == [0, 3]
     _, start, end = summary["eval_spans"][0]

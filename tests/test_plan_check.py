@@ -67,15 +67,20 @@ def test_sampler_bytes_and_full_report():
     assert report["trainer"]["dtypes"] == {"params": ["float32"], "optimizer_state": ["float32"]}
     sampler = report["sampler"]
     assert sampler["dtypes"] == ["bfloat16"]
-    # Every buffer a sampler device holds: the weights once, the sampler's and the eval engine's KV caches
-    # (plus a few bytes of per-slot scalars each), as counted analytically.
+    # Every buffer a sampler device holds: the weights twice (the eval engine's own copy, the default
+    # config.eval_weights="own"), the sampler's and the eval engine's KV caches (plus a few bytes of
+    # per-slot scalars each), as counted analytically.
     an = sampler["analytic"]
-    assert sampler["weights"] == an["weights"]
+    assert sampler["weights"] == an["weights"] and sampler["weight_copies"] == 2
     slots = s.num_slots + sampler["eval_slots"]
     assert an["total"] <= sampler["held"] <= an["total"] + slots * 64
     gen, ev = sampler["generate"], sampler["eval_generate"]
-    assert sampler["held"] == gen["argument_size"] + ev["argument_size"] - sampler["weights"]
+    assert sampler["held"] == gen["argument_size"] + ev["argument_size"]
     assert sampler["peak"] >= sampler["held"] + sampler["weights"]  # a weight update holds one more copy
+    # Shared with the sampler's engine (config.eval_weights="shared"): one copy fewer.
+    train = TrainConfig(token_budget=64, rows_per_micro=2)
+    shared = plan_check(mixed, train, s, Mesh(), eval_weights="shared")
+    assert shared["sampler"]["held"] == sampler["held"] - sampler["weights"]
 
 
 def test_memory_efficient_attention_shows_in_the_compiled_train_step():

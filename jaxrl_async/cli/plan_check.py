@@ -95,7 +95,8 @@ def main(argv) -> int:
     margin = MIN_HEADROOM if _MARGIN.value is None else _MARGIN.value
     if not 0 <= margin < 1:
         raise app.UsageError(f"--margin={margin}: must be in [0, 1)")
-    report = plan_check(model_cfg, train_cfg, sampler_cfg, config.mesh, platform, config.eval_slots)
+    report = plan_check(model_cfg, train_cfg, sampler_cfg, config.mesh, platform, config.eval_slots,
+                        config.get("eval_weights", "own"))  # fmt: skip
     report["hardware"] = {"name": hw.name, "mem_bytes": hw.mem_bytes}
     peaks = {"trainer": report["trainer"]["peak_estimate"], "sampler": report["sampler"]["peak"]}
     report["fits"] = {role: peak <= hw.mem_bytes * fraction for role, peak in peaks.items()}
@@ -104,6 +105,7 @@ def main(argv) -> int:
     sa = report["sampler"]
     not_kv = sa["peak"] - sa["decode_state"]  # weights, the eval cache, decode temporaries
     group = int(config.get("samples_per_prompt", 1))
+    report["weight_sync"] = weight_sync_plan(model_cfg, config, hw.name)
     report["paged_kv"] = paged_kv_plan(
         model_cfg, sampler_cfg, tuple(config.mesh.sampler), hw.mem_bytes * fraction - not_kv,
         _MEDIAN_LEN.value, _P99_LEN.value, group, _PROMPT_LEN.value,
@@ -121,6 +123,10 @@ def main(argv) -> int:
         f"{group}) vs {pk['sequences_slotted']} for the slotted cache; num_slots={sampler_cfg.num_slots} "
         f"caps the decode batch at {pk['decode_batch_long_tail']}"
     )
+    ws = report["weight_sync"]
+    print(f"  weight sync: {ws['bytes'] / 2**30:.2f} GiB per version to {ws['replicas']} replica(s), "
+          f"predicted {ws['seconds']:.3f} s over {ws['link']} ({ws['link_source']}); other links: "
+          + ", ".join(f"{k} {v:.3g} s" for k, v in ws["by_link"].items()))  # fmt: skip
     hr = report["headroom"]
     for role in ("trainer", "sampler"):
         r = hr[role]
@@ -136,6 +142,27 @@ def main(argv) -> int:
         print("plan check refuses this layout:\n  " + "\n  ".join(refusals))
         return 1
     return 0
+
+
+def weight_sync_plan(model_cfg, config, hardware: str) -> dict:
+    """Predicted seconds per version to move the weights (in the sampler's dtype) from the trainer to every
+    sampler replica (jaxrl_async.perf.weight_sync: one rate per link, measured or from spec sheets)."""
+    import jax.numpy as jnp
+
+    from jaxrl_async.perf import weight_sync
+    from jaxrl_async.runtime.plan_check import sampler_weight_bytes
+
+    itemsize = jnp.dtype(model_cfg.compute_copy().dtype).itemsize
+    nbytes = sampler_weight_bytes(model_cfg, (1, 1), itemsize)  # the whole model, one device's view
+    mesh = config.mesh
+    replicas = max(int(mesh.get("sampler_replicas", 0) or 0), len(mesh.sampler_processes) or 1)
+    nt, ns = mesh.trainer[0] * mesh.trainer[1], mesh.sampler[0] * mesh.sampler[1]
+    link = weight_sync.link_for(hardware)
+    return {
+        "bytes": nbytes, "replicas": replicas, "link": link.name, "link_source": link.source,
+        "seconds": weight_sync.sync_seconds(nbytes * replicas, link, nt, ns),
+        "by_link": weight_sync.sync_report(nbytes, nt, ns, replicas),
+    }  # fmt: skip
 
 
 def summary(report: dict, config, train_cfg, sampler_cfg) -> str:
@@ -156,11 +183,12 @@ def summary(report: dict, config, train_cfg, sampler_cfg) -> str:
         f"    micro-batch: args {g(tr['argument_size'])} + optimizer state {g(tr['optimizer_state_bytes'])}, "
         f"temps {g(tr['temp_size'])}; update: temps {g(tr['apply']['temp_size'])}",
         f"    peak ~{g(tr['peak_estimate'])} -> {verdict(ok['trainer'])}",
-        f"  sampler {tuple(config.mesh.sampler)}: weights {sa['dtypes']} {g(sa['weights'])} (once), "
+        f"  sampler {tuple(config.mesh.sampler)}: weights {sa['dtypes']} {g(sa['weights'])} x "
+        f"{sa['weight_copies']} (config.eval_weights), "
         f"KV cache + state {g(sa['decode_state'])} ({sampler_cfg.num_slots} slots x {sampler_cfg.slot_len}), "
         f"eval engine {g(sa['eval_decode_state'])} ({sa['eval_slots']} slots)",
-        f"    analytic: weights {g(an['weights'])} + KV {g(an['kv_cache'])} + eval KV "
-        f"{g(an['eval_kv_cache'])} = {g(an['total'])}; compiled held {g(sa['held'])}",
+        f"    analytic: {sa['weight_copies']} x weights {g(an['weights'])} + KV {g(an['kv_cache'])} + "
+        f"eval KV {g(an['eval_kv_cache'])} = {g(an['total'])}; compiled held {g(sa['held'])}",
         f"    temps {g(sa['temp_size_accelerator'])} (XLA:CPU {g(sa['generate']['temp_size'])}), weight "
         f"update +{g(sa['update_transient'])}; peak ~{g(sa['peak'])} -> {verdict(ok['sampler'])}",
     ]

@@ -50,6 +50,8 @@ class ActorConfig:
       total_steps: the last version (always evaluated).
       verify_weights: checksum every received version (a host read of the weights; for tests).
       overlong_buffer, overlong_penalty: the length shaping added to each reward (RewardConfig).
+      eval_shares_weights: config.eval_weights == "shared": the eval engine decodes with the sampler's
+        current weights (no copy of their own).
     """
 
     index: int
@@ -60,6 +62,7 @@ class ActorConfig:
     verify_weights: bool = False
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
+    eval_shares_weights: bool = False
 
 
 def to_rollout(c, reward: float, reason: str, tokenizer, shaping: float = 0.0) -> Rollout:
@@ -124,6 +127,7 @@ class Actor:
         self._eval: Evaluation | None = None  # the evaluation in progress
         self._eval_due_next: list[tuple[int, Any]] = []  # (version, params) due while one ran
         self.eval_spans: list[tuple[int, float, float]] = []  # (version, start, end), time.monotonic
+        self.evals_skipped: list[int] = []  # versions due but not evaluated (eval_shares_weights)
         self._drained_sent = False
 
     # ----- the event loop -----
@@ -226,7 +230,16 @@ class Actor:
 
     def _schedule_eval(self, version: int, params) -> None:
         """Starts evaluating `version` now, or after the evaluations in progress and waiting (each waiting
-        one holds its version's weights: say so when they pile up)."""
+        one holds its version's weights: say so when they pile up). With shared weights nothing holds a
+        version: one due while another evaluation runs is skipped (logged), except the last version."""
+        if self.cfg.eval_shares_weights:
+            params = None  # the eval engine decodes with the sampler's weights, as they are now
+            if self._eval is not None and version != self.cfg.total_steps:
+                log.warning("evaluation of version %d skipped: version %d's is still running "
+                            "(config.eval_weights='shared' keeps no copy of its weights)",
+                            version, self._eval.version)  # fmt: skip
+                self.evals_skipped.append(version)
+                return
         if self._eval is None:
             self._eval = Evaluation(self.eval_engine, self.rewards, self.tokenizer, self.eval_prompts, params,
                                     version)  # fmt: skip
@@ -243,6 +256,9 @@ class Actor:
     def _eval_finished(self) -> None:
         ev, self._eval = self._eval, None
         seconds = time.perf_counter() - ev.started
+        if self.cfg.eval_shares_weights and self.version != ev.version:
+            log.info("the evaluation of version %d decoded with versions %d..%d (config.eval_weights="
+                     "'shared')", ev.version, ev.version, self.version)  # fmt: skip
         self.eval_s += seconds
         self.evals.append((ev.version, ev.accuracy))
         self.eval_spans.append((ev.version, self._eval_began, time.monotonic()))
@@ -302,6 +318,7 @@ class Actor:
             "sample_tokens": self.sample_tokens,
             "idle_s": self.idle_s + (time.perf_counter() - self._idle_since if self._idle_since else 0.0),
             "eval_s": self.eval_s,
+            "evals_skipped": list(self.evals_skipped),
             "eval_spans": list(self.eval_spans),
             "weight_s": self.weight_s,
             "occupancy": s.occupancy,

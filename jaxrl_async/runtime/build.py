@@ -127,12 +127,14 @@ def trainer_mesh(run: RunConfig, cluster):
 
 def build_engines(run: RunConfig, model_cfg: ModelConfig, mesh, sampler_cfg: SamplerConfig):
     """The sampling engine and the greedy evaluation engine on one sampler mesh (weights in the compute
-    dtype, arriving with the first published version). The eval engine holds weights of its own: an
-    evaluation runs beside sampling with the version it evaluates (runtime/evaluation.py)."""
+    dtype, arriving with the first published version). The eval engine holds weights of its own (an
+    evaluation runs beside sampling with the version it evaluates, runtime/evaluation.py), or shares the
+    sampler's with config.eval_weights="shared"."""
     weights_cfg = model_cfg.compute_copy()
     engine = Engine(weights_cfg, None, mesh, sampler_cfg)
     eval_cfg = eval_sampler_config(engine.cfg, mesh.shape["data"], run.eval_slots)  # the kernels it chose
-    return engine, Engine(weights_cfg, None, mesh, eval_cfg)
+    shared = engine if run.eval_weights == "shared" else None  # config.eval_weights
+    return engine, Engine(weights_cfg, None, mesh, eval_cfg, weights_from=shared)
 
 
 # ----- trainer side -----

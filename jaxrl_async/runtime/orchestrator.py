@@ -239,6 +239,7 @@ def _build_actor(proc, run, cluster, transport, tokenizer, model_cfg, scfg, t_me
         verify_weights=run.verify_weights,
         overlong_buffer=run.reward.overlong_buffer,
         overlong_penalty=run.reward.overlong_penalty,
+        eval_shares_weights=run.eval_weights == "shared",
     )
     eval_prompts = held_out_prompts(run.data, tokenizer, run.eval_prompts) if index == 0 else []
     caps = length_cap_fn(run.length_caps) if run.length_caps else None

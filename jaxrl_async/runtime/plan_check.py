@@ -18,12 +18,13 @@ are compiled as they are (the reference with float32 scores, T^2 x heads).
 Headroom: a role's peak against the memory JAX may use on the target (device memory x the memory
 fraction, `mem_fraction`); `headroom` refuses a role that leaves less than MIN_HEADROOM of it.
 
-Sampler: every buffer a sampler device holds. The sampler's engine and the greedy eval engine (which
-shares its weights, `Engine(weights_from=...)`) are both compiled: their arguments are the weights
-(counted once) and each engine's decode state (KV cache and per-slot scalars). A weight update briefly
-holds one more weight copy (the incoming sampler-layout copy while the decode layout is built; the old
-layout is released first). An analytic count (weights + slots x slot length x layers x 2 x KV heads x
-head dim) is reported beside the compiled one as a cross-check.
+Sampler: every buffer a sampler device holds. The sampler's engine and the greedy eval engine are both
+compiled, as `runtime.build.build_engines` builds them: with config.eval_weights="own" the eval engine
+holds weights of its own (an evaluation runs beside sampling, with the version it evaluates), so the
+weights count twice ("shared": once), plus each engine's decode state (KV cache and per-slot scalars).
+A weight update briefly holds one more weight copy (the incoming sampler-layout copy while the decode
+layout is built; the old layout is released first). An analytic count (weights + slots x slot length x
+layers x 2 x KV heads x head dim) is reported beside the compiled one as a cross-check.
 `paged_kv_plan` sizes the paged KV cache an accelerator sampler uses (SamplerConfig.attention "auto" /
 "paged_kernel") in the memory the compiled program leaves free: pages per device and the sequences that
 run at once, at full length and on a long-tailed length mix under the sampler's admission rule.
@@ -198,7 +199,7 @@ def sampler_weight_bytes(model_cfg: ModelConfig, sampler_shape: tuple[int, int],
     return total
 
 
-def _generate_memory(model_cfg: ModelConfig, sampler_cfg: Any, mesh, source: Engine | None = None):
+def _generate_memory(model_cfg: ModelConfig, sampler_cfg: Any, mesh):
     """(engine, compiled `generate` memory with accelerator temporaries) on `mesh`.
 
     XLA:CPU has no bfloat16 matmul: it converts bf16 operands (weights, KV cache) to f32 copies, which show
@@ -206,7 +207,7 @@ def _generate_memory(model_cfg: ModelConfig, sampler_cfg: Any, mesh, source: Eng
     compiled in f32, and its temporaries (f32 activations, an upper bound for bf16 ones) are reported as
     `temp_size_accelerator`; `peak_accelerator` = arguments + outputs - aliased + those temporaries.
     """
-    engine = Engine(model_cfg, None, mesh, sampler_cfg, weights_from=source)
+    engine = Engine(model_cfg, None, mesh, sampler_cfg)
     out = compiled_memory(engine.compile_generate())
     temps = out["temp_size"]
     if jnp.dtype(model_cfg.dtype) == jnp.bfloat16 or jnp.dtype(model_cfg.param_dtype) == jnp.bfloat16:
@@ -224,20 +225,22 @@ def decode_memory(model_cfg: ModelConfig, sampler_cfg: Any, sampler_shape: tuple
 
 
 def sampler_memory(
-    model_cfg: ModelConfig, sampler_cfg: Any, sampler_shape: tuple[int, int], devices, eval_slots: int = 64
+    model_cfg: ModelConfig, sampler_cfg: Any, sampler_shape: tuple[int, int], devices, eval_slots: int = 64,
+    eval_weights: str = "own",
 ) -> dict:
     """Every buffer one sampler device holds (see the module doc), compiled and analytic.
 
     `model_cfg` is the sampler's: weights in the compute dtype (`ModelConfig.compute_copy`); `eval_slots`
-    the run's config.eval_slots.
+    and `eval_weights` the run's config.eval_slots and config.eval_weights ("shared": one weight copy).
     """
     mesh = make_mesh(sampler_shape, ("data", "tensor"), devices)
     main, gen = _generate_memory(model_cfg, sampler_cfg, mesh)
     eval_cfg = eval_sampler_config(sampler_cfg, sampler_shape[0], eval_slots)
-    _, ev = _generate_memory(model_cfg, eval_cfg, mesh, source=main)
+    _, ev = _generate_memory(model_cfg, eval_cfg, mesh)
     weights = main.weight_bytes_per_device()
     state, eval_state = gen["argument_size"] - weights, ev["argument_size"] - weights
-    held = weights + state + eval_state
+    copies = 1 if eval_weights == "shared" else 2  # "own": the eval engine's copy of the weights
+    held = copies * weights + state + eval_state
     temps = max(gen["temp_size_accelerator"], ev["temp_size_accelerator"])
     dtype_bytes = jnp.dtype(model_cfg.dtype).itemsize
     an_w = sampler_weight_bytes(model_cfg, sampler_shape, jnp.dtype(model_cfg.param_dtype).itemsize)
@@ -245,6 +248,7 @@ def sampler_memory(
     an_ev = kv_cache_bytes(model_cfg, eval_cfg.num_slots, eval_cfg.slot_len, sampler_shape, dtype_bytes)
     return {
         "weights": weights,
+        "weight_copies": copies,
         "decode_state": state,
         "eval_decode_state": eval_state,
         "held": held,
@@ -259,7 +263,7 @@ def sampler_memory(
             "weights": an_w,
             "kv_cache": an_kv,
             "eval_kv_cache": an_ev,
-            "total": an_w + an_kv + an_ev,
+            "total": copies * an_w + an_kv + an_ev,
         },
     }
 
@@ -323,6 +327,7 @@ def plan_check(
     mesh: Any,
     platform: str = "cpu",
     eval_slots: int = 64,
+    eval_weights: str = "own",
 ) -> dict:
     """Memory per device for the trainer and the sampler, both from compiled programs.
 
@@ -333,6 +338,7 @@ def plan_check(
       mesh: object with `sampler` (data, tensor) and `trainer` (fsdp, tensor) shapes.
       platform: the target ("gpu", "tpu" or "cpu"): decides which attention the trainer runs.
       eval_slots: config.eval_slots (the greedy eval engine's slots).
+      eval_weights: config.eval_weights (whether the eval engine holds a weight copy of its own).
     """
     devices = jax.devices()
     ns = mesh.sampler[0] * mesh.sampler[1]
@@ -341,6 +347,6 @@ def plan_check(
         raise ValueError(f"plan check needs {ns + nt} devices, {len(devices)} present")
     train = train_memory(train_cfg, model_cfg, tuple(mesh.trainer), devices[ns : ns + nt], platform)
     sampler_mem = sampler_memory(
-        model_cfg.compute_copy(), sampler, tuple(mesh.sampler), devices[:ns], eval_slots
+        model_cfg.compute_copy(), sampler, tuple(mesh.sampler), devices[:ns], eval_slots, eval_weights
     )
     return {"trainer": train, "sampler": sampler_mem}
