@@ -76,7 +76,7 @@ def reference_loss_and_grads(cfg, params, rollouts):
     pos = jnp.broadcast_to(jnp.arange(t), a["tokens"].shape)
 
     def f(p):
-        logits, _ = forward(MODEL, p, jnp.asarray(a["tokens"]), pos)
+        logits = forward(MODEL, p, jnp.asarray(a["tokens"]), pos)
         logp, _ = token_logprobs(logits, jnp.asarray(a["targets"]))
         s, c, _ = policy_loss(
             cfg.loss,
@@ -149,7 +149,7 @@ def test_trainer_logprobs_of_packed_rows_match_single_sequences(params, model):
     # Plain forward: one sequence a row at positions 0.. with right padding and no segment ids.
     plain = pad_rollouts(rollouts, np.arange(6), rows_per_micro=6).micro_batch(0)
     pos = jnp.broadcast_to(jnp.arange(plain["tokens"].shape[1]), plain["tokens"].shape)
-    logp = jax.jit(lambda p, x, t: token_logprobs(forward(model, p, x, pos)[0], t)[0])
+    logp = jax.jit(lambda p, x, t: token_logprobs(forward(model, p, x, pos), t)[0])
     want = np.asarray(logp(params, jnp.asarray(plain["tokens"]), jnp.asarray(plain["targets"])))
     for i in range(6):  # the advantage field carries the sequence index
         got = packed[(batch.arrays["advantages"] == i) & (batch.arrays["loss_mask"] > 0)]

@@ -189,7 +189,7 @@ def forward(
       mesh: the mesh the call is sharded on (a kernel such as splash attention runs per device on it).
 
     Returns:
-      (logits [B, T, V] float32 (or hidden), None); the pair is kept for callers that unpack it.
+      logits [B, T, V] float32 (or the hidden states [B, T, D] with `return_hidden`).
     """
     b, t = tokens_BxT.shape
     x_BxTxD = embed(cfg, params, tokens_BxT)
@@ -209,8 +209,8 @@ def forward(
     x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, params["layers"])
     x_BxTxD = final_norm(cfg, params, x_BxTxD)
     if return_hidden:
-        return x_BxTxD, None
-    return unembed(cfg, params, x_BxTxD), None
+        return x_BxTxD
+    return unembed(cfg, params, x_BxTxD)
 
 
 def unembed(cfg: ModelConfig, params: dict, x_BxTxD):
@@ -234,7 +234,7 @@ def forward_logits(cfg: ModelConfig, params: dict, tokens_BxT) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _forward_logits_jit(cfg, params, tokens_BxT, positions_BxT):
-    return forward(cfg, params, tokens_BxT, positions_BxT)[0]
+    return forward(cfg, params, tokens_BxT, positions_BxT)
 
 
 def token_logprobs(logits_BxTxV, targets_BxT, temperature: float = 1.0):

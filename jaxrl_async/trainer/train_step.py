@@ -202,7 +202,7 @@ class _Compiled:
 
 
 def _model_logprobs(cfg: TrainConfig, model_cfg: ModelConfig, params, mb, remat: bool, mesh=None):
-    hidden_BxTxD, _ = forward(
+    hidden_BxTxD = forward(
         model_cfg,
         params,
         mb["tokens"],

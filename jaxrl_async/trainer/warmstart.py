@@ -90,7 +90,7 @@ def _sft_step(model_cfg: ModelConfig, tx, params, opt_state, inputs_BxT, targets
     positions = jnp.broadcast_to(jnp.arange(inputs_BxT.shape[1]), inputs_BxT.shape)
 
     def loss_fn(p):
-        logits, _ = forward(model_cfg, p, inputs_BxT, positions)
+        logits = forward(model_cfg, p, inputs_BxT, positions)
         logp, _ = token_logprobs(logits, targets_BxT)
         return -(logp * mask_BxT).sum() / jnp.maximum(mask_BxT.sum(), 1.0)
 
