@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxrl_async.model import ModelConfig, abstract_params
 from jaxrl_async.sampler import decode, kernel_choice, layout, paged, sampling
 from jaxrl_async.sampler.config import SamplerConfig
-from jaxrl_async.sampler.page_table import SCRATCH, PageTable, pages_for
+from jaxrl_async.sampler.page_table import SCRATCH, PagePlanner, PageTable, SlotPlanner, pages_for
 from jaxrl_async.sharding import SAMPLER_RULES, tree_shardings
 
 
@@ -313,12 +313,15 @@ class Engine:
                 f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds {where}"
             )
 
-    def new_page_table(self) -> PageTable:
-        """Empty host page tables for this engine's paged cache (the loop keeps one per decode state)."""
+    def new_planner(self) -> PagePlanner | SlotPlanner:
+        """A fresh page planner for one decode state (the loop keeps one): a `PagePlanner` over empty host
+        page tables for the paged cache, the trivial `SlotPlanner` for the slotted one."""
         if not self.paged:
-            raise ValueError("new_page_table: the engine has a slotted cache (attention != 'paged_kernel')")
+            return SlotPlanner()
         lay = self.page_layout
-        return PageTable(self.cfg.num_slots, lay.data, lay.pages_per_shard, lay.width, lay.page_size)
+        table = PageTable(self.cfg.num_slots, lay.data, lay.pages_per_shard, lay.width, lay.page_size)
+        to_device = functools.partial(jax.device_put, device=self._table_sh)
+        return PagePlanner(table, self.cfg.steps_per_call, self.cfg.prompt_bucket, to_device)
 
     def prefill(self, prompt_tokens) -> Prefix:
         """Keys/values of a prompt (padded to its bucket), computed with the current weights."""
@@ -404,7 +407,7 @@ class Engine:
 
         Args:
           dest: paged cache only: int32 [data, ceil(bucket / page_size)], the page of data shard d that
-            receives prompt chunk c (`insert_pages` builds it); SCRATCH skips a chunk.
+            receives prompt chunk c (`PagePlanner.start` builds it); SCRATCH skips a chunk.
         """
         self.check_fits(prefix.prompt_len, max_new_tokens)
         if not 0 <= slot < self.cfg.num_slots:
@@ -425,16 +428,6 @@ class Engine:
         insert = self._bucket_executables(bucket, prefix.keys[0].shape[0])[1]
         pages = () if dest is None else (np.asarray(dest, np.int32).reshape(self._dest_shape(bucket)),)
         return insert(state, prefix.keys, prefix.values, row.to_array(), *pages)
-
-    def insert_pages(self, slot: int, prompt_len: int, pages: list[int], skip: int) -> np.ndarray:
-        """`insert`'s `dest` for a slot whose pages are `pages` (in order), the first `skip` of them shared
-        pages that hold the prompt already."""
-        bucket = self.cfg.prompt_bucket(prompt_len)
-        dest = np.full(self._dest_shape(bucket), SCRATCH, np.int32)
-        n = min(pages_for(prompt_len, self.cfg.page_size), dest.shape[1])
-        shard = slot // (self.cfg.num_slots // self.page_layout.data)
-        dest[shard, skip:n] = pages[skip:n]
-        return dest
 
     def generate(self, state: dict, page_table=None) -> tuple[dict, Round]:
         """`steps_per_call` decode steps for all slots (donating `state`); returns immediately (async).
