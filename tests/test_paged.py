@@ -11,7 +11,15 @@ from test_sampler import MESH1, TINY, _by_uid, _params, _prompts, _trainer_logpr
 
 from jaxrl_async.model import presets
 from jaxrl_async.sampler import Engine, Request, SamplerConfig, SamplerLoop, paged
-from jaxrl_async.sampler.page_table import SCRATCH, PageTable, pages_for, positions_after, shared_pages
+from jaxrl_async.sampler.page_table import (
+    SCRATCH,
+    PagePlanner,
+    PageTable,
+    SlotPlanner,
+    pages_for,
+    positions_after,
+    shared_pages,
+)
 from jaxrl_async.sharding import make_mesh
 
 MESH4 = make_mesh((2, 2), ("data", "tensor"), jax.devices()[:4])
@@ -25,7 +33,7 @@ def _loop(params, mesh=MESH1, **kw):
 
 
 def _all_free(loop):
-    pt = loop._pages
+    pt = loop.planner.table
     return all(pt.num_free(d) == pt.capacity for d in range(pt.shards))
 
 
@@ -102,6 +110,72 @@ def test_shared_prompt_pages_are_freed_only_when_the_last_holder_lets_go():
         pt.alloc(0, 16)
 
 
+def _planner(pages_per_shard=9):
+    """8 slots over 2 shards (slots 0-3 and 4-7), pages of 4 positions, 4 steps per call, one prompt bucket
+    of 16; uploads are counted instead of placed on a device."""
+    uploads = []
+    table = PageTable(num_slots=8, shards=2, pages_per_shard=pages_per_shard, width=6, page_size=4)
+    return PagePlanner(table, 4, lambda p: 16, lambda t: uploads.append(t) or len(uploads)), uploads
+
+
+def test_planner_shares_prompt_pages_and_places_by_room():
+    pl, _ = _planner()
+    # Prompt 9, 12 new tokens: positions 0..7 (2 full pages) are shared; the first call writes up to
+    # position 11, so a sample starts with 3 pages.
+    assert pl.first_pages(9, 12) == 3 and shared_pages(9, 4) == 2
+    assert pl.group_pages(9, 12, 3, holds_shared=False) == 2 + 3 and pl.group_pages(9, 12, 3, True) == 3
+    shared = {}
+    first = pl.start(0, 9, 12, shared)
+    second = pl.start(1, 9, 12, shared)
+    rows = [pl.table.slot_pages(b) for b in (0, 1)]
+    assert list(shared) == [0] and rows[0][:2] == rows[1][:2] == shared[0] and rows[0][2] != rows[1][2]
+    assert all(pl.table.refcount(0, p) == 3 for p in shared[0])  # the group and both samples
+    assert first.shape == (2, 4) and first[0, :3].tolist() == rows[0] and not first[1].any()
+    assert second[0].tolist() == [SCRATCH, SCRATCH, rows[1][2], SCRATCH]  # shared chunks: not rewritten
+    # Shard 0: 8 usable pages, 4 taken; once the first call is out each sample needs one more for the next.
+    assert pl.table.num_free(0) == 4 and pl.room(0) == 4
+    pl.dispatched()
+    assert pl.room(0) == 2 and pl.room(1) == 8
+    assert pl.admission_room([2, 4]) == 10
+    assert pl.place(9, 12, [2, 4], shared) == 2  # the shard holding the group's prompt pages first
+    assert pl.place(13, 12, [2, 4], {}) == 4  # a new prompt needs 4 pages: only shard 1 has them
+    assert pl.place(13, 12, [2, 3], {}) is None
+    assert pl.can_admit([2, 4], 16, 12) and not pl.can_admit([2, 3], 16, 12)
+    pl.drop_shared(shared)
+    assert not shared and all(pl.table.refcount(0, p) == 2 for p in rows[0][:2])
+    pl.release(0), pl.release(0), pl.release(1)  # release is idempotent
+    pl.table.check()
+    assert pl.table.num_free(0) == pl.table.capacity
+
+
+def test_planner_grow_drops_held_prompt_pages_then_names_the_youngest():
+    pl, uploads = _planner(pages_per_shard=7)  # 6 usable pages per shard
+    shared = {}
+    pl.start(1, 9, 12, shared)  # admitted first, though in the higher slot
+    pl.start(0, 9, 12, shared)
+    assert pl.table.num_free(0) == 2
+    pl.dispatched()
+    assert pl.grow([shared]) == [] and pl.table.num_free(0) == 0  # 4 pages each for the second call
+    assert pl.device_table() == (1,) and pl.device_table() == (1,)  # uploaded once per table version
+    pl.dispatched()
+    # The third call needs a fifth page each and none is free: the waiting group's holding goes first
+    # (it frees nothing, the samples still reference those pages), then the youngest sample, slot 0.
+    assert pl.grow([shared]) == [0]
+    assert not shared and not pl.table.slot_pages(0) and len(pl.table.slot_pages(1)) == 5
+    pl.table.check()
+    assert pl.device_table() == (2,) and len(uploads) == 2
+    pl.dispatched()
+    assert pl.grow([]) == []  # slot 1 writes at most position 19: 5 pages
+
+
+def test_slot_planner_admits_into_any_free_slot():
+    pl = SlotPlanner()
+    assert pl.can_admit([3], 16, 12) and not pl.can_admit([], 16, 12)
+    assert pl.place(9, 12, [3, 1], {}) == 3 and pl.place(9, 12, [], {}) is None
+    assert pl.start(3, 9, 12, {}) is None and pl.grow([{}]) == [] and pl.device_table() == ()
+    assert pl.admission_room([3]) > 10**9 and pl.group_pages(9, 12, 4, False) == 0
+
+
 def test_pallas_paged_kernels_in_interpret_mode_match_the_reference():
     """The GPU kernel (interpreted) is float32-exact; the TPU kernel reads K/V as bfloat16 (its design)."""
     rng = np.random.default_rng(0)
@@ -130,7 +204,7 @@ def test_paged_decode_equals_slotted_and_the_trainer(params, mesh):
         outs[attention] = _by_uid(loop.run())
         if attention == "paged_kernel":
             assert _all_free(loop)
-            loop._pages.check()
+            loop.planner.table.check()
     assert outs["xla"].keys() == outs["paged_kernel"].keys() and len(outs["xla"]) == 10
     for key, c in outs["paged_kernel"].items():
         assert c.tokens.tolist() == outs["xla"][key].tokens.tolist()
@@ -143,7 +217,7 @@ def test_group_samples_share_prompt_pages(params):
     prompt = list(range(1, 14))  # 13 tokens: 3 full pages of 4 below position 12 are shared
     loop.add_request(Request("g", prompt, n_samples=4, seed=5, max_new_tokens=8))
     loop.step()
-    pt = loop._pages
+    pt = loop.planner.table
     rows = [pt.slot_pages(b) for b in range(4)]
     assert all(r[:3] == rows[0][:3] for r in rows)  # the shared prompt pages
     assert len({p for r in rows for p in r[3:]}) == sum(len(r) - 3 for r in rows)  # private pages differ
@@ -162,7 +236,7 @@ def test_group_samples_share_prompt_pages(params):
     out = _by_uid(loop.run())
     versions = sorted(tuple(set(c.versions.tolist())) for c in out.values())
     assert versions == [(1,)] * 4 + [(2,)] * 2 and _all_free(loop)
-    loop._pages.check()
+    loop.planner.table.check()
 
 
 def test_preemption_requeues_and_loses_no_request(params):
@@ -184,7 +258,7 @@ def test_preemption_requeues_and_loses_no_request(params):
         assert c.tokens.tolist() == full[key].tokens.tolist()  # the restart drew the same tokens
         np.testing.assert_allclose(c.logprobs, full[key].logprobs, atol=1e-5)  # other batch neighbours
     assert _all_free(loop) and loop.idle
-    loop._pages.check()
+    loop.planner.table.check()
 
 
 def test_paged_recompute_kv_matches_slotted(params):

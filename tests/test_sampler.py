@@ -462,7 +462,7 @@ def test_cpu_kernels_match_the_trainer(params):
             np.testing.assert_allclose(
                 c.logprobs, _trainer_logprobs(params, p, c.tokens, temp), atol=1e-5, rtol=0
             )
-    packed = jax.tree.leaves(_loop(params, linear="cpu_kernel").engine._dparams)
+    packed = jax.tree.leaves(_loop(params, linear="cpu_kernel").engine.decode_params)
     assert sum(x.ndim == 3 for x in packed) == 1 + 7 * TINY.n_layers  # lm head, q, k, v, o, gate, up, down
     mesh2 = make_mesh((2, 1), ("data", "tensor"), jax.devices()[:2])
     for name in ("attention", "linear"):
@@ -485,7 +485,7 @@ def test_cpu_linear_kernel_with_unpackable_and_tied_weights():
     cfg = presets.tiny(vocab_size=61, n_layers=1, max_seq_len=64, tie_embeddings=True, **shape)
     p = _params(cfg=cfg)
     loop = _loop(p, cfg=cfg, linear="cpu_kernel", temperature=0.9)
-    shapes = {k: v.shape for k, v in loop.engine._dparams["layers"][0].items()}
+    shapes = {k: v.shape for k, v in loop.engine.decode_params["layers"][0].items()}
     assert len(shapes["k"]) == len(shapes["gate"]) == 2 and len(shapes["q"]) == len(shapes["o"]) == 3
     prompts = _prompts(3, seed=2, hi=10)
     for i, prompt in enumerate(prompts):

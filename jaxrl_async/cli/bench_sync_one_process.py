@@ -54,7 +54,7 @@ def bench_layout(model_cfg, trainer_dev, sampler_dev, dtype: str, reps: int) -> 
 
     def update():
         engine.update_params(copy, 1)
-        jax.block_until_ready(engine._dparams)
+        jax.block_until_ready(engine.decode_params)
 
     update_s = _median_seconds(update, reps)
     return {

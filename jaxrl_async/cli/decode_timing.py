@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_async.sampler import Engine, SamplerConfig
-from jaxrl_async.sampler.page_table import pages_for
 
 
 def median_time(fn, reps: int, warmup: int = 1) -> float:
@@ -53,16 +52,12 @@ def fill_slots(eng: Engine, prompt_len: int) -> tuple[dict, tuple]:
     table of a paged cache, whose slots get pages for their whole sequence up front)."""
     state = eng.init_state()
     prefix = eng.prefill(np.arange(1, prompt_len + 1) % eng.model_cfg.vocab_size)
-    table = eng.new_page_table() if eng.paged else None
+    planner = eng.new_planner()
+    n = eng.cfg.max_new_tokens
     for b in range(eng.cfg.num_slots):
-        dest = None
-        if table is not None:
-            table.assign(b, [], pages_for(prompt_len + eng.cfg.max_new_tokens, eng.cfg.page_size))
-            dest = eng.insert_pages(b, prompt_len, table.slot_pages(b), 0)
-        state = eng.insert(
-            state, prefix, b, seed=b, sample_index=0, max_new_tokens=eng.cfg.max_new_tokens, dest=dest
-        )
-    return state, () if table is None else (table.table.copy(),)
+        dest = planner.start(b, prompt_len, n, {}, whole=True)
+        state = eng.insert(state, prefix, b, seed=b, sample_index=0, max_new_tokens=n, dest=dest)
+    return state, planner.device_table()
 
 
 def engine_step_time(eng: Engine, prompt_len: int, reps: int) -> float:

@@ -258,7 +258,7 @@ def sampler_memory(
         "eval_slots": eval_cfg.num_slots,
         "generate": gen,
         "eval_generate": ev,
-        "dtypes": _dtypes(main._expected),
+        "dtypes": _dtypes(main.expected_params),
         "analytic": {
             "weights": an_w,
             "kv_cache": an_kv,

@@ -172,6 +172,18 @@ def _paged_attend(layout: paged.PagedLayout, kpool, vpool, table_BxW, positions_
     return attend
 
 
+def slotted_attention(attention_impl: str, positions_B, cache_len: int):
+    """A decode step's attention over slotted caches of `cache_len` positions: (a layer's K, V buffers) ->
+    that layer's `attend` (the mask is built once per step)."""
+    mask_Bx1xS = (jnp.arange(cache_len)[None, :] <= positions_B[:, None])[:, None, :]
+    return lambda k, v: _slotted_attend(attention_impl, k, v, positions_B, mask_Bx1xS)
+
+
+def paged_attention(layout: paged.PagedLayout, table_BxW, positions_B, done_B):
+    """As `slotted_attention` for page pools read through every row's page table."""
+    return lambda kpool, vpool: _paged_attend(layout, kpool, vpool, table_BxW, positions_B, done_B)
+
+
 def decode_step(
     cfg: ModelConfig,
     dparams: dict,
@@ -180,35 +192,30 @@ def decode_step(
     tokens_B,
     positions_B,
     attention: str = "xla",
-    page_layout: paged.PagedLayout | None = None,
-    page_table_BxW=None,
-    done_B=None,
+    layer_attention=None,
 ):
     """One decode step: writes each row's new key/value at its own position, attends to positions <= it.
 
     Args:
-      keys, values: per layer [B, G, S, K] caches, or with `page_layout` [G, pages, page_size, K] page pools
-        (updated in place when donated).
+      keys, values: per layer [B, G, S, K] caches, or [G, pages, page_size, K] page pools (updated in place
+        when donated).
       tokens_B: int32 input token per row; positions_B: its absolute position (= cache index).
-      attention: "xla" (einsums over the whole row), "cpu_kernel" (`cpu_kernels`: valid positions only) or
-        "paged_kernel" (`paged`: the Pallas kernel over the row's pages; needs the next three arguments).
-      page_layout, page_table_BxW, done_B: the paged cache's layout, every row's page table, and which rows
-        are finished (they must not write: their pages may belong to another sequence by now).
+      attention: for slotted caches without `layer_attention`: "xla" (einsums over the whole row) or
+        "cpu_kernel" (`cpu_kernels`: valid positions only).
+      layer_attention: (a layer's K, V buffers) -> its `attend` (`slotted_attention`, `paged_attention`;
+        the engine takes it from its cache object, `cache.py`).
 
     Returns:
       (logits_BxV float32, keys, values).
     """
+    if layer_attention is None:
+        layer_attention = slotted_attention(attention, positions_B, keys[0].shape[2])
     inv_freq = rope_inv_freq(cfg)
     positions_Bx1 = positions_B[:, None]
     x_Bx1xD = embed(cfg, dparams, tokens_B[:, None])
-    if page_layout is None:
-        mask_Bx1xS = (jnp.arange(keys[0].shape[2])[None, :] <= positions_Bx1)[:, None, :]
     keys, values = list(keys), list(values)
     for i, lp in enumerate(dparams["layers"]):
-        if page_layout is not None:
-            attend = _paged_attend(page_layout, keys[i], values[i], page_table_BxW, positions_B, done_B)
-        else:
-            attend = _slotted_attend(attention, keys[i], values[i], positions_B, mask_Bx1xS)
+        attend = layer_attention(keys[i], values[i])
         x_Bx1xD, (keys[i], values[i]) = layer(cfg, PROJECTIONS, lp, x_Bx1xD, positions_Bx1, inv_freq, attend)
     logits_BxV = _unembed(cfg, dparams, final_norm(cfg, dparams, x_Bx1xD)[:, 0])
     return logits_BxV, keys, values

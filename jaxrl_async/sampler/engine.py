@@ -10,19 +10,18 @@ Contract (after JetStream's engine, with one deliberate difference):
     sampling, logprobs, version stamps and stop handling live in one code path; JetStream samples the
     first token in prefill instead.
 
-Decode state (`layout.decode_state`, a dict pytree sharded by slot over "data" and by KV head over
-"tensor"): per layer the KV cache, slotted [B, G, S, K] (attention "xla" / "cpu_kernel"; cache index ==
-absolute position) or page pools [G, pages, page_size, K] ("paged_kernel", `paged`) addressed through
-per-slot page tables that the host owns (`page_table.PageTable`, kept by the loop) and passes to insert /
-generate / recompute_kv; and per slot its next token, position, last position, done flag and random key.
-Attention masks each slot to its own valid positions.
+Decode state (`layout.DecodeState`, sharded by slot over "data" and by KV head over "tensor"): per layer
+the KV cache, slotted [B, G, S, K] (attention "xla" / "cpu_kernel"; cache index == absolute position) or
+page pools [G, pages, page_size, K] ("paged_kernel", `paged`) addressed through per-slot page tables that
+the host owns (`page_table.PagePlanner`, kept by the loop) and passes to insert / generate /
+recompute_kv; and per slot its next token, position, last position, done flag and random key. Attention
+masks each slot to its own valid positions. The differences between the two caches live in `cache.py`.
 
 "auto" kernels are resolved when the engine is built (`kernel_choice`); `cfg` holds the concrete ones.
-
-Static (a new shape compiles): prompt bucket x prefill batch size (all batch sizes of a bucket compile on
-its first use), the recompute length bucket, num_slots, steps_per_call, the sampling settings, the
-kernels, the page layout. Dynamic (arrays): tokens, positions, slot contents, seeds, page tables, weights
-(same tree, shapes and shardings).
+Everything static is in the engine's `spec` (`spec.engine_spec`, which says what recompiles); the jitted
+bodies are functions of (spec, arrays) in `spec.py`. Each entry point is compiled ahead of time once per
+signature (all prefill batch sizes of a prompt bucket on its first use); a call with another signature
+fails instead of compiling silently.
 """
 
 from __future__ import annotations
@@ -33,13 +32,19 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from jaxrl_async.model import ModelConfig, abstract_params
-from jaxrl_async.sampler import decode, kernel_choice, layout, paged, sampling
+from jaxrl_async.model import ModelConfig
+from jaxrl_async.sampler import kernel_choice, layout
 from jaxrl_async.sampler.config import SamplerConfig
-from jaxrl_async.sampler.page_table import SCRATCH, PageTable, pages_for
-from jaxrl_async.sharding import SAMPLER_RULES, tree_shardings
+from jaxrl_async.sampler.layout import DecodeState
+from jaxrl_async.sampler.page_table import PagePlanner, SlotPlanner
+from jaxrl_async.sampler.spec import (
+    check_slot_count,
+    engine_spec,
+    jit_entry_points,
+    timing_state_body,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,103 +147,28 @@ class Engine:
             the model's max_seq_len, a kernel cannot run here, `params` do not match the sampler layout,
             or `weights_from` has another model, mesh or weight layout.
         """
-        if cfg.num_slots % mesh.shape["data"]:
-            raise ValueError(
-                f"num_slots={cfg.num_slots} is not a multiple of the data axis ({mesh.shape['data']})"
-            )
+        check_slot_count(mesh, cfg)
         runner = None if params is None else functools.partial(_timing_runner, model_cfg, params, mesh)
         self.kernel_choice = kernel_choice.resolve(model_cfg, mesh, cfg, runner)
         cfg = dataclasses.replace(
             cfg, attention=self.kernel_choice.attention, linear=self.kernel_choice.linear
         )
-        for name in cfg.cpu_kernels:
-            why_not = kernel_choice.cpu_kernels_unavailable(model_cfg, mesh)
-            if why_not is not None:
-                raise ValueError(
-                    f"SamplerConfig.{name}='cpu_kernel' cannot run: {why_not} (use {name}='xla')"
-                )
+        self.spec = engine_spec(model_cfg, mesh, cfg)
         self.model_cfg, self.cfg, self.mesh = model_cfg, cfg, mesh
-        self.paged = cfg.attention == "paged_kernel"
-        self.page_layout = paged.engine_layout(mesh, model_cfg, cfg) if self.paged else None
-        if not self.paged:
-            cfg.check_slotted()
-        # Longest sequence (prompt + generated tokens) one slot can hold.
-        self.capacity = cfg.max_seq_len if self.paged else cfg.slot_len
-        if self.capacity > model_cfg.max_seq_len:
-            raise ValueError(
-                f"sequence capacity {self.capacity} exceeds the model's max_seq_len={model_cfg.max_seq_len}"
-            )
-        pack = cfg.linear == "cpu_kernel"
-        # The kernel gains nothing from fused matrices, and slicing the fused outputs apart cost 8% of a
-        # batch-32 step (49.9 vs 53.9 ms; equal at batch 1).
-        self._layout_kw = dict(fuse=cfg.fuse_projections and not pack, pack=pack)
-        self._expected = abstract_params(model_cfg, mesh, SAMPLER_RULES)
-        shard = lambda axes, shape=None: SAMPLER_RULES.sharding(mesh, axes, shape)
-        self._dparams_specs = layout.specs_of(layout.decode_layout(model_cfg, **self._layout_kw))
-        self._dparams_sh = tree_shardings(self._dparams_specs, mesh, SAMPLER_RULES)
-        b, g, k = cfg.num_slots, model_cfg.n_kv_heads, model_cfg.head_dim
-        if self.paged:
-            cache = (self.page_layout.pool_shape, layout.POOL_AXES)
-        else:
-            cache = ((b, g, cfg.slot_len, k), layout.CACHE_AXES)
-        self._state_specs = layout.decode_state(model_cfg, b, *cache)
-        self._state_sh = tree_shardings(self._state_specs, mesh, SAMPLER_RULES)
-        row_sh = shard(("batch",), (b,))
-        replicated = NamedSharding(mesh, PartitionSpec())
-        steps_sh = shard((None, "batch"), (cfg.steps_per_call, b))
-        round_sh = {
-            "tokens": steps_sh,
-            "logprobs": steps_sh,
-            "sample_logprobs": steps_sh,
-            "valid": steps_sh,
-            "done": row_sh,
-        }
-        # Prefilled keys/values: replicated over "data" (any slot may take any row), whatever the batch.
-        kv_in = shard(layout.PREFIX_AXES, (1, g, cfg.max_prompt_len, k))
-        self._kv_in_sh = kv_in
-        table_sh = NamedSharding(mesh, PartitionSpec("data", None))  # page tables and per-slot page lists
-        self._table_sh = table_sh
-        paged_args = (table_sh,) if self.paged else ()
-        # name -> signature -> executable: each jitted entry point is compiled ahead of time once per
-        # signature (a call with another one fails instead of compiling silently).
+        self._jit = jit_entry_points(self.spec)
+        # name -> signature -> executable (`_executable`).
         self._executables: dict[str, dict] = {}
-        to_layout = functools.partial(layout.to_decode_layout, model_cfg, **self._layout_kw)
-        self._to_layout = jax.jit(to_layout, out_shardings=self._dparams_sh)
-        self._prefill = jax.jit(
-            self._prefill_fn, in_shardings=(self._dparams_sh, replicated), out_shardings=(kv_in, kv_in)
-        )
-        self._insert = jax.jit(
-            self._insert_fn,
-            donate_argnums=0,
-            in_shardings=(self._state_sh, kv_in, kv_in, replicated, *paged_args),
-            out_shardings=self._state_sh,
-        )
-        self._generate = jax.jit(
-            self._generate_fn,
-            donate_argnums=1,
-            in_shardings=(self._dparams_sh, self._state_sh, *paged_args),
-            out_shardings=(self._state_sh, round_sh),
-        )
-        self._recompute = jax.jit(
-            self._recompute_fn,
-            donate_argnums=1,
-            in_shardings=(self._dparams_sh, self._state_sh, shard(("batch", None)), *paged_args),
-            out_shardings=self._state_sh,
-        )
-        self._release = jax.jit(
-            self._release_fn,
-            donate_argnums=0,
-            in_shardings=(self._state_sh, row_sh),
-            out_shardings=self._state_sh,
-        )
-        self._init_state = jax.jit(
-            functools.partial(layout.initialize, self._state_specs), out_shardings=self._state_sh
-        )
         if weights_from is None:
             self._weights = _Weights(version)
         else:
-            same = (weights_from.model_cfg, weights_from.mesh, weights_from._layout_kw)
-            if same != (model_cfg, mesh, self._layout_kw) or params is not None:
+            theirs, ours = weights_from.spec, self.spec
+            same = (theirs.model_cfg, theirs.mesh, theirs.fuse, theirs.pack) == (
+                model_cfg,
+                mesh,
+                ours.fuse,
+                ours.pack,
+            )
+            if not same or params is not None:
                 raise ValueError(
                     "weights_from: the engines must share the model config, mesh and weight layout "
                     "(fuse_projections, linear), and params must be None"
@@ -255,12 +185,29 @@ class Engine:
         return self._weights.version
 
     @property
-    def _dparams(self):
+    def decode_params(self) -> dict | None:
+        """The decode-layout weights (`layout.decode_layout`; shared with `weights_from` engines)."""
         return self._weights.dparams
 
-    def init_state(self) -> dict:
+    @property
+    def expected_params(self) -> dict:
+        """Abstract parameters (sampler layout: shapes, dtypes, shardings) that `update_params` accepts."""
+        return self.spec.expected
+
+    @property
+    def paged(self) -> bool:
+        """Whether the KV cache is paged (attention="paged_kernel": insert, generate and recompute_kv then
+        take the planner's page tables)."""
+        return self.spec.cache.paged
+
+    @property
+    def capacity(self) -> int:
+        """Longest sequence (prompt + generated tokens) one slot can hold."""
+        return self.spec.capacity
+
+    def init_state(self) -> DecodeState:
         """A decode state with every slot free."""
-        return self._init_state()
+        return self._jit.init_state()
 
     def update_params(self, params: dict, version: int) -> None:
         """Swaps the weights used by the next call (validated: structure, shapes, dtypes, shardings).
@@ -271,26 +218,25 @@ class Engine:
         # Drop the old layout first: its buffers are freed once in-flight calls finish, so at most the
         # incoming copy and the new layout coexist, never two layouts plus the copy.
         self._weights.dparams = None
-        self._weights.dparams = self._to_layout(params)
+        self._weights.dparams = self._jit.to_layout(params)
         self._weights.version = int(version)
 
     def compile_generate(self):
         """`generate`'s executable, compiled on abstract weights and decode state on first use (a plan check
         calls it with nothing allocated)."""
-        return self._executable("generate", None, self._lower_generate)
-
-    def _lower_generate(self):
-        tables = self._abstract_tables(self._table_shape()) if self.paged else ()
-        return self._generate.lower(self._abstract_dparams(), self._abstract_state(), *tables)
+        s = self.spec
+        tables = s.cache.table_args(s.table_sh)
+        lower = lambda: self._jit.generate.lower(s.abstract_dparams(), s.abstract_state(), *tables)
+        return self._executable("generate", None, lower)
 
     def weight_bytes_per_device(self) -> int:
         """Bytes of the decode-layout weights on each sampler device (shared with `weights_from` engines)."""
         shard_bytes = lambda x: int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-        return sum(map(shard_bytes, jax.tree.leaves(self._abstract_dparams())))
+        return sum(map(shard_bytes, jax.tree.leaves(self.spec.abstract_dparams())))
 
     def validate(self, params: dict) -> None:
         """Raises ValueError (naming the leaf) unless `params` match this engine's sampler layout."""
-        check_params(params, self._expected)
+        check_params(params, self.spec.expected)
 
     def fits(self, prompt_len: int, max_new_tokens: int) -> bool:
         """Whether a sequence of this prompt length and generation limit fits one slot."""
@@ -298,27 +244,21 @@ class Engine:
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         """Raises ValueError saying why a request cannot fit."""
-        c = self.cfg
         if prompt_len < 1:
             raise ValueError("empty prompt: a request needs at least one prompt token")
-        if prompt_len > c.max_prompt_len:
-            raise ValueError(f"prompt of {prompt_len} tokens exceeds max_prompt_len={c.max_prompt_len}")
-        if prompt_len + max_new_tokens > self.capacity:
-            where = (
-                f"the longest sequence max_prompt_len + max_new_tokens = {self.capacity}"
-                if self.paged
-                else f"the slot length {c.slot_len} (token_budget={c.token_budget} over {c.num_slots} slots)"
-            )
+        if prompt_len > self.cfg.max_prompt_len:
             raise ValueError(
-                f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds {where}"
+                f"prompt of {prompt_len} tokens exceeds max_prompt_len={self.cfg.max_prompt_len}"
             )
+        if prompt_len + max_new_tokens > self.capacity:
+            limit = self.spec.cache.limit()
+            what = f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens}"
+            raise ValueError(f"{what} exceeds {limit}")
 
-    def new_page_table(self) -> PageTable:
-        """Empty host page tables for this engine's paged cache (the loop keeps one per decode state)."""
-        if not self.paged:
-            raise ValueError("new_page_table: the engine has a slotted cache (attention != 'paged_kernel')")
-        lay = self.page_layout
-        return PageTable(self.cfg.num_slots, lay.data, lay.pages_per_shard, lay.width, lay.page_size)
+    def new_planner(self) -> PagePlanner | SlotPlanner:
+        """A fresh planner for one decode state (the loop keeps one): a `PagePlanner` over empty host page
+        tables for the paged cache, the trivial `SlotPlanner` for the slotted one."""
+        return self.spec.cache.planner(self.spec.table_sh)
 
     def prefill(self, prompt_tokens) -> Prefix:
         """Keys/values of a prompt (padded to its bucket), computed with the current weights."""
@@ -343,7 +283,7 @@ class Engine:
                 tokens = np.zeros((n, bucket), np.int32)
                 for r, i in enumerate(chunk):
                     tokens[r, : len(arrays[i])] = arrays[i]
-                keys, values = self._bucket_executables(bucket, n)[0](self._dparams, tokens)
+                keys, values = self._bucket_executables(bucket, n)[0](self.decode_params, tokens)
                 for r, i in enumerate(chunk):
                     out[i] = Prefix(keys, values, len(arrays[i]), int(arrays[i][-1]), self.version, r)
         return out
@@ -352,21 +292,16 @@ class Engine:
         """(prefill, insert) executables for `n` prompts of a prompt bucket. A bucket's first use compiles
         them for every prefill batch size, so admissions of varying size never compile later."""
         if (bucket, n) not in self._executables.get("prefill", {}):
-            m = self.model_cfg
+            m, s = self.model_cfg, self.spec
+            dest = s.cache.dest_args(bucket, s.table_sh)
+            row = jax.ShapeDtypeStruct((len(layout.InsertRow._fields),), jnp.int32)
             for size in _batch_buckets(self.cfg.prefill_batch):
                 tokens = jax.ShapeDtypeStruct((size, bucket), jnp.int32)
-                self._executable(
-                    "prefill",
-                    (bucket, size),
-                    lambda t=tokens: self._prefill.lower(self._abstract_dparams(), t),
-                )
+                lower = lambda t=tokens: self._jit.prefill.lower(s.abstract_dparams(), t)
+                self._executable("prefill", (bucket, size), lower)
                 kv_shape = (size, m.n_kv_heads, bucket, m.head_dim)
-                kv = [jax.ShapeDtypeStruct(kv_shape, m.dtype, sharding=self._kv_in_sh)] * m.n_layers
-                row = jax.ShapeDtypeStruct((len(layout.InsertRow._fields),), jnp.int32)
-                dest = self._abstract_tables(self._dest_shape(bucket)) if self.paged else ()
-                lower = lambda kv=kv, row=row, dest=dest: self._insert.lower(
-                    self._abstract_state(), kv, kv, row, *dest
-                )
+                kv = [jax.ShapeDtypeStruct(kv_shape, m.dtype, sharding=s.kv_in_sh)] * m.n_layers
+                lower = lambda kv=kv: self._jit.insert.lower(s.abstract_state(), kv, kv, row, *dest)
                 self._executable("insert", (bucket, size), lower)
         return self._executables["prefill"][(bucket, n)], self._executables["insert"][(bucket, n)]
 
@@ -378,39 +313,29 @@ class Engine:
             exe = per_key[key] = lower().compile()
         return exe
 
-    def _abstract_dparams(self) -> dict:
-        return layout.abstract(self._dparams_specs, self._dparams_sh)
-
-    def _abstract_state(self) -> dict:
-        return layout.abstract(self._state_specs, self._state_sh)
-
-    def _abstract_tables(self, shape) -> tuple:
-        """A paged engine's page-table argument (or `insert`'s `dest`) of `shape`, abstract."""
-        return (jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._table_sh),)
-
     def insert(
         self,
-        state: dict,
+        state: DecodeState,
         prefix: Prefix,
         slot: int,
         seed: int,
         sample_index: int,
         max_new_tokens: int,
         dest=None,
-    ) -> dict:
+    ) -> DecodeState:
         """Places a prefix into `slot` (donating `state`); the slot then generates up to max_new_tokens.
 
         The slot's random stream depends only on (seed, sample_index) and token positions.
 
         Args:
           dest: paged cache only: int32 [data, ceil(bucket / page_size)], the page of data shard d that
-            receives prompt chunk c (`insert_pages` builds it); SCRATCH skips a chunk.
+            receives prompt chunk c (`PagePlanner.start` builds it); SCRATCH skips a chunk.
         """
         self.check_fits(prefix.prompt_len, max_new_tokens)
         if not 0 <= slot < self.cfg.num_slots:
             raise ValueError(f"slot {slot} out of range [0, {self.cfg.num_slots})")
-        if self.paged != (dest is not None):
-            raise ValueError("insert: pass `dest` pages exactly when the cache is paged")
+        bucket = prefix.keys[0].shape[2]
+        dest_args = self.spec.cache.check_dest(dest, bucket)
         p = prefix.prompt_len
         row = layout.InsertRow(
             slot=slot,
@@ -421,32 +346,21 @@ class Engine:
             sample_index=sample_index,
             src=prefix.row,
         )
-        bucket = prefix.keys[0].shape[2]
         insert = self._bucket_executables(bucket, prefix.keys[0].shape[0])[1]
-        pages = () if dest is None else (np.asarray(dest, np.int32).reshape(self._dest_shape(bucket)),)
-        return insert(state, prefix.keys, prefix.values, row.to_array(), *pages)
+        return insert(state, prefix.keys, prefix.values, row.to_array(), *dest_args)
 
-    def insert_pages(self, slot: int, prompt_len: int, pages: list[int], skip: int) -> np.ndarray:
-        """`insert`'s `dest` for a slot whose pages are `pages` (in order), the first `skip` of them shared
-        pages that hold the prompt already."""
-        bucket = self.cfg.prompt_bucket(prompt_len)
-        dest = np.full(self._dest_shape(bucket), SCRATCH, np.int32)
-        n = min(pages_for(prompt_len, self.cfg.page_size), dest.shape[1])
-        shard = slot // (self.cfg.num_slots // self.page_layout.data)
-        dest[shard, skip:n] = pages[skip:n]
-        return dest
-
-    def generate(self, state: dict, page_table=None) -> tuple[dict, Round]:
+    def generate(self, state: DecodeState, page_table=None) -> tuple[DecodeState, Round]:
         """`steps_per_call` decode steps for all slots (donating `state`); returns immediately (async).
 
         Args:
-          page_table: paged cache only: int32 [num_slots, width] (`PageTable.table`, or its device copy);
-            every live slot must own pages for the positions this call writes.
+          page_table: paged cache only: int32 [num_slots, width] (`PagePlanner.device_table()`, or the host
+            `PageTable.table`); every live slot must own pages for the positions this call writes.
         """
-        state, out = self.compile_generate()(self._dparams, state, *self._tables(page_table))
+        tables = self.spec.cache.check_table(page_table)
+        state, out = self.compile_generate()(self.decode_params, state, *tables)
         return state, Round(**out, version=self.version)
 
-    def recompute_kv(self, state: dict, sequences: list, page_table=None) -> dict:
+    def recompute_kv(self, state: DecodeState, sequences: list, page_table=None) -> DecodeState:
         """Rebuilds every live slot's cache with the current weights.
 
         Args:
@@ -460,163 +374,34 @@ class Engine:
         for b, seq in enumerate(sequences):
             if seq is not None:
                 tokens[b, : len(seq)] = seq
-        dest = ()
-        if self.paged:
-            table = np.asarray(page_table)
-            n_chunks = pages_for(bucket, self.cfg.page_size)
-            dest_BxC = np.full((self.cfg.num_slots, n_chunks), SCRATCH, np.int32)
-            for b, seq in enumerate(sequences):
-                if seq is not None:
-                    n = min(pages_for(len(seq), self.cfg.page_size), n_chunks)
-                    dest_BxC[b, :n] = table[b, :n]
-            dest = (dest_BxC,)
+        dest = self.spec.cache.recompute_dest(page_table, sequences, bucket)
         host = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # placed by the jit's in_shardings
-        lower = lambda: self._recompute.lower(
-            self._abstract_dparams(), self._abstract_state(), host(tokens), *map(host, dest)
+        s = self.spec
+        lower = lambda: self._jit.recompute.lower(
+            s.abstract_dparams(), s.abstract_state(), host(tokens), *map(host, dest)
         )
-        return self._executable("recompute", bucket, lower)(self._dparams, state, tokens, *dest)
+        return self._executable("recompute", bucket, lower)(self.decode_params, state, tokens, *dest)
 
-    def release(self, state: dict, slots: list[int]) -> dict:
+    def release(self, state: DecodeState, slots: list[int]) -> DecodeState:
         """Marks `slots` finished on the device (donating `state`): they stop writing their cache (used when
         the loop takes a sequence's pages away)."""
         mask = np.zeros((self.cfg.num_slots,), bool)
         mask[list(slots)] = True
         mask_abstract = jax.ShapeDtypeStruct(mask.shape, mask.dtype)
-        lower = lambda: self._release.lower(self._abstract_state(), mask_abstract)
-        release = self._executable("release", None, lower)
-        return release(state, mask)
+        lower = lambda: self._jit.release.lower(self.spec.abstract_state(), mask_abstract)
+        return self._executable("release", None, lower)(state, mask)
 
     def cache_sizes(self) -> dict[str, int]:
         """Number of compiled executables per entry point (for recompilation checks)."""
         names = ("prefill", "insert", "generate", "recompute", "release")
         return {name: len(self._executables.get(name, {})) for name in names}
 
-    def _table_shape(self) -> tuple[int, int]:
-        return (self.cfg.num_slots, self.page_layout.width)
-
-    def _dest_shape(self, bucket: int) -> tuple[int, int]:
-        return (self.page_layout.data, pages_for(bucket, self.cfg.page_size))
-
-    def _tables(self, page_table) -> tuple:
-        if self.paged != (page_table is not None):
-            raise ValueError("pass `page_table` exactly when the cache is paged")
-        return () if page_table is None else (page_table,)
-
-    # ----- jitted bodies -----
-
-    def _prefill_fn(self, dparams, tokens_1xT):
-        keys, values = decode.prefill_kv(self.model_cfg, dparams, tokens_1xT, self.mesh)
-        return keys, values
-
-    def _insert_fn(self, state, keys, values, row_array, dest=None):
-        row = layout.InsertRow.from_array(row_array)
-        slot, src = row.slot, row.src
-        seed, index = jax.lax.bitcast_convert_type(jnp.stack([row.seed, row.sample_index]), jnp.uint32)
-        key = sampling.row_keys(seed[None], index[None])[0]
-
-        def put(cache, prefix):
-            prefix_1xGxTxK = jax.lax.dynamic_slice_in_dim(prefix, src, 1, axis=0)
-            return jax.lax.dynamic_update_slice(cache, prefix_1xGxTxK.astype(cache.dtype), (slot, 0, 0, 0))
-
-        if self.paged:
-            pools = [
-                paged.write_prefix(self.page_layout, kp, vp, pk, pv, src, dest)
-                for kp, vp, pk, pv in zip(state["k"], state["v"], keys, values, strict=True)
-            ]
-            new_k, new_v = [k for k, _ in pools], [v for _, v in pools]
-        else:
-            new_k = [put(c, p) for c, p in zip(state["k"], keys, strict=True)]
-            new_v = [put(c, p) for c, p in zip(state["v"], values, strict=True)]
-        return {
-            "k": new_k,
-            "v": new_v,
-            "next_token": state["next_token"].at[slot].set(row.last_token),
-            "pos": state["pos"].at[slot].set(row.pos),
-            "last_pos": state["last_pos"].at[slot].set(row.last_pos),
-            "done": state["done"].at[slot].set(False),
-            "key": state["key"].at[slot].set(key),
-        }
-
-    def _release_fn(self, state, mask_B):
-        return dict(state, done=state["done"] | mask_B)
-
-    def _timing_state_fn(self):
-        """Every slot live at mid-capacity (for timing `generate`; the cache contents do not matter)."""
-        state = layout.initialize(self._state_specs)
-        b, mid = self.cfg.num_slots, self.capacity // 2
-        full = lambda v: jnp.full((b,), v, jnp.int32)
-        return dict(state, pos=full(mid), last_pos=full(self.capacity - 1), done=jnp.zeros((b,), bool))
-
-    def _generate_fn(self, dparams, state, page_table=None):
-        c = self.cfg
-        stop = jnp.asarray(c.stop_tokens or (-1,), jnp.int32)
-
-        def one(state, _):
-            logits_BxV, keys, values = decode.decode_step(
-                self.model_cfg,
-                dparams,
-                state["k"],
-                state["v"],
-                state["next_token"],
-                state["pos"],
-                attention=c.attention,
-                page_layout=self.page_layout,
-                page_table_BxW=page_table,
-                done_B=state["done"],
-            )
-            new_pos = state["pos"] + 1
-            tok, logp, slogp = sampling.sample(
-                logits_BxV,
-                state["key"],
-                new_pos,
-                temperature=c.temperature,
-                top_k=c.top_k,
-                top_p=c.top_p,
-                top_p_candidates=c.top_p_candidates,
-            )
-            was_done = state["done"]
-            done = was_done | jnp.any(tok[:, None] == stop[None, :], axis=-1) | (new_pos >= state["last_pos"])
-            state = dict(
-                state,
-                k=keys,
-                v=values,
-                done=done,
-                next_token=jnp.where(was_done, state["next_token"], tok),
-                pos=jnp.where(was_done, state["pos"], new_pos),
-            )
-            return state, (tok, logp, slogp, ~was_done)
-
-        state, (tok, logp, slogp, valid) = jax.lax.scan(one, state, None, length=c.steps_per_call)
-        out = {
-            "tokens": tok,
-            "logprobs": logp,
-            "sample_logprobs": slogp,
-            "valid": valid,
-            "done": state["done"],
-        }
-        return state, out
-
-    def _recompute_fn(self, dparams, state, tokens_BxT, dest_BxC=None):
-        keys, values = decode.prefill_kv(self.model_cfg, dparams, tokens_BxT, self.mesh)
-        if self.paged:
-            pools = [
-                paged.write_sequences(self.page_layout, kp, vp, k, v, dest_BxC)
-                for kp, vp, k, v in zip(state["k"], state["v"], keys, values, strict=True)
-            ]
-            return dict(state, k=[k for k, _ in pools], v=[v for _, v in pools])
-        put = lambda c, p: jax.lax.dynamic_update_slice(c, p.astype(c.dtype), (0, 0, 0, 0))
-        return dict(
-            state,
-            k=[put(c, p) for c, p in zip(state["k"], keys, strict=True)],
-            v=[put(c, p) for c, p in zip(state["v"], values, strict=True)],
-        )
-
 
 def _timing_runner(model_cfg: ModelConfig, params: dict, mesh: Mesh, cfg: SamplerConfig):
     """An engine for a concrete `cfg` and a function that runs one `generate` call on a state with every
     slot live (what `kernel_choice` times)."""
     eng = Engine(model_cfg, params, mesh, cfg)
-    box = [jax.jit(eng._timing_state_fn, out_shardings=eng._state_sh)()]
+    box = [jax.jit(functools.partial(timing_state_body, eng.spec), out_shardings=eng.spec.state_sh)()]
 
     def run():
         box[0], rnd = eng.generate(box[0])

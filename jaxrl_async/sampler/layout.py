@@ -18,9 +18,9 @@ Decode weight layout (`decode_layout`; `to_decode_layout` builds it once per wei
 The decode step computes with these weights through the model's own `layer`
 (`jaxrl_async.sampler.decode.PROJECTIONS` does the matmuls).
 
-Decode state (`decode_state`): per layer the KV cache, slotted [B, G, S, K] (head-major: attention is a
-plain batched matmul) or a page pool [G, pages, page_size, K] (`paged`), and per slot its next token,
-position, last position, done flag and random key.
+Decode state (`DecodeState`, declared by `decode_state`): per layer the KV cache, slotted [B, G, S, K]
+(head-major: attention is a plain batched matmul) or a page pool [G, pages, page_size, K] (`paged`), and per
+slot its next token, position, last position, done flag and random key.
 """
 
 from __future__ import annotations
@@ -163,7 +163,37 @@ def to_decode_layout(cfg: ModelConfig, params: dict, fuse: bool, pack: bool = Fa
     return out
 
 
-def decode_state(model_cfg: ModelConfig, num_slots: int, cache_shape: tuple, cache_axes: tuple) -> dict:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """The decode state, a pytree (of arrays, or of ParamSpecs in `decode_state`'s declaration).
+
+    Attributes:
+      k, v: per layer the keys and values; slotted [B, G, S, K]: slot b holds positions 0..pos[b]-1 at
+        cache index == position. Paged [G, pages, page_size, K]: addressed through the host's page tables
+        (`page_table.PageTable`).
+      next_token: int32 [B], the token at position pos[b], the next step's input.
+      pos: int32 [B].
+      last_pos: int32 [B], position of the last token the slot may generate.
+      done: bool [B], the slot is free or finished (frozen); all start free.
+      key: uint32 [B, 2], the row key (seed, sample index).
+    """
+
+    k: list
+    v: list
+    next_token: object
+    pos: object
+    last_pos: object
+    done: object
+    key: object
+
+    def replace(self, **fields) -> DecodeState:
+        return dataclasses.replace(self, **fields)
+
+
+def decode_state(
+    model_cfg: ModelConfig, num_slots: int, cache_shape: tuple, cache_axes: tuple
+) -> DecodeState:
     """The decode state as a ParamSpec tree; `initialize` gives the empty state (every slot free).
 
     Args:
@@ -172,25 +202,23 @@ def decode_state(model_cfg: ModelConfig, num_slots: int, cache_shape: tuple, cac
     """
     cache = ParamSpec(tuple(cache_shape), model_cfg.dtype, cache_axes, "zeros")
     row = lambda dtype, init="zeros": ParamSpec((num_slots,), dtype, ("batch",), init)
-    return {
-        # Per layer the keys and values; slotted: slot b holds positions 0..pos[b]-1 at cache index ==
-        # position. Paged: addressed through the host's page tables (`page_table.PageTable`).
-        "k": [cache] * model_cfg.n_layers,
-        "v": [cache] * model_cfg.n_layers,
-        "next_token": row("int32"),  # the token at position pos[b], the next step's input
-        "pos": row("int32"),
-        "last_pos": row("int32"),  # position of the last token the slot may generate
-        "done": row("bool", "ones"),  # the slot is free or finished (frozen); all start free
-        "key": ParamSpec((num_slots, 2), "uint32", ("batch", None), "zeros"),  # row key (seed, sample index)
-    }
+    return DecodeState(
+        k=[cache] * model_cfg.n_layers,
+        v=[cache] * model_cfg.n_layers,
+        next_token=row("int32"),
+        pos=row("int32"),
+        last_pos=row("int32"),
+        done=row("bool", "ones"),
+        key=ParamSpec((num_slots, 2), "uint32", ("batch", None), "zeros"),
+    )
 
 
-def initialize(specs) -> dict:
+def initialize(specs):
     """Zeros / ones arrays of a ParamSpec tree (for `jax.jit` with out shardings)."""
     return jax.tree.map(lambda s: s.initialize(None), specs, is_leaf=lambda x: isinstance(x, ParamSpec))
 
 
-def abstract(specs, shardings) -> dict:
+def abstract(specs, shardings):
     """ShapeDtypeStructs with shardings of a ParamSpec tree (compile-only engines, executables)."""
     return jax.tree.map(
         lambda s, sh: s.abstract(sh), specs, shardings, is_leaf=lambda x: isinstance(x, ParamSpec)

@@ -6,18 +6,20 @@ then read back the previous call's tokens while this one runs (`overlap_host`). 
 parsing tokens into completions overlaps call k + 1. The loop is a plain sequential event loop: easy to
 trace, no threads.
 
-With the paged cache (`engine.paged`) the loop also owns the host page tables (`page_table.PageTable`):
-  - admission by memory: a sample is inserted only when its shard has free pages for its prompt and its
-    first call, on top of the pages the running sequences need for their next call;
-  - growth: before each call every running sequence gets the pages that call will write;
-  - out of pages: waiting groups give up the prompt pages they hold in the shard, then the youngest
-    running sequence of the shard is preempted (its pages freed, its tokens dropped) and re-queued at the
-    front, to restart from its prompt with the same seed. Youngest, because
-    it has done the least work; restart rather than resume, because every token of a completion then
-    comes from one uninterrupted decode (its logprobs and versions need no special case), and under
-    unchanged weights the restart draws the same tokens again;
-  - group samples share their prompt's full pages (`_Group.shared` holds one reference per shard until
-    all samples are inserted), and a page is freed when its last holder finishes.
+Memory is the engine's planner's business (`engine.new_planner()`: `page_table.PagePlanner` for the paged
+cache, the trivial `SlotPlanner` for the slotted one), so the loop has one code path for both:
+  - admission: groups are taken while the planner has room for their samples, and each sample goes to
+    the slot the planner places it in (paged: a shard with free pages for its prompt and first call, on
+    top of the pages the running sequences need for their next call);
+  - growth: before each call the planner gives every running sequence the pages that call writes, and
+    returns the sequences to preempt when a shard runs out (waiting groups give up their prompt pages
+    first, then the youngest sequence of the shard goes). The loop preempts them: their slots are
+    released, their tokens dropped, and their samples re-queued at the front, to restart from the prompt
+    with the same seed. Youngest, because it has done the least work; restart rather than resume, because
+    every token of a completion then comes from one uninterrupted decode (its logprobs and versions need
+    no special case), and under unchanged weights the restart draws the same tokens again;
+  - group samples share their prompt's full pages: `_Group.shared` ({shard: pages}) holds one reference
+    per shard until all samples are inserted, and a page is freed when its last holder finishes.
 """
 
 from __future__ import annotations
@@ -27,12 +29,10 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import numpy as np
 
 from jaxrl_async.sampler.config import UPDATE_MODES
 from jaxrl_async.sampler.engine import Engine, Prefix, Round
-from jaxrl_async.sampler.page_table import pages_for, positions_after, shared_pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +126,7 @@ class _Group:
     max_new_tokens: int
     samples: collections.deque  # sample indices still to insert
     prefix: Prefix | None = None
-    shared: dict = dataclasses.field(default_factory=dict)  # paged: shard -> prompt pages the group holds
+    shared: dict = dataclasses.field(default_factory=dict)  # shard -> prompt pages the group holds (paged)
 
 
 @dataclasses.dataclass
@@ -134,8 +134,6 @@ class _Live:
     request: Request
     sample_index: int
     max_new_tokens: int = 0
-    order: int = 0  # admission order (the youngest is preempted first)
-    calls: int = 0  # generate calls dispatched since insert
     tokens: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
     sample_logprobs: list = dataclasses.field(default_factory=list)
@@ -165,9 +163,12 @@ class SamplerLoop:
         self._staged: tuple[dict, int] | None = None  # weights waiting for running sequences ("finish")
         self._stop = set(self.cfg.stop_tokens)
         self._source_empty = False  # the last admission found no request to take
-        self._pages = engine.new_page_table() if engine.paged else None
-        self._table: tuple[int, object] | None = None  # (PageTable.version, device copy of the table)
-        self._admissions = 0
+        self._planner = engine.new_planner()  # admission, placement, growth, preemption; the page table
+
+    @property
+    def planner(self):
+        """The planner of this loop's decode state (`page_table.PagePlanner` or `SlotPlanner`)."""
+        return self._planner
 
     # ----- requests -----
 
@@ -182,11 +183,7 @@ class SamplerLoop:
         if not (self._admitting() and not self._groups and not self._queue):
             return False
         free = [b for b, s in enumerate(self._slots) if s is None]
-        if self._pages is None or not free:
-            return bool(free)
-        p, k = self.cfg.max_prompt_len, self.cfg.steps_per_call
-        need = pages_for(positions_after(p, self.cfg.max_new_tokens, 1, k), self.cfg.page_size)
-        return any(self._room(shard) >= need for shard in self._free_by_shard(free))
+        return self._planner.can_admit(free, self.cfg.max_prompt_len, self.cfg.max_new_tokens)
 
     @property
     def free_slots(self) -> int:
@@ -214,15 +211,13 @@ class SamplerLoop:
             self._release_finished(*self._pending)
         if self._admitting():
             self._admit(admit)
-        if self._pages is not None:
-            self._grow()
+        for b in self._planner.grow([g.shared for g in self._groups]):
+            self._preempt(b)
         new = None
         if self.num_live:
-            self._state, rnd = self.engine.generate(self._state, *self._page_args())
+            self._state, rnd = self.engine.generate(self._state, *self._planner.device_table())
             new = (rnd, list(self._slots))
-            for live in self._slots:
-                if live is not None:
-                    live.calls += 1
+            self._planner.dispatched()
             self.stats.calls += 1
             self.stats.decode_steps += self.cfg.steps_per_call
             self.stats.peak_live = max(self.stats.peak_live, self.num_live)
@@ -277,7 +272,8 @@ class SamplerLoop:
                 None if s is None else (*s.request.prompt_tokens, *s.tokens)[:-1] for s in self._slots
             ]
             if any(s is not None for s in sequences):
-                self._state = self.engine.recompute_kv(self._state, sequences, *self._page_args())
+                table = self._planner.device_table()
+                self._state = self.engine.recompute_kv(self._state, sequences, *table)
             self._forget_prefixes()  # samples not yet inserted are prefilled again with the new weights
 
     # ----- internals -----
@@ -297,12 +293,7 @@ class SamplerLoop:
         """Drops waiting groups' prefixes and shared prompt pages (they hold KV of the old weights)."""
         for g in self._groups:
             g.prefix = None
-            self._drop_shared(g)
-
-    def _drop_shared(self, group: _Group) -> None:
-        for shard, pages in group.shared.items():
-            self._pages.decref(shard, pages)
-        group.shared = {}
+            self._planner.drop_shared(g.shared)
 
     def _check(self, request: Request) -> int:
         max_new = request.max_new_tokens or self.cfg.max_new_tokens
@@ -330,17 +321,18 @@ class SamplerLoop:
         if self.static_batching and (self.num_live or self._pending is not None):
             return
         free = [b for b, s in enumerate(self._slots) if s is None]
-        # Groups (oldest first) whose samples fill the free slots (and, paged, the free pages); their prompts
-        # are prefilled together.
+        # Groups (oldest first) whose samples fill the free slots and the planner's room (paged: free pages;
+        # slotted: unbounded); their prompts are prefilled together.
         planned, n_groups = 0, 0
-        pages_left = sum(map(self._room, self._free_by_shard(free))) if self._pages else 0
-        while planned < len(free) and (self._pages is None or pages_left > 0):
+        room = self._planner.admission_room(free)
+        while planned < len(free) and room > 0:
             if n_groups == len(self._groups) and self._pull_group(admit) is None:
                 self._source_empty = True
                 break
             group = self._groups[n_groups]
             planned += len(group.samples)
-            pages_left -= self._group_pages(group) if self._pages else 0
+            p = len(group.request.prompt_tokens)
+            room -= self._planner.group_pages(p, group.max_new_tokens, len(group.samples), bool(group.shared))
             n_groups += 1
         todo = [g for g in list(self._groups)[:n_groups] if g.prefix is None]
         if todo:
@@ -350,104 +342,26 @@ class SamplerLoop:
             self.stats.prefills += len(todo)
         while free and self._groups and self._groups[0].prefix is not None:
             group = self._groups[0]
+            p = len(group.request.prompt_tokens)
             while free and group.samples:
-                b = self._place(group, free)
+                b = self._planner.place(p, group.max_new_tokens, free, group.shared)
                 if b is None:
                     return  # out of pages: the group waits at the head of the queue
                 free.remove(b)
                 self._insert(group, b, group.samples.popleft())
             if not group.samples:
                 self._groups.popleft()
-                if self._pages is not None:
-                    self._drop_shared(group)
+                self._planner.drop_shared(group.shared)
 
     def _insert(self, group: _Group, b: int, i: int) -> None:
         req = group.request
-        dest = None
-        if self._pages is not None:
-            p, ps = len(req.prompt_tokens), self.cfg.page_size
-            shard, n_shared = self._pages.shard_of(b), shared_pages(p, ps)
-            held, skip = group.shared.get(shard), n_shared
-            if held is None:  # the first sample in this shard writes the shared pages
-                held, skip = self._pages.alloc(shard, n_shared), 0
-                group.shared[shard] = held
-            private = self._pages.assign(b, held, self._first_pages(group) - n_shared)
-            dest = self.engine.insert_pages(b, p, held + private, skip)
+        dest = self._planner.start(b, len(req.prompt_tokens), group.max_new_tokens, group.shared)
         self._state = self.engine.insert(
             self._state, group.prefix, b, req.seed, i, group.max_new_tokens, dest=dest
         )
-        self._admissions += 1
-        self._slots[b] = _Live(req, i, group.max_new_tokens, self._admissions)
+        self._slots[b] = _Live(req, i, group.max_new_tokens)
 
-    # ----- paged cache -----
-
-    def _first_pages(self, group: _Group) -> int:
-        """Pages a newly inserted sample of `group` holds: its prompt and its first call's positions."""
-        p, k = len(group.request.prompt_tokens), self.cfg.steps_per_call
-        return pages_for(positions_after(p, group.max_new_tokens, 1, k), self.cfg.page_size)
-
-    def _next_pages(self, b: int) -> int:
-        """Pages the sequence in slot b needs for its next call."""
-        live, k = self._slots[b], self.cfg.steps_per_call
-        p = len(live.request.prompt_tokens)
-        return pages_for(positions_after(p, live.max_new_tokens, live.calls + 1, k), self.cfg.page_size)
-
-    def _room(self, shard: int) -> int:
-        """Free pages of a shard beyond the next call's growth of the sequences running there."""
-        reserve = sum(
-            max(0, self._next_pages(s) - len(self._pages.slot_pages(s)))
-            for s in self._shard_slots(shard)
-            if self._slots[s] is not None
-        )
-        return self._pages.num_free(shard) - reserve
-
-    def _shard_slots(self, shard: int) -> range:
-        per = self.cfg.num_slots // self._pages.shards
-        return range(shard * per, (shard + 1) * per)
-
-    def _free_by_shard(self, free: list[int]) -> dict[int, list[int]]:
-        out: dict[int, list[int]] = {}
-        for b in free:
-            out.setdefault(self._pages.shard_of(b), []).append(b)
-        return out
-
-    def _group_pages(self, group: _Group) -> int:
-        """New pages all remaining samples of a group take (shared prompt pages counted once)."""
-        n_shared = shared_pages(len(group.request.prompt_tokens), self.cfg.page_size)
-        shared = 0 if group.shared else n_shared
-        return shared + len(group.samples) * (self._first_pages(group) - n_shared)
-
-    def _place(self, group: _Group, free: list[int]) -> int | None:
-        """A free slot for the next sample of `group` (paged: in a shard with room, preferring one that
-        already holds the group's prompt pages), or None."""
-        if self._pages is None:
-            return free[0]
-        n_shared = shared_pages(len(group.request.prompt_tokens), self.cfg.page_size)
-        first = self._first_pages(group)
-        by_shard = self._free_by_shard(free)
-        for shard in sorted(by_shard, key=lambda d: d not in group.shared):
-            if self._room(shard) >= first - (n_shared if shard in group.shared else 0):
-                return by_shard[shard][0]
-        return None
-
-    def _grow(self) -> None:
-        """Gives every running sequence the pages its next call writes. While a shard has too few, waiting
-        groups first give up the prompt pages they hold there (a later sample rewrites them), then the
-        youngest running sequence of the shard is preempted."""
-        live = sorted((s.order, b) for b, s in enumerate(self._slots) if s is not None)
-        for _, b in live:
-            while self._slots[b] is not None and not self._pages.grow(b, self._next_pages(b)):
-                shard = self._pages.shard_of(b)
-                holders = [g for g in self._groups if shard in g.shared]
-                if holders:
-                    for g in holders:
-                        self._pages.decref(shard, g.shared.pop(shard))
-                    continue
-                youngest = max(
-                    (s for s in self._shard_slots(shard) if self._slots[s] is not None),
-                    key=lambda s: self._slots[s].order,
-                )
-                self._preempt(youngest)
+    # ----- preemption -----
 
     def _preempt(self, b: int) -> None:
         live = self._slots[b]
@@ -460,17 +374,7 @@ class SamplerLoop:
 
     def _free_slot(self, b: int) -> None:
         self._slots[b] = None
-        if self._pages is not None:
-            self._pages.release(b)
-
-    def _page_args(self) -> tuple:
-        """The page table argument of generate / recompute_kv (its device copy, refreshed when it changed)."""
-        if self._pages is None:
-            return ()
-        if self._table is None or self._table[0] != self._pages.version:
-            table = jax.device_put(self._pages.table.copy(), self.engine._table_sh)
-            self._table = (self._pages.version, table)
-        return (self._table[1],)
+        self._planner.release(b)
 
     def _flush_into(self, out: list) -> None:
         if self._pending is not None:
