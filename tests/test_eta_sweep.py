@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from configs import eta_sweep as sweep_config
-from jaxrl_async.cli import eta_sweep
+from jaxrl_async.cli import eta_study
 from jaxrl_async.data import make_prompt_iterator
 from jaxrl_async.run_config import validate
 from jaxrl_async.runtime import build
@@ -20,29 +20,29 @@ TOOL = os.path.join(REPO, "tools", "eta_sweep.py")
 
 
 def test_mean_ci_golden():
-    c = eta_sweep.mean_ci([0.1, 0.2, 0.3, 0.0])
+    c = eta_study.mean_ci([0.1, 0.2, 0.3, 0.0])
     # mean 0.15, sample sd sqrt(0.05 / 3), t(0.975, 3 dof) = 3.182446305284263
     half = 3.182446305284263 * (0.05 / 3) ** 0.5 / 2
     assert c["n"] == 4 and c["mean"] == pytest.approx(0.15)
     assert c["lo"] == pytest.approx(0.15 - half) and c["hi"] == pytest.approx(0.15 + half)
-    assert eta_sweep.mean_ci([0.2])["lo"] is None and eta_sweep.mean_ci([])["mean"] is None
+    assert eta_study.mean_ci([0.2])["lo"] is None and eta_study.mean_ci([])["mean"] is None
 
 
 def test_grid_is_lags_per_rate_with_one_sync_cell_at_lag_zero():
-    grid = eta_sweep.parse_grid("1e-4:0,8,32;3e-4:0,8")
+    grid = eta_study.parse_grid("1e-4:0,8,32;3e-4:0,8")
     assert grid == [(1e-4, [0, 8, 32]), (3e-4, [0, 8])]
-    cells = eta_sweep.cells(grid, [4], ["ppo", "m2po"], [0, 1])
+    cells = eta_study.cells(grid, [4], ["ppo", "m2po"], [0, 1])
     lag0 = [c for c in cells if c["lag"] == 0 and not c["eta"]]
     assert {c["arm"] for c in lag0} == {"sync"} and len(lag0) == 4
     assert len([c for c in cells if c["lag"] == 32]) == 4 and len([c for c in cells if c["eta"] == 4]) == 4
     assert len({c["name"] for c in cells}) == len(cells)
     with pytest.raises(ValueError, match="unknown arm"):
-        eta_sweep.cells(grid, [], ["nope"], [0])
+        eta_study.cells(grid, [], ["nope"], [0])
 
 
 def _run_config(cell, workdir):
     c = sweep_config.get_config()
-    for k, v in eta_sweep.cell_overrides(cell, str(workdir), 20).items():
+    for k, v in eta_study.cell_overrides(cell, str(workdir), 20).items():
         *path, last = k.split(".")
         target = c
         for p in path:

@@ -4,8 +4,8 @@ import os
 import subprocess
 import sys
 
-from jaxrl_async.cli.check_layout import tpu_slice
 from jaxrl_async.cli.local_cluster import child_env, core_blocks
+from jaxrl_async.runtime.cluster import tpu_slice
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The paths name files on the cluster's hosts (the layout check says so and checks the rest here).

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import sys
 import tempfile
 
@@ -28,6 +27,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from jaxrl_async.cli import run_command
+from jaxrl_async.runtime.cluster import tpu_slice
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py).", lock_config=True)
 _ACCELERATOR = flags.DEFINE_string("accelerator", "", "A Cloud TPU slice type (v5p-128, v5litepod-16, ...).")
@@ -35,35 +35,6 @@ _HOSTS = flags.DEFINE_integer("hosts", 0, "Hosts (one process each), when not a 
 _DEVICES = flags.DEFINE_integer("devices-per-host", 0, "Accelerators per host, when not a TPU slice.")
 _SOURCE = flags.DEFINE_string("source", "", "Where the numbers come from, for messages (default: the flags).")
 flags.mark_flags_as_required(["config"])
-
-_CORE_COUNTED = {"v4": 2, "v5p": 2}  # TensorCores per chip in the slice name
-_CHIP_COUNTED = ("v5litepod", "v5e", "v6e")
-
-
-def tpu_slice(accelerator: str) -> tuple[int, int]:
-    """(hosts, devices per host) of a Cloud TPU accelerator type.
-
-    Raises:
-      ValueError: an accelerator type this does not know (the message says which it knows).
-    """
-    m = re.fullmatch(r"(v4|v5p|v5litepod|v5e|v6e)-(\d+)", accelerator.strip())
-    if not m:
-        raise ValueError(
-            f"unknown TPU accelerator type {accelerator!r} (known: v4-N, v5p-N, v5litepod-N, v5e-N, v6e-N)"
-        )
-    family, n = m.group(1), int(m.group(2))
-    if family in _CORE_COUNTED:
-        cores = _CORE_COUNTED[family]
-        chips, rem = divmod(n, cores)
-        if rem or chips < 4 or chips % 4:
-            raise ValueError(f"{accelerator}: {n} TensorCores is not a whole number of 4-chip hosts")
-        return chips // 4, 4
-    if n <= 8:
-        return 1, n
-    if n % 4:
-        raise ValueError(f"{accelerator}: {n} chips is not a whole number of 4-chip hosts")
-    return n // 4, 4
-
 
 def check(config, hosts: int, devices_per_host: int, source: str) -> str:
     """The layout `config` gets on `hosts` x `devices_per_host`, in words.

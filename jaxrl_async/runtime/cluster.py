@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Sequence
@@ -440,3 +441,33 @@ def prepare_devices(config) -> None:
         import jax
 
         jax.config.update("jax_num_cpu_devices", n)
+
+
+# A Cloud TPU slice's name counts TensorCores (v4, v5p: two per chip) or chips (v5e, v6e).
+_CORE_COUNTED = {"v4": 2, "v5p": 2}  # TensorCores per chip in the slice name
+_CHIP_COUNTED = ("v5litepod", "v5e", "v6e")
+
+
+def tpu_slice(accelerator: str) -> tuple[int, int]:
+    """(hosts, devices per host) of a Cloud TPU accelerator type.
+
+    Raises:
+      ValueError: an accelerator type this does not know (the message says which it knows).
+    """
+    m = re.fullmatch(r"(v4|v5p|v5litepod|v5e|v6e)-(\d+)", accelerator.strip())
+    if not m:
+        raise ValueError(
+            f"unknown TPU accelerator type {accelerator!r} (known: v4-N, v5p-N, v5litepod-N, v5e-N, v6e-N)"
+        )
+    family, n = m.group(1), int(m.group(2))
+    if family in _CORE_COUNTED:
+        cores = _CORE_COUNTED[family]
+        chips, rem = divmod(n, cores)
+        if rem or chips < 4 or chips % 4:
+            raise ValueError(f"{accelerator}: {n} TensorCores is not a whole number of 4-chip hosts")
+        return chips // 4, 4
+    if n <= 8:
+        return 1, n
+    if n % 4:
+        raise ValueError(f"{accelerator}: {n} chips is not a whole number of 4-chip hosts")
+    return n // 4, 4
