@@ -48,6 +48,13 @@ def _items(state) -> dict:
     }
 
 
+def _brief(error: Exception) -> str:
+    """The error, its middle cut when long (tensorstore's messages put the cause, e.g. "File too large",
+    at the end, after the paths)."""
+    text = f"{type(error).__name__}: {error}".replace("\n", " ")
+    return text if len(text) <= 400 else f"{text[:200]} ... {text[-180:]}"
+
+
 def _host_local(x) -> bool:
     """Orbax refuses arrays that one process holds whole in a multi-process run (one trainer process
     beside sampler processes): those are saved and restored through host memory."""
@@ -140,8 +147,8 @@ class RunCheckpoints:
             last = self._failed(version, e, going_on=False)
             raise CheckpointError(
                 f"{self.directory}: the checkpoint of version {version} could not be written "
-                f"({type(e).__name__}: {str(e)[:300]}); the last good checkpoint is {last}: free space "
-                "and run the same command to resume from it"
+                f"({_brief(e)}); the last good checkpoint is {last}: free space and run the same command "
+                "to resume from it"
             ) from None
         return time.perf_counter() - t0
 
@@ -165,8 +172,8 @@ class RunCheckpoints:
         self.manager.reload()
         steps = self.manager.all_steps()
         last = f"version {max(steps)} in {self.directory}" if steps else f"none (in {self.directory})"
-        log.warning("checkpoint of version %d failed (%s: %s); the last good checkpoint is %s%s", version,
-                    type(error).__name__, str(error)[:300], last,
+        log.warning("checkpoint of version %d failed (%s); the last good checkpoint is %s%s", version,
+                    _brief(error), last,
                     "; the run goes on and the next save tries again" if going_on else "")  # fmt: skip
         return last
 
