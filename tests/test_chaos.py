@@ -1,7 +1,7 @@
 """The chaos suite's short form (tools/chaos.py): a stranger attacking the hub of a real 2-process run, a
-hung (SIGSTOPped) sampler process, a reward worker killed while it grades, checkpoint writes that fail
-(the checkpoint manager alone, and inside a running run). The 3-process scenarios (random kills with
-restarts, a hung trainer follower) are benchmark commands (docs/benchmarks.md)."""
+hung (SIGSTOPped) sampler process, a hung trainer follower (3 processes), a reward worker killed while it
+grades, checkpoint writes that fail (the checkpoint manager alone, and inside a running run). Random kills
+with restarts (seven 3-process runs) is a benchmark command (docs/benchmarks.md)."""
 
 import json
 import os
@@ -13,7 +13,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("scenario", ["hostile", "hang", "reward", "disk", "disk-run"])
+@pytest.mark.parametrize("scenario", ["hostile", "hang", "reward", "disk", "disk-run", "hang-follower"])
 def test_chaos_short_form(tmp_path, scenario):
     out = tmp_path / "chaos.json"
     cmd = [sys.executable, os.path.join(REPO, "tools", "chaos.py"), f"--scenario={scenario}",
@@ -27,6 +27,9 @@ def test_chaos_short_form(tmp_path, scenario):
         assert not result["unpickled"] and result["rejected_counted"] >= result["frames_sent"] >= 9
     elif scenario == "hang":
         assert result["lead_ended_after_s"] <= result["limit_s"] and result["names_process_1"]
+    elif scenario == "hang-follower":  # the lead (0) and the sampler (2) both ended, naming process 1
+        assert sorted(result["ended_after_s"]) == ["0", "2"] and max(result["ended_after_s"].values()) <= 40
+        assert result["names_process_1"] == {"0": True, "2": True}
     elif scenario == "reward":
         assert result["steps"] == 4 and result["scored_0_worker_died"] >= 1
     elif scenario == "disk-run":  # warned and trained on, saved again, stopped with a message, resumed
