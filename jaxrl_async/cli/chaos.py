@@ -1,11 +1,14 @@
-"""Faults and intruders injected into real multi-process runs on this machine: each scenario starts a
-small 2-process run with `jaxrl-local-cluster` (learner lead = process 0, sampler = process 1), injects
-its fault, and checks what the run did.
+"""Faults and intruders injected into real runs on this machine: each scenario starts a small run with
+`jaxrl-local-cluster` (2 processes: learner lead = process 0, sampler = process 1; 3 processes: learner
+lead 0, trainer follower 1, sampler 2) or `jaxrl-run`, injects its fault, and checks what the run did.
 
   python tools/chaos.py --scenario hostile     # a stranger sends hostile frames to the hub mid-run
   python tools/chaos.py --scenario hang        # SIGSTOP of the sampler process mid-run
   python tools/chaos.py --scenario reward      # SIGKILL of a reward worker while it grades
-  python tools/chaos.py --scenario disk        # a checkpoint write fails (as on a full disk)
+  python tools/chaos.py --scenario disk        # checkpoint writes fail (as on a full disk)
+  python tools/chaos.py --scenario kills --seed 0     # 5 SIGKILLs of random processes, 5 restarts
+  python tools/chaos.py --scenario hang-follower      # SIGSTOP of a trainer follower mid-run
+  python tools/chaos.py --scenario disk-run    # checkpoint writes of a running run fail
   python tools/chaos.py --scenario all --repeats 2 --out chaos.json   # the long form
 
 hostile: as soon as the hub is up, pickles that would create a file if unpickled, random bytes, a frame
@@ -23,12 +26,34 @@ is killed while it grades. Passes if the run trains every step (exit 0) and the 
 count the killed worker's completion as scored 0 (`worker_died`).
 
 disk: the run's checkpoint manager (runtime/checkpoint.py, in a process of its own, not a whole run)
-saves version 1, then saves version 2 with every file write limited to 4 KiB (RLIMIT_FSIZE: EFBIG, as on
-a full disk). Passes if that save raises, the next start restores version 1 (its values), and saves
-version 2 again.
+saves version 1, then versions 2 and 3 in the background and 4 waiting for its write, every file write
+limited to 4 KiB (RLIMIT_FSIZE: EFBIG, as on a full disk). Passes if the background failures are warnings
+(counted), version 4's save raises `CheckpointError` naming version 1 as the last good checkpoint, no
+partial directory is left, and the next start restores version 1 (its values) and saves version 2 again.
 
-Random kills with resume are in tests/test_resume.py. Prints one line per scenario and run; exits 1 if
-any failed.
+kills: a 3-process run (--restart-steps steps, one epoch of data, a checkpoint every step, --kill-mode
+sync by default) is SIGKILLed --kills times, each time in a random process after a random train step
+(after the point it resumed from) plus a random fraction of a second, and started again with the same
+command; then it runs to the end. --seed fixes the victims and times (--seed N --repeats 1 replays run
+N of a longer invocation). Passes if every kill landed, the last start ends with exit 0, trained_uids.jsonl
+(a version's last line counting) holds every version 1..steps and every prompt of the epoch exactly once,
+and, in sync mode, the final parameters are bit-identical to an uninterrupted run of the same command.
+
+hang-follower: the trainer follower (process 1 of 3) is stopped (SIGSTOP) after the first step. Passes if
+the learner lead and the sampler each end within --heartbeat-timeout-s + 30 s, each with a message that
+names process 1.
+
+disk-run: a one-process run (one epoch, a checkpoint every step) is started; once version 2 is saved, every
+file its process writes is limited to 1 MiB (RLIMIT_FSIZE set from outside with prlimit: the checkpoint's
+data files are larger, the logs are not); after two failed saves the limit is lifted, and set again once a
+save has succeeded (the run paused with SIGSTOP meanwhile, so that it cannot finish while the tool acts).
+Passes if the failed saves are warnings and the run trains on, the last good checkpoint stays readable
+meanwhile, a save succeeds once the limit is lifted, the final save (it waits for its write) fails and the
+run stops with a message naming the last good checkpoint (exit 1), no partial checkpoint directory is
+left, and the same command then resumes from that checkpoint and trains every prompt of the epoch
+exactly once.
+
+Prints one line per scenario and run; exits 1 if any failed.
 """
 
 from __future__ import annotations
@@ -36,122 +61,35 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import queue
 import re
 import signal
 import subprocess
 import tempfile
-import threading
 import time
 
-from absl import flags
+from absl import flags, logging
 
-from jaxrl_async.cli import module_command, run_command
+from jaxrl_async.cli import run_command
+from jaxrl_async.cli.chaos_runs import Run as _Run
+from jaxrl_async.cli.chaos_runs import disk_full_run, hung_follower, random_kills
+from jaxrl_async.cli.chaos_runs import ledger as _ledger
 
-_SCENARIO = flags.DEFINE_enum(
-    "scenario", "all", ["hostile", "hang", "reward", "disk", "all"], "The fault to inject."
-)
+SCENARIOS = ["hostile", "hang", "reward", "disk", "kills", "hang-follower", "disk-run"]
+_SCENARIO = flags.DEFINE_enum("scenario", "all", [*SCENARIOS, "all"], "The fault to inject.")
 _REPEATS = flags.DEFINE_integer("repeats", 1, "Runs of each scenario.", lower_bound=1)
 _STEPS = flags.DEFINE_integer("steps", 4, "Train steps of the hostile scenario's run.", lower_bound=2)
 _HEARTBEAT = flags.DEFINE_integer("heartbeat-timeout-s", 10, "The processes' --heartbeat_timeout_s.", 1)
 _WORKDIR = flags.DEFINE_string("workdir", "", "Where the runs write (default: a temporary directory).")
 _TIMEOUT = flags.DEFINE_float("timeout-s", 600.0, "Longest wait for one run.", lower_bound=1.0)
 _OUT = flags.DEFINE_string("out", "", "Also write the results as JSON here.")
-
-# A tiny run (the tests' small config): a random model, a reward that every group can earn.
-CONFIG = """
-from configs import tiny_arith
-
-
-def get_config():
-    c = tiny_arith.get_config()
-    c.total_steps, c.prompts_per_step, c.samples_per_prompt = {steps}, 4, 4
-    c.eval_every, c.eval_prompts, c.max_staleness = 0, 8, 1
-    c.sampler.num_slots = 8
-    c.trainer.token_budget, c.trainer.rows_per_micro = 64, 2
-    c.warm_start.enabled = False
-    c.reward.reward = "{reward}"
-    c.reward.defaults = {{"format_regex": "[0-9]"}}
-    c.checkpoint_every = 0
-    return c
-"""
-
-
-class _Run:
-    """A 2-process run under jaxrl-local-cluster, its output read line by line in a thread."""
-
-    def __init__(self, workdir: str, steps: int, heartbeat_s: int, secret: str, reward: str = "format"):
-        os.makedirs(workdir, exist_ok=True)
-        self.workdir = workdir
-        path = os.path.join(workdir, "config.py")
-        with open(path, "w") as f:
-            f.write(CONFIG.format(steps=steps, reward=reward))
-        cmd = module_command(
-            "local_cluster", "--num-processes=2", f"--heartbeat-timeout-s={heartbeat_s}", "--grace-s=5", "--",
-            f"--config={path}", f"--config.workdir={workdir}", "--config.mesh.trainer_processes=(0,)",
-            "--config.mesh.sampler_processes=(1,)",
-        )  # fmt: skip
-        env = dict(os.environ, JAXRL_SECRET=secret)  # this tool plays a stranger who knows the run's secret
-        env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [env.get("PYTHONPATH"), workdir])
-        )  # chaos_slow_reward
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        self.lines: list[str] = []
-        self._q: queue.Queue = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self._q.put(line)
-        self._q.put(None)
-
-    def expect(self, pattern: str, timeout_s: float) -> re.Match:
-        """Waits for an output line matching `pattern`."""
-        deadline = time.monotonic() + timeout_s
-        for line in self.lines:
-            if m := re.search(pattern, line):
-                return m
-        while time.monotonic() < deadline:
-            try:
-                line = self._q.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            if line is None:
-                break
-            self.lines.append(line)
-            if m := re.search(pattern, line):
-                return m
-        raise TimeoutError(f"no line matching {pattern!r}; last lines:\n{''.join(self.lines[-20:])}")
-
-    def finish(self, timeout_s: float) -> int:
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        while (line := self._q.get()) is not None:
-            self.lines.append(line)
-        with open(os.path.join(self.workdir, "launcher.log"), "w") as f:
-            f.writelines(self.lines)
-        return self.proc.returncode
-
-    def pid_of(self, process: int) -> int:
-        return int(self.expect(rf"\[launcher\] process {process}.*: pid (\d+)", 60).group(1))
-
-
-def _ledger(workdir: str, steps: int) -> dict:
-    """What trained_uids.jsonl says: every version 1..steps present once, no prompt trained twice."""
-    rows = []
-    path = os.path.join(workdir, "trained_uids.jsonl")
-    if os.path.exists(path):
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    uids = [u for r in rows for u in r["uids"]]
-    versions = sorted(r["version"] for r in rows)
-    return {"versions_complete": versions == list(range(1, steps + 1)), "prompts_trained": len(uids),
-            "prompts_trained_twice": len(uids) - len(set(uids))}  # fmt: skip
+_SEED = flags.DEFINE_integer("seed", 0, "Seeds the kills scenario's victims and times (replay a failure).")
+_KILLS = flags.DEFINE_integer("kills", 5, "SIGKILLs of the kills scenario (each followed by a restart).", 1)
+_RESTART_STEPS = flags.DEFINE_integer(
+    "restart-steps", 16, "Train steps (one epoch) of the kills and disk-run scenarios' runs.", lower_bound=8
+)
+_KILL_MODE = flags.DEFINE_enum(
+    "kill-mode", "sync", ["sync", "async"], "The kills scenario's --config.mode (sync: bit identity too)."
+)
 
 
 class _Touch:
@@ -305,13 +243,13 @@ def reward_worker(workdir: str, steps: int, heartbeat_s: int, timeout_s: float) 
 
 
 # The run's checkpoint manager in a process of its own: version 1 saved, then every file write limited to
-# 4 KiB (RLIMIT_FSIZE: a write past it fails with EFBIG, as on a full disk) while version 2 is saved;
+# 4 KiB (RLIMIT_FSIZE: a write past it fails with EFBIG, as on a full disk) while versions 2-4 are saved;
 # "restore" is the next start of the run: it must find version 1, then save version 2 again.
 CHECKPOINT_CHILD = """
 import os, resource, signal, sys
 import jax, jax.numpy as jnp
 from flax import struct
-from jaxrl_async.runtime.checkpoint import RunCheckpoints
+from jaxrl_async.runtime.checkpoint import CheckpointError, RunCheckpoints
 
 
 @struct.dataclass
@@ -334,11 +272,15 @@ if mode == "save":
     ckpts.save(1, state(1), {"version": 1}, wait=True)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-    try:
-        ckpts.save(2, state(2), {"version": 2}, wait=True)
-        print("RESULT save2=ok")
-    except Exception as e:
-        print("RESULT save2=failed", type(e).__name__, str(e)[:160].replace(chr(10), " "))
+    ckpts.save(2, state(2), {"version": 2})  # written in the background: a failure shows at the next save
+    ckpts.save(3, state(3), {"version": 3})  # warns about version 2, fails in the background too
+    print("RESULT background failures", ckpts.failures)
+    try:  # a save that waits for its write (the final one) raises
+        ckpts.save(4, state(4), {"version": 4}, wait=True)
+        print("RESULT save4=ok")
+    except CheckpointError as e:
+        print("RESULT save4=failed, names version 1:", "the last good checkpoint is version 1 in" in str(e))
+    print("RESULT failures", ckpts.failures, "on disk", sorted(os.listdir(directory)))
 else:
     got = ckpts.restore_latest(state(0))
     if got is None:
@@ -366,9 +308,10 @@ def checkpoint_write_error(workdir: str, timeout_s: float) -> dict:
         out[f"{mode}_exit_status"] = res.returncode
     save, restore = out["save"], out["restore"]
     ok = (
-        out["save_exit_status"] == 0 and out["restore_exit_status"] == 0 and bool(save)
-        and save[0].startswith("save2=failed") and restore[:1] == ["restored 1 0.0 {'version': 1}"]
-        and restore[1:] == ["steps [1, 2]"]
+        out["save_exit_status"] == 0 and out["restore_exit_status"] == 0
+        and save == ["background failures 1", "save4=failed, names version 1: True",
+                     "failures 3 on disk ['1']"]
+        and restore == ["restored 1 0.0 {'version': 1}", "steps [1, 2]"]
     )  # fmt: skip
     return {"scenario": "disk", "ok": ok, **out}
 
@@ -381,7 +324,8 @@ def _secret() -> str:
 
 def main(argv) -> int:
     del argv
-    scenarios = ["hostile", "hang", "reward", "disk"] if _SCENARIO.value == "all" else [_SCENARIO.value]
+    logging.set_verbosity(logging.WARNING)  # orbax logs every file it reads (disk-run, kills)
+    scenarios = SCENARIOS if _SCENARIO.value == "all" else [_SCENARIO.value]
     hb, timeout = _HEARTBEAT.value, _TIMEOUT.value
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -396,6 +340,14 @@ def main(argv) -> int:
                     res = reward_worker(workdir, _STEPS.value, hb, timeout)
                 elif name == "disk":
                     res = checkpoint_write_error(workdir, timeout)
+                elif name == "kills":
+                    seed, steps = _SEED.value + i, _RESTART_STEPS.value
+                    mode = _KILL_MODE.value
+                    res = random_kills(workdir, steps, _KILLS.value, seed, hb, timeout, _secret(), mode)
+                elif name == "hang-follower":
+                    res = hung_follower(workdir, hb, timeout, _secret())
+                elif name == "disk-run":
+                    res = disk_full_run(workdir, _RESTART_STEPS.value, timeout, _secret())
                 else:
                     res = hang(workdir, hb, timeout)
                 res["wall_s"] = round(time.monotonic() - t0, 1)

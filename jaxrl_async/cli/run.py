@@ -53,10 +53,14 @@ def main(argv):
         cluster = cl.connect(config.mesh, flags_)
     except (ConfigError, cl.ClusterError) as e:
         raise app.UsageError(f"invalid config: {e}") from None
+    from jaxrl_async.runtime.checkpoint import CheckpointError
     from jaxrl_async.runtime.orchestrator import run_from_config
 
     try:
         run_from_config(config, cluster)
+    except CheckpointError as e:  # the final checkpoint could not be written (a full disk): say so, stop
+        cluster.report_failure(str(e))
+        _exit_now(cluster, str(e), 1)
     except ConfigError as e:
         cluster.report_failure(f"invalid config: {e}")
         _exit_now(cluster, f"invalid config: {e}", 2)

@@ -13,9 +13,11 @@ directory alone (`load_policy`, used by tools/generate.py).
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import logging
 import os
+import shutil
 import time
 
 import jax
@@ -27,7 +29,15 @@ from jaxrl_async.model import ModelConfig, abstract_params
 from jaxrl_async.model.config import RopeScaling
 
 MODEL_FILE = "model.json"
+# Where orbax (0.12) writes a step until it is complete: `<step>.orbax-checkpoint-tmp`, renamed to `<step>`
+# on commit; a failed write leaves it behind (tests/test_chaos.py checks both).
+_PARTIAL = ".orbax-checkpoint-tmp"
 log = logging.getLogger(__name__)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that had to be written (the final one) could not be; the message names the version
+    and the last good checkpoint, which a resume takes."""
 
 
 def _items(state) -> dict:
@@ -36,6 +46,13 @@ def _items(state) -> dict:
         "opt_state": state.opt_state,
         "counters": {"version": state.version, "updates": state.updates, "skipped": state.skipped},
     }
+
+
+def _brief(error: Exception) -> str:
+    """The error, its middle cut when long (tensorstore's messages put the cause, e.g. "File too large",
+    at the end, after the paths)."""
+    text = f"{type(error).__name__}: {error}".replace("\n", " ")
+    return text if len(text) <= 400 else f"{text[:200]} ... {text[-180:]}"
 
 
 def _host_local(x) -> bool:
@@ -60,7 +77,10 @@ class RunCheckpoints:
     Saves only when the trainer is idle (the caller's contract): the train step donates the state's buffers.
     Saves are asynchronous: the caller is held while the arrays are copied out, orbax writes the files in
     the background, and a step's directory appears (atomically renamed) only once complete, so a run
-    killed mid-write leaves the previous checkpoints intact. The newest `keep` checkpoints are kept, plus
+    killed mid-write leaves the previous checkpoints intact. A background write that fails (a full disk)
+    is reported by the next save or `close`: a warning names the version and the last good checkpoint,
+    its partial files are removed, the run goes on and the next save tries again; a save that waits
+    (the final one) raises `CheckpointError` instead. The newest `keep` checkpoints are kept, plus
     the one with the best held-out accuracy. Restoring targets the live state's shardings, so a checkpoint
     restores onto whatever mesh the run has; an unreadable newest checkpoint is skipped with a warning
     that names it, and the one before is used.
@@ -95,22 +115,67 @@ class RunCheckpoints:
                 "coordinator": ocp.JsonCheckpointHandler(multiprocessing_options=mp),
             }
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self.failures = 0  # saves whose write failed (each warned about)
+        self._pending: int | None = None  # the version being written in the background
 
     def save(
         self, version: int, state, coordinator: dict, metrics: dict | None = None, wait: bool = False
     ) -> float:
         """Saves `state` and the coordinator's JSON-able state as step `version`; returns the seconds the
-        caller was held (the copy out of the state; all of the write with `wait`)."""
+        caller was held (the copy out of the state; all of the write with `wait`).
+
+        Raises:
+          CheckpointError: with `wait`, the write failed (without it, a failure is a warning).
+        """
+        self._settle()
         if version in (self.manager.all_steps() or []):
             return 0.0
         t0 = time.perf_counter()
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(_savable(_items(state))), coordinator=ocp.args.JsonSave(coordinator)
         )
-        self.manager.save(version, args=args, metrics=metrics)
-        if wait:
-            self.manager.wait_until_finished()
+        try:
+            self.manager.save(version, args=args, metrics=metrics)
+            if wait:
+                self.manager.wait_until_finished()
+            else:
+                self._pending = version
+        except Exception as e:  # noqa: BLE001 - any write error (EFBIG, ENOSPC, EIO ...): see _failed
+            if not wait:
+                self._failed(version, e)
+                return time.perf_counter() - t0
+            last = self._failed(version, e, going_on=False)
+            raise CheckpointError(
+                f"{self.directory}: the checkpoint of version {version} could not be written "
+                f"({_brief(e)}); the last good checkpoint is {last}: free space and run the same command "
+                "to resume from it"
+            ) from None
         return time.perf_counter() - t0
+
+    def _settle(self) -> None:
+        """Collects the outcome of the previous background write (a failure is warned about)."""
+        if self._pending is None:
+            return
+        version, self._pending = self._pending, None
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - see _failed
+            self._failed(version, e)
+
+    def _failed(self, version: int, error: Exception, going_on: bool = True) -> str:
+        """Removes a failed write's partial files, re-reads the saved steps from disk (orbax may still
+        list the failed one) and warns; returns the last good checkpoint, described."""
+        self.failures += 1
+        if jax.process_index() == 0:  # orbax's primary host writes the step directory
+            for partial in glob.glob(os.path.join(self.directory, f"{version}{_PARTIAL}*")):
+                shutil.rmtree(partial, ignore_errors=True)
+        self.manager.reload()
+        steps = self.manager.all_steps()
+        last = f"version {max(steps)} in {self.directory}" if steps else f"none (in {self.directory})"
+        log.warning("checkpoint of version %d failed (%s); the last good checkpoint is %s%s", version,
+                    _brief(error), last,
+                    "; the run goes on and the next save tries again" if going_on else "")  # fmt: skip
+        return last
 
     def restore_latest(self, state):
         """(state, version, coordinator state) from the newest readable checkpoint, or None."""
@@ -145,7 +210,7 @@ class RunCheckpoints:
         return state, int(step), dict(out["coordinator"] or {})
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        self._settle()
         self.manager.close()
 
 

@@ -299,7 +299,10 @@ class Learner:
             self.transport.send(f, SaveCheckpoint(self.version, state, metrics, final))
         held = self.core.save(state, metrics, wait=final)
         self.checkpoint_stall_s.append(held)
-        self.writer.scalars(self.version, {"perf/checkpoint_stall_s": held})
+        failed = self.core.checkpoints.failures if self.core.checkpoints is not None else 0
+        self.writer.scalars(
+            self.version, {"perf/checkpoint_stall_s": held, "perf/checkpoint_failures": failed}
+        )
         self.save_policy.saved_at = time.monotonic()
 
     def _record_eval(self, m: EvalResult) -> None:
@@ -392,6 +395,7 @@ class Learner:
             "token_staleness_mean": mean("staleness/token_mean"),
             "weight_sync_s_mean": mean("perf/weight_sync_s"),
             "checkpoint_stall_s": self.checkpoint_stall_s,
+            "checkpoint_failures": self.core.checkpoints.failures if self.core.checkpoints is not None else 0,
             "preempted": self.preempting,
             "dropped_groups": self.queue.dropped_groups,
             "filtered_groups": self.filter.filtered_total,
