@@ -29,6 +29,8 @@ def _loop(params, mesh=MESH1, **kw):
     base = dict(num_slots=4, max_prompt_len=16, max_new_tokens=12, steps_per_call=4, temperature=0.0)
     base.update(attention="paged_kernel", linear="xla", page_size=4)
     base.update(kw)
+    if base["attention"] != "paged_kernel":
+        base.pop("page_size")  # a slotted cache refuses a page size it would not read
     return SamplerLoop(Engine(TINY, params, mesh, SamplerConfig(**base)))
 
 
