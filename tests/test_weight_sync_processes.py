@@ -107,3 +107,74 @@ def test_receiver_gets_exactly_its_blocks(tmp_path):
     assert res["mid_live"] == res["shard_bytes"]
     assert res["largest_live"] == res["biggest_block"]
     assert res["pulled"] == res["full"]  # (1, 2): no replicated block, every byte pulled once
+
+
+CUT_OFF = r"""
+import json, os, signal, sys, time
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+pid, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+from jax._src.distributed import global_state
+from jaxrl_async.model import init_params, presets
+from jaxrl_async.runtime.cluster import Cluster, PeerFailure, Roles
+from jaxrl_async.runtime.messages import NewWeights
+from jaxrl_async.runtime.weight_sync import TransferPublisher, TransferReceiver, checksum
+from jaxrl_async.sharding import TRAINER_RULES, make_mesh
+
+# Process 1 trains (as a trainer follower does: the process that dies is not the one that hosts the
+# coordination service, whose death JAX itself answers by terminating every other process).
+cluster = Cluster(Roles(2, (0,), (1,)), pid, global_state.client)
+cfg = presets.tiny(vocab_size=64, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffw_size=128)
+t_mesh = make_mesh((2, 1), ("fsdp", "tensor"), [d for d in jax.devices() if d.process_index == 1])
+if pid == 1:  # offers version 0, then version 1, and dies before version 1 is pulled
+    params = init_params(cfg, jax.random.key(0), t_mesh, TRAINER_RULES)
+    pub = TransferPublisher(cluster, cfg, t_mesh, (1, 2), "bfloat16", num_actors=1, bucket_bytes=8192)
+    pub.publish(0, params)
+    cluster.barrier("pulled_0")
+    pub.publish(1, jax.tree.map(lambda x: x + 1, params))
+    open(out + ".offered", "w").write(str(os.getpid()))
+    os.kill(os.getpid(), signal.SIGKILL)
+s_mesh = make_mesh((1, 2), ("data", "tensor"), jax.local_devices())
+recv = TransferReceiver(cluster, 0, cfg, t_mesh, s_mesh, "bfloat16", bucket_bytes=8192)
+held = recv.receive(NewWeights(0))
+before = checksum(held)
+cluster.barrier("pulled_0")
+while not os.path.exists(out + ".offered"):
+    time.sleep(0.01)
+sender = int(open(out + ".offered").read())
+while os.path.exists(f"/proc/{sender}"):  # gone (a zombie until the test reaps it)
+    if open(f"/proc/{sender}/stat").read().split()[2] == "Z":
+        break
+    time.sleep(0.01)
+t0 = time.monotonic()
+try:
+    recv.receive(NewWeights(1))
+    res = {"error": None}
+except PeerFailure as e:
+    res = {"error": str(e)}
+res.update(seconds=time.monotonic() - t0, before=before, after=checksum(held))
+json.dump(res, open(out, "w"))
+os._exit(0)  # the other process is gone: do not wait for the coordination service's shutdown barrier
+"""
+
+
+def test_a_sync_cut_off_by_a_dead_sender_fails_fast_and_keeps_the_old_version(tmp_path):
+    port, out = _port(), str(tmp_path / "sampler.json")
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-c", CUT_OFF]
+    procs = [subprocess.Popen([*cmd, str(i), str(port), out], env=env) for i in range(2)]
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [0, -9]
+    res = json.load(open(out))
+    # Version 1 was announced but its sender died: the receiver names the version and the trainer
+    # process at once (not after the pull's 300 s deadline), and the version it holds is untouched.
+    assert "version 1's weights stopped arriving from the trainer processes [1]" in (res["error"] or "")
+    assert "the sampler keeps the version it has" in res["error"]
+    assert res["seconds"] < 30
+    assert res["after"] == res["before"]

@@ -31,6 +31,7 @@ from jax.sharding import SingleDeviceSharding
 from jaxrl_async.model import ModelConfig, abstract_params, param_shardings
 from jaxrl_async.model.config import DTYPES
 from jaxrl_async.runtime import shard_routes
+from jaxrl_async.runtime.cluster import PeerFailure
 from jaxrl_async.runtime.messages import NewWeights
 from jaxrl_async.runtime.shard_routes import ShardRoutes
 from jaxrl_async.sharding import SAMPLER_RULES, TRAINER_RULES, Rules, make_mesh
@@ -288,9 +289,16 @@ class TransferReceiver:
     def receive(self, message: NewWeights):
         """The sampler-layout params of `message.version` (blocks until every piece has arrived)."""
         t0 = time.perf_counter()
-        parts, nbytes = self.pull(message)
-        out = jax.tree.unflatten(self.plan.treedef, self.assemble(parts))
-        jax.block_until_ready(out)
+        try:  # a pull returns at once; a sender's death surfaces when its pieces are used or awaited
+            parts, nbytes = self.pull(message)
+            out = jax.tree.unflatten(self.plan.treedef, self.assemble(parts))
+            jax.block_until_ready(out)
+        except Exception as e:  # noqa: BLE001 - the transfer library's errors have no type of their own
+            raise PeerFailure(
+                f"actor {self.actor}: version {message.version}'s weights stopped arriving from the trainer "
+                f"processes {list(self.plan.processes)} ({str(e).splitlines()[0][:200]}); the sampler keeps "
+                "the version it has"
+            ) from None
         self.last_seconds = time.perf_counter() - t0
         self.last_bytes = nbytes
         return out
