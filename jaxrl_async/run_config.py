@@ -202,37 +202,34 @@ class MeshConfig:
         return self.sampler_devices + self.trainer_devices
 
 
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """Everything a run needs, validated."""
+def _int_at_least(name: str, v, low: int) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < low:
+        raise ConfigError(f"config.{name}: must be an integer >= {low}, got {v!r}")
 
-    workdir: str
-    seed: int
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """How long the run trains, how big a step is, and how far admission may run ahead (config.mode,
+    total_steps, prompts_per_step, samples_per_prompt, max_staleness, max_head_staleness; the run-level
+    keys of configs/base.py, which documents each)."""
+
     mode: str
-    max_staleness: int
-    max_head_staleness: int | None
     total_steps: int
     prompts_per_step: int
     samples_per_prompt: int
-    model: ModelSection
-    tokenizer: str
-    mesh: MeshConfig
-    eval_every: int
-    eval_prompts: int
-    eval_slots: int
-    eval_weights: str
-    log_every: int
-    text_samples: int
-    checkpoint_every: int
-    checkpoint_minutes: float
-    checkpoint_keep: int
-    verify_weights: bool
-    length_caps: str
-    data: DataConfig
-    reward: RewardConfig
-    sampler: SamplerConfig
-    trainer: TrainConfig
-    warm_start: WarmStartConfig
+    max_staleness: int
+    max_head_staleness: int | None = None  # None = off (a config's negative value)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ConfigError(f"config.mode: {self.mode!r} not in {MODES}")
+        for name in ("total_steps", "prompts_per_step", "samples_per_prompt"):
+            _int_at_least(name, getattr(self, name), 1)
+        _int_at_least("max_staleness", self.max_staleness, 0)
+        if self.mode == "async" and self.max_staleness < 1:
+            raise ConfigError("config.max_staleness: async mode needs max_staleness >= 1 (0 is mode=sync)")
+        if self.max_head_staleness is not None:
+            _int_at_least("max_head_staleness", self.max_head_staleness, 0)
 
     @property
     def eta(self) -> int:
@@ -240,13 +237,82 @@ class RunConfig:
         return 0 if self.mode == "sync" else self.max_staleness
 
 
-def _positive(values: dict, *names: str, allow_zero: tuple[str, ...] = ()) -> None:
-    for name in names:
-        v = values[name]
-        if not isinstance(v, int) or v < (0 if name in allow_zero else 1):
-            raise ConfigError(
-                f"config.{name}: must be an integer >= {0 if name in allow_zero else 1}, got {v!r}"
-            )
+@dataclasses.dataclass(frozen=True)
+class EvalSection:
+    """Held-out greedy pass@1 (config.eval_every, eval_prompts, eval_slots, eval_weights)."""
+
+    every: int  # versions between evaluations; 0 = only the first and the last
+    prompts: int
+    slots: int
+    weights: str = "own"
+
+    def __post_init__(self):
+        _int_at_least("eval_every", self.every, 0)
+        _int_at_least("eval_prompts", self.prompts, 1)
+        _int_at_least("eval_slots", self.slots, 1)
+        if self.weights not in EVAL_WEIGHTS:
+            raise ConfigError(f"config.eval_weights: {self.weights!r} not in {EVAL_WEIGHTS}")
+
+    @property
+    def shares_weights(self) -> bool:
+        """The eval engine decodes with the sampler's current weights (no copy of its own)."""
+        return self.weights == "shared"
+
+    def due(self, version: int, last: int) -> bool:
+        """Whether `version` is evaluated in a run whose last version is `last` (the first received
+        version always is: the actor evaluates whatever it starts with)."""
+        return version == last or bool(self.every and version % self.every == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSection:
+    """When the trainer saves and what it keeps (config.checkpoint_every, checkpoint_minutes,
+    checkpoint_keep); a run always saves its last version."""
+
+    every: int  # train steps between saves; 0 = by time only
+    minutes: float = 0.0  # also save when this many minutes passed since the last; 0 = off
+    keep: int = 3  # newest checkpoints kept (plus the best by held-out accuracy)
+
+    def __post_init__(self):
+        _int_at_least("checkpoint_every", self.every, 0)
+        if not isinstance(self.minutes, int | float) or isinstance(self.minutes, bool) or self.minutes < 0:
+            raise ConfigError(f"config.checkpoint_minutes: must be a number >= 0, got {self.minutes!r}")
+        _int_at_least("checkpoint_keep", self.keep, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogSection:
+    """What the learner lead writes (config.log_every, text_samples)."""
+
+    every: int  # train steps between TensorBoard writes and summary lines
+    text_samples: int = 4  # completions written as TensorBoard text at each log step
+
+    def __post_init__(self):
+        _int_at_least("log_every", self.every, 1)
+        _int_at_least("text_samples", self.text_samples, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything a run needs, validated: one frozen section per concern, each read by the roles that
+    need it (nothing is declared twice)."""
+
+    workdir: str
+    seed: int
+    schedule: Schedule
+    model: ModelSection
+    tokenizer: str
+    mesh: MeshConfig
+    eval: EvalSection
+    log: LogSection
+    checkpoint: CheckpointSection
+    verify_weights: bool
+    length_caps: str
+    data: DataConfig
+    reward: RewardConfig
+    sampler: SamplerConfig
+    trainer: TrainConfig
+    warm_start: WarmStartConfig
 
 
 def memory_sections(c: dict[str, Any]) -> dict[str, Any]:
@@ -271,8 +337,117 @@ def component_sections(c: dict[str, Any]) -> dict[str, Any]:
     return {**sections, **memory_sections(c)}
 
 
+def run_sections(c: dict[str, Any]) -> dict[str, Any]:
+    """The run-level sections of a config (its `to_dict()`), each validated on its own."""
+    head = c.get("max_head_staleness")
+    return {
+        "schedule": Schedule(
+            mode=c["mode"], total_steps=c["total_steps"], prompts_per_step=c["prompts_per_step"],
+            samples_per_prompt=c["samples_per_prompt"], max_staleness=c["max_staleness"],
+            max_head_staleness=None if head is None or head < 0 else head,  # negative = off
+        ),
+        "eval": EvalSection(every=c["eval_every"], prompts=c["eval_prompts"], slots=c["eval_slots"],
+                            weights=c.get("eval_weights", "own")),
+        "log": LogSection(every=c["log_every"], text_samples=c["text_samples"]),
+        "checkpoint": CheckpointSection(every=c["checkpoint_every"], minutes=c.get("checkpoint_minutes", 0.0),
+                                        keep=c.get("checkpoint_keep", 3)),
+    }  # fmt: skip
+
+
+# ----- cross-checks: each takes the built RunConfig and names the fields that disagree ----------------
+
+
+def _check_data_files(run: RunConfig, num_devices: int | None) -> None:
+    for field in ("path", "eval_path"):
+        path = getattr(run.data, field)
+        if path and not os.path.exists(path):
+            raise ConfigError(f"config.data.{field}: file {path!r} not found")
+
+
+def _check_device_count(run: RunConfig, num_devices: int | None) -> None:
+    mesh = run.mesh
+    if num_devices is None or mesh.sampler_processes:
+        return  # several processes: checked per role by jaxrl_async.runtime.build once they have joined
+    if mesh.devices_needed > num_devices:
+        how = "colocated on" if mesh.colocate else "+"
+        raise ConfigError(
+            f"config.mesh: sampler {mesh.sampler} {how} trainer {mesh.trainer} need {mesh.devices_needed} "
+            f"devices, {num_devices} present (on a CPU-only host: "
+            f"--config.mesh.fake_cpu_devices={mesh.devices_needed})"
+        )
+
+
+def _check_cpu_kernels(run: RunConfig, num_devices: int | None) -> None:
+    for name in run.sampler.cpu_kernels:
+        if run.mesh.sampler_devices != 1:
+            raise ConfigError(
+                f"config.sampler.{name}: 'cpu_kernel' runs on one CPU device, config.mesh.sampler is "
+                f"{run.mesh.sampler} (use 'xla')"
+            )
+        if run.model.dtype != "float32":
+            raise ConfigError(
+                f"config.sampler.{name}: 'cpu_kernel' needs config.model.dtype='float32', got "
+                f"{run.model.dtype!r}"
+            )
+
+
+def _check_length_caps(run: RunConfig, num_devices: int | None) -> None:
+    if run.length_caps:
+        from jaxrl_async.data.length_caps import length_cap_fn
+
+        try:
+            length_cap_fn(run.length_caps)
+        except ValueError as e:
+            raise ConfigError(f"config.length_caps: {e}") from None
+
+
+def _check_trainer_schedule(run: RunConfig, num_devices: int | None) -> None:
+    tr, sch = run.trainer, run.schedule
+    if tr.total_steps < sch.total_steps:
+        raise ConfigError(
+            f"config.trainer.total_steps ({tr.total_steps}) < config.total_steps "
+            f"({sch.total_steps}): the learning-rate schedule would end early"
+        )
+    if tr.minibatches > sch.prompts_per_step:
+        raise ConfigError(
+            f"config.trainer.minibatches={tr.minibatches}: each optimizer update needs at least one of the "
+            f"batch's config.prompts_per_step={sch.prompts_per_step} groups"
+        )
+    if tr.controlled_lag and (run.checkpoint.every or run.checkpoint.minutes):
+        raise ConfigError(  # a run resumed from a mid-run save would restart its lag (0..k-1 stale again)
+            f"config.trainer.controlled_lag={tr.controlled_lag}: needs config.checkpoint_every=0 and "
+            "config.checkpoint_minutes=0 (only the final checkpoint)"
+        )
+
+
+def _check_sequence_fits(run: RunConfig, num_devices: int | None) -> None:
+    smp = run.sampler
+    longest = smp.max_prompt_len + smp.max_new_tokens
+    if run.trainer.token_budget < longest:
+        raise ConfigError(
+            f"config.trainer.token_budget={run.trainer.token_budget}: a packed row must hold the longest "
+            f"sequence, config.sampler.max_prompt_len + max_new_tokens = {longest}"
+        )
+    if run.reward.overlong_buffer > smp.max_new_tokens:
+        raise ConfigError(
+            f"config.reward.overlong_buffer={run.reward.overlong_buffer}: the soft window must fit in "
+            f"config.sampler.max_new_tokens={smp.max_new_tokens}"
+        )
+
+
+CROSS_CHECKS = (
+    _check_data_files,
+    _check_device_count,
+    _check_cpu_kernels,
+    _check_length_caps,
+    _check_trainer_schedule,
+    _check_sequence_fits,
+)
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> RunConfig:
-    """Checks every field and builds the RunConfig; raises ConfigError naming the first bad field.
+    """Builds the RunConfig, section by section (each validates itself), then runs the named cross-checks
+    (CROSS_CHECKS); raises ConfigError naming the first bad field.
 
     Args:
       config: the ConfigDict from a configs/*.py file plus command-line overrides.
@@ -281,116 +456,17 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     c = config.to_dict()
     if not c.get("workdir"):
         raise ConfigError("config.workdir: required (e.g. --config.workdir=runs/my_run)")
-    if c["mode"] not in MODES:
-        raise ConfigError(f"config.mode: {c['mode']!r} not in {MODES}")
-    if c.get("eval_weights", "own") not in EVAL_WEIGHTS:
-        raise ConfigError(f"config.eval_weights: {c['eval_weights']!r} not in {EVAL_WEIGHTS}")
-    _positive(
-        c, "total_steps", "prompts_per_step", "samples_per_prompt", "eval_prompts", "eval_slots", "log_every"
-    )
-    _positive(
-        c,
-        "max_staleness",
-        "eval_every",
-        "text_samples",
-        "checkpoint_every",
-        allow_zero=("max_staleness", "eval_every", "text_samples", "checkpoint_every"),
-    )
-    minutes = c.get("checkpoint_minutes", 0.0)
-    if not isinstance(minutes, int | float) or minutes < 0:
-        raise ConfigError(f"config.checkpoint_minutes: must be a number >= 0, got {minutes!r}")
-    keep = c.get("checkpoint_keep", 3)
-    if not isinstance(keep, int) or keep < 1:
-        raise ConfigError(f"config.checkpoint_keep: must be an integer >= 1, got {keep!r}")
-    if c["mode"] == "async" and c["max_staleness"] < 1:
-        raise ConfigError("config.max_staleness: async mode needs max_staleness >= 1 (0 is mode=sync)")
-    head = c.get("max_head_staleness")
-    if head is not None and head < 0:
-        head = None  # negative = off
-    model = _section("model", ModelSection, dict(c["model"]))
-    sections = component_sections(c)
-    for field in ("path", "eval_path"):
-        path = getattr(sections["data"], field)
-        if path and not os.path.exists(path):
-            raise ConfigError(f"config.data.{field}: file {path!r} not found")
-    mesh = _section("mesh", MeshConfig, dict(c["mesh"]))
-    need = mesh.devices_needed
-    if mesh.sampler_processes and num_devices is not None:
-        need = 0  # checked per role by jaxrl_async.runtime.build once the processes have joined
-    if num_devices is not None and need > num_devices:
-        how = "colocated on" if mesh.colocate else "+"
-        raise ConfigError(
-            f"config.mesh: sampler {mesh.sampler} {how} trainer {mesh.trainer} need {need} devices, "
-            f"{num_devices} present (on a CPU-only host: --config.mesh.fake_cpu_devices={need})"
-        )
-    for name in sections["sampler"].cpu_kernels:
-        if mesh.sampler_devices != 1:
-            raise ConfigError(
-                f"config.sampler.{name}: 'cpu_kernel' runs on one CPU device, config.mesh.sampler is "
-                f"{mesh.sampler} (use 'xla')"
-            )
-        if model.dtype != "float32":
-            raise ConfigError(
-                f"config.sampler.{name}: 'cpu_kernel' needs config.model.dtype='float32', got {model.dtype!r}"
-            )
-    caps = c.get("length_caps", "")
-    if caps:
-        from jaxrl_async.data.length_caps import length_cap_fn
-
-        try:
-            length_cap_fn(caps)
-        except ValueError as e:
-            raise ConfigError(f"config.length_caps: {e}") from None
-    tr = sections["trainer"]
-    if tr.total_steps < c["total_steps"]:
-        raise ConfigError(
-            f"config.trainer.total_steps ({tr.total_steps}) < config.total_steps "
-            f"({c['total_steps']}): the learning-rate schedule would end early"
-        )
-    if tr.minibatches > c["prompts_per_step"]:
-        raise ConfigError(
-            f"config.trainer.minibatches={tr.minibatches}: each optimizer update needs at least one of the "
-            f"batch's config.prompts_per_step={c['prompts_per_step']} groups"
-        )
-    if tr.controlled_lag and (c["checkpoint_every"] or c["checkpoint_minutes"]):
-        raise ConfigError(  # a run resumed from a mid-run save would restart its lag (0..k-1 stale again)
-            f"config.trainer.controlled_lag={tr.controlled_lag}: needs config.checkpoint_every=0 and "
-            "config.checkpoint_minutes=0 (only the final checkpoint)"
-        )
-    smp = sections["sampler"]
-    longest = smp.max_prompt_len + smp.max_new_tokens
-    if tr.token_budget < longest:
-        raise ConfigError(
-            f"config.trainer.token_budget={tr.token_budget}: a packed row must hold the longest sequence, "
-            f"config.sampler.max_prompt_len + max_new_tokens = {longest}"
-        )
-    if sections["reward"].overlong_buffer > smp.max_new_tokens:
-        raise ConfigError(
-            f"config.reward.overlong_buffer={sections['reward'].overlong_buffer}: the soft window must fit "
-            f"in config.sampler.max_new_tokens={smp.max_new_tokens}"
-        )
-    return RunConfig(
+    run = RunConfig(
         workdir=c["workdir"],
         seed=int(c["seed"]),
-        mode=c["mode"],
-        max_staleness=int(c["max_staleness"]),
-        max_head_staleness=head,
-        total_steps=c["total_steps"],
-        prompts_per_step=c["prompts_per_step"],
-        samples_per_prompt=c["samples_per_prompt"],
-        model=model,
+        **run_sections(c),
+        model=_section("model", ModelSection, dict(c["model"])),
         tokenizer=c["tokenizer"],
-        mesh=mesh,
-        eval_every=c["eval_every"],
-        eval_prompts=c["eval_prompts"],
-        eval_slots=c["eval_slots"],
-        eval_weights=c.get("eval_weights", "own"),
-        log_every=c["log_every"],
-        text_samples=c["text_samples"],
-        checkpoint_every=c["checkpoint_every"],
-        checkpoint_minutes=float(c.get("checkpoint_minutes", 0.0)),
-        checkpoint_keep=int(c.get("checkpoint_keep", 3)),
+        mesh=_section("mesh", MeshConfig, dict(c["mesh"])),
         verify_weights=bool(c.get("verify_weights", False)),
-        length_caps=caps,
-        **sections,
+        length_caps=c.get("length_caps", ""),
+        **component_sections(c),
     )
+    for check in CROSS_CHECKS:
+        check(run, num_devices)
+    return run

@@ -60,14 +60,14 @@ def test_paired_cells_share_warm_start_data_order_and_sampling_seed(tmp_path):
 
     def warm_key(run):
         model_cfg = build.model_config(run, tok)
-        return cache_key(model_cfg, run.data, run.warm_start, run.seed, tok.vocab_size, run.eval_prompts)
+        return cache_key(model_cfg, run.data, run.warm_start, run.seed, tok.vocab_size, run.eval.prompts)
 
     def first_prompts(run):
         it = make_prompt_iterator(run.data, tok)
         return [next(it).text for _ in range(6)]
 
     ref = runs["ppo", 3]
-    assert ref.trainer.controlled_lag == 8 and ref.mode == "sync" and ref.trainer.lr == 1e-4
+    assert ref.trainer.controlled_lag == 8 and ref.schedule.mode == "sync" and ref.trainer.lr == 1e-4
     for arm in ("m2po", "robust"):
         run = runs[arm, 3]
         assert run.trainer.loss != ref.trainer.loss or run.trainer.ess_scaled_step

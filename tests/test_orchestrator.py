@@ -94,7 +94,7 @@ def test_knobs_that_must_agree_are_derived(tmp_path):
     assert run.trainer.temperature == 0.7  # the trainer's logprobs use the sampler's temperature
     assert run.trainer.total_steps == 1000  # tiny_arith's schedule, set on purpose
     run = validate(_small(tmp_path, **{"trainer.total_steps": 0, "trainer.warmup_steps": 1}), n)
-    assert run.trainer.total_steps == run.total_steps == 4  # trainer.total_steps = 0: the run's length
+    assert run.trainer.total_steps == run.schedule.total_steps == 4  # trainer.total_steps = 0: the run length
     assert validate(_small(tmp_path, **{"sampler.temperature": 0.0}), n).trainer.temperature == 1.0
     assert "temperature" not in _small(tmp_path).trainer  # not a knob of its own
     # The reward: "" = the data task's; a name set in config.reward.reward is the run's.

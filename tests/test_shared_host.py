@@ -129,11 +129,17 @@ def test_cli_shared_host_sweep(tmp_path):
 def test_calibrate_roles_times_each_role_of_a_real_run(tmp_path):
     from test_orchestrator import _small
 
-    from jaxrl_async.runtime.calibration import calibrate_roles, host_cores
+    from jaxrl_async.runtime.calibration import calibrate_roles, calibration_config, host_cores
     from jaxrl_async.runtime.orchestrator import build_local
 
     cfg = _small(tmp_path, **{"mesh.sampler": (1, 1), "mesh.trainer": (1, 1)})
     proc = build_local(cfg)
+    try:  # an async run's admission would time two batches at once
+        with pytest.raises(ValueError, match=r"calibration_config.*config\.mode='async'"):
+            calibrate_roles(proc)
+    finally:
+        proc.close()
+    proc = build_local(calibration_config(cfg))
     try:
         d = calibrate_roles(proc, batches=2)
         assert proc.learner.core.version == 3  # one untimed (compiling) + two timed train steps

@@ -33,13 +33,19 @@ def _rollout(g: int, i: int) -> Rollout:
     )  # fmt: skip
 
 
+def _final(reward_stats: dict) -> m.ActorStats:
+    return dataclasses.replace(m.ActorStats.empty(), reward_stats=reward_stats)
+
+
 PROMPT = Prompt("a:1", "1+1=", np.array([3, 4], np.int32), "2", {"answer": "2", "task": "arithmetic"}, "0:1")
 EXAMPLES = {
     m.Hello: m.Hello(3),
     m.TicketRequest: m.TicketRequest(1, 4),
     m.Tickets: m.Tickets([(7, PROMPT), (8, PROMPT)], exhausted=True),
-    m.Rollouts: m.Rollouts(0, [[_rollout(1, 0), _rollout(1, 1)]], {"idle_s": 1.5, "checksums": {2: 0.25},
-                                                                  "version": None, "drained": False}),
+    m.Rollouts: m.Rollouts(0, [[_rollout(1, 0), _rollout(1, 1)]], m.ActorStats(
+        version=3, sample_tokens=70, completions=10, occupancy=0.5, idle_s=1.5, weight_s=0.25, eval_s=2.0,
+        eval_spans=[(0, 1.0, 2.5)], evals_skipped=[2], sample_calls_during_eval=4, reward_errors=1,
+        drained=False, checksums={2: 0.25})),
     m.NewWeights: m.NewWeights(5, None, 1.25),
     m.EvalResult: m.EvalResult(4, 0.75, 2.0),
     m.TrainBatch: m.TrainBatch(2, [[_rollout(3, 0)]]),
@@ -48,7 +54,7 @@ EXAMPLES = {
                                        {"eval_accuracy": 0.5}, wait=True),
     m.Stop: m.Stop(),
     m.Preempt: m.Preempt(1, "SIGTERM"),
-    m.Stopped: m.Stopped("actor:0", {"reward_stats": {"errors": {"timeout": 1}}}),
+    m.Stopped: m.Stopped(0, _final({"errors": {"timeout": 2}})),
     m.WarmStartParams: m.WarmStartParams({"embed": np.ones((2, 3), np.float32),
                                           "layers": {"w": np.zeros((2, 2), np.float16)}}),
 }  # fmt: skip
@@ -83,6 +89,11 @@ def _body(tree) -> bytes:
     return json.dumps(["learner", tree]).encode()
 
 
+def _in_dict(d: list) -> list:
+    """A message whose field is plain data (a SaveCheckpoint's coordinator state) holding `d`."""
+    return ["o", "SaveCheckpoint", 1, d, None, False]
+
+
 @pytest.mark.parametrize(
     "tree,buffers,why",
     [
@@ -91,14 +102,14 @@ def _body(tree) -> bytes:
         (["o", "Hello", 2**70], b"", "int64"),
         (["o", "Hello"], b"", "fields"),
         (["o", "NewWeights", 1, ["d", "w", 1], None], b"", "None"),
-        (["o", "Stopped", "actor:0", ["d", "x", ["o", "Stop"]]], b"", "plain data"),
-        (["o", "Stopped", "actor:0", ["d", "x", ["a", "object", [1]]]], b"\0" * 8, "dtype"),
-        (["o", "Stopped", "actor:0", ["d", "x", ["a", "float32", [4]]]], b"\0" * 8, "missing"),
-        (["o", "Stopped", "actor:0", ["d", "x", ["a", "float32", [-1]]]], b"", "shape"),
-        (["o", "Stopped", "actor:0", ["d", "x", ["a", "int8", [1]]]], b"\0" * 64, "belong to no array"),
-        (["o", "Stopped", "actor:0", ["d", "x", ["l"] * 1 + [["l"]] * 3]], b"", None),  # fine: plain lists
-        (["o", "Stopped", "actor:0", ["d", "x", "y", "z"]], b"", "odd"),
-        (["o", "Stopped", "actor:0", ["d", 1.5, 2]], b"", "key"),
+        (_in_dict(["d", "x", ["o", "Stop"]]), b"", "plain data"),
+        (_in_dict(["d", "x", ["a", "object", [1]]]), b"\0" * 8, "dtype"),
+        (_in_dict(["d", "x", ["a", "float32", [4]]]), b"\0" * 8, "missing"),
+        (_in_dict(["d", "x", ["a", "float32", [-1]]]), b"", "shape"),
+        (_in_dict(["d", "x", ["a", "int8", [1]]]), b"\0" * 64, "belong to no array"),
+        (_in_dict(["d", "x", ["l"] * 1 + [["l"]] * 3]), b"", None),  # fine: plain lists
+        (_in_dict(["d", "x", "y", "z"]), b"", "odd"),
+        (_in_dict(["d", 1.5, 2]), b"", "key"),
     ],
 )
 def test_the_decoder_refuses_what_is_not_a_known_message(tree, buffers, why):
@@ -113,7 +124,7 @@ def test_the_decoder_bounds_depth_size_and_garbage():
     inner = 0
     for _ in range(100):
         inner = ["l", inner]
-    deep = ["o", "Stopped", "a", ["d", "x", inner]]
+    deep = ["o", "SaveCheckpoint", 1, ["d", "x", inner], None, False]
     with pytest.raises(codec.CodecError, match="deeper"):
         codec.decode(_body(deep), b"")
     with pytest.raises(codec.CodecError, match="malformed"):
@@ -127,7 +138,13 @@ def test_the_decoder_bounds_depth_size_and_garbage():
             _body(["o", "Trained", 1, ["l", *range(50)], ["l"], ["l"]]), b"", codec.Limits(max_values=20)
         )
     with pytest.raises(codec.CodecError, match="cannot cross"):
-        codec.encode("learner", m.Stopped("a", {"f": open}))
+        codec.encode("learner", m.SaveCheckpoint(1, {"f": open}))
+    # An actor's counters cross only inside a Rollouts or Stopped, each field of its own type.
+    with pytest.raises(codec.CodecError, match="not a message"):
+        codec.encode("learner", m.ActorStats.empty())
+    stats = codec.encode("learner", m.Stopped(0, m.ActorStats.empty()))[0].replace(b"false", b'"no"')
+    with pytest.raises(codec.CodecError, match="ActorStats.drained"):
+        codec.decode(stats, b"")
 
 
 # ----- a real hub and strangers -----------------------------------------------------------------------
@@ -217,9 +234,9 @@ def test_hostile_frames_are_dropped_counted_and_logged_once(hub_and_peer, tmp_pa
     dropped = [r for r in caplog.records if "dropped a message from 127.0.0.1" in r.getMessage()]
     assert len(dropped) == 1  # once per peer address, however many
     # The hub works on: a legitimate message still gets through, both ways.
-    peer.send("learner", m.Rollouts(0, [[_rollout(1, 0)]], {"idle_s": 0.0}))
+    peer.send("learner", m.Rollouts(0, [[_rollout(1, 0)]], m.ActorStats.empty()))
     got = _recv(hub, "learner")
-    assert _same(got, [m.Rollouts(0, [[_rollout(1, 0)]], {"idle_s": 0.0})])
+    assert _same(got, [m.Rollouts(0, [[_rollout(1, 0)]], m.ActorStats.empty())])
     hub.send("actor:0", m.Stop())
     assert _recv(peer, "actor:0") == [m.Stop()]
     for t in (other_run, other_secret):

@@ -64,7 +64,7 @@ def _worker(pid: int, port: int, tmp: str, preset: str, reps: int, samples: int,
     from jaxrl_async.model import init_params, presets
     from jaxrl_async.runtime import codec, secret
     from jaxrl_async.runtime.cluster import Cluster, Roles
-    from jaxrl_async.runtime.messages import Hello, Rollouts
+    from jaxrl_async.runtime.messages import ActorStats, Hello, Rollouts
     from jaxrl_async.runtime.transport import ZmqTransport
     from jaxrl_async.runtime.weight_sync import TransferPublisher, TransferReceiver
     from jaxrl_async.sharding import TRAINER_RULES, make_mesh
@@ -104,7 +104,8 @@ def _worker(pid: int, port: int, tmp: str, preset: str, reps: int, samples: int,
             while not got:
                 hub.wait(0.01)
                 got = hub.recv("learner")
-            received.append((time.perf_counter(), got[0].stats["sent"], got[0].stats["bytes"]))
+            stamp = got[0].groups[0][0].metadata  # the send time travels in the first rollout
+            received.append((time.perf_counter(), stamp["sent"], stamp["bytes"]))
         out.update(rollout_s=[t - sent for t, sent, _ in received[1:]], rollout_bytes=received[0][2])
         hub.close()
     else:
@@ -126,12 +127,14 @@ def _worker(pid: int, port: int, tmp: str, preset: str, reps: int, samples: int,
         out.update(transfer_sampler_s=pulled[1:], receiver_bytes=sum(n for _, n in live))
         del last
         batch = _rollout_batch(samples, tokens)
-        size = sum(map(len, codec.encode("learner", Rollouts(0, batch, {}))))
+        batch[0][0].metadata.update(sent=0.0, bytes=0)
+        size = sum(map(len, codec.encode("learner", Rollouts(0, batch, ActorStats.empty()))))
         actor = ZmqTransport(["actor:0"], False, cluster.lookup("hub"), 1, secret.load())
         actor.send("hello", Hello(1))
         for _ in range(reps + 1):
             time.sleep(0.2)  # one batch at a time: the latency of each
-            actor.send("learner", Rollouts(0, batch, {"sent": time.perf_counter(), "bytes": size}))
+            batch[0][0].metadata.update(sent=time.perf_counter(), bytes=size)
+            actor.send("learner", Rollouts(0, batch, ActorStats.empty()))
         time.sleep(1.0)
         actor.close()
     with open(f"{tmp}/weight_sync_{pid}.json", "w") as f:
@@ -170,10 +173,10 @@ def codec_cost(samples: int, tokens: int, reps: int) -> dict:
     import zmq
 
     from jaxrl_async.runtime import secret
-    from jaxrl_async.runtime.messages import Rollouts
+    from jaxrl_async.runtime.messages import ActorStats, Rollouts
     from jaxrl_async.runtime.transport import ZmqTransport
 
-    message = Rollouts(0, _rollout_batch(samples, tokens), {"sent": 0.0})
+    message = Rollouts(0, _rollout_batch(samples, tokens), ActorStats.empty())
     key = secret.generate().encode()
     hub = ZmqTransport(["learner"], True, "127.0.0.1", 0, key)
     hub.route("actor:0", 1)

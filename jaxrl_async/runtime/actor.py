@@ -20,10 +20,13 @@ from typing import Any
 
 import numpy as np
 
+from jaxrl_async.rewards import RewardConfig
 from jaxrl_async.rewards.shaping import overlong_penalty
 from jaxrl_async.rollouts import Rollout
+from jaxrl_async.run_config import EvalSection, Schedule
 from jaxrl_async.runtime.evaluation import Evaluation
 from jaxrl_async.runtime.messages import (
+    ActorStats,
     EvalResult,
     NewWeights,
     Rollouts,
@@ -44,25 +47,21 @@ class ActorConfig:
 
     Attributes:
       index: this actor's number (0 measures held-out accuracy).
-      samples_per_prompt: G, completions per prompt.
       seed: the run's seed (each prompt's sampling stream derives from it and the group id).
-      eval_every: versions between evaluations (0 = only the first and the last).
-      total_steps: the last version (always evaluated).
+      schedule: the run's Schedule (samples_per_prompt = G; total_steps = the last version, always
+        evaluated).
+      eval: the run's EvalSection (when actor 0 evaluates; whether the eval engine shares the sampler's
+        weights).
+      reward: the run's RewardConfig (the overlong shaping added to each reward).
       verify_weights: checksum every received version (a host read of the weights; for tests).
-      overlong_buffer, overlong_penalty: the length shaping added to each reward (RewardConfig).
-      eval_shares_weights: config.eval_weights == "shared": the eval engine decodes with the sampler's
-        current weights (no copy of their own).
     """
 
     index: int
-    samples_per_prompt: int
     seed: int
-    eval_every: int
-    total_steps: int
+    schedule: Schedule
+    eval: EvalSection
+    reward: RewardConfig
     verify_weights: bool = False
-    overlong_buffer: int = 0
-    overlong_penalty: float = 1.0
-    eval_shares_weights: bool = False
 
 
 def to_rollout(c, reward: float, reason: str, tokenizer, shaping: float = 0.0) -> Rollout:
@@ -108,12 +107,12 @@ class Actor:
         self.loop = SamplerLoop(engine)
         # Prompts to keep queued beyond the free slots: a quarter of the engine, so slots freed by one
         # generate call refill in the next without waiting for the coordinator's answer.
-        self.lookahead = max(1, math.ceil(engine.cfg.num_slots / cfg.samples_per_prompt / 4))
+        self.lookahead = max(1, math.ceil(engine.cfg.num_slots / cfg.schedule.samples_per_prompt / 4))
         self.version: int | None = None  # the policy version in use (None until the first arrives)
         self.granted = 0  # prompts granted so far
         self.asked = 0  # prompts asked for and not yet granted
         self.exhausted = False
-        self.stopped = False
+        self.done = False  # Stop arrived (the final report is sent)
         self._pending: dict[tuple[int, int], Any] = {}  # reward request -> Completion
         self._groups: dict[int, list[Rollout]] = {}
         self._ready: list[list[Rollout]] = []
@@ -128,7 +127,7 @@ class Actor:
         self._eval: Evaluation | None = None  # the evaluation in progress
         self._eval_due_next: list[tuple[int, Any]] = []  # (version, params) due while one ran
         self.eval_spans: list[tuple[int, float, float]] = []  # (version, start, end), time.monotonic
-        self.evals_skipped: list[int] = []  # versions due but not evaluated (eval_shares_weights)
+        self.evals_skipped: list[int] = []  # versions due but not evaluated (config.eval_weights='shared')
         self._drained_sent = False
 
     # ----- the event loop -----
@@ -143,12 +142,11 @@ class Actor:
             elif isinstance(m, NewWeights):
                 new.append(m)
             elif isinstance(m, Stop):
-                self.stopped = True
+                self.done = True
             else:
                 raise TypeError(f"{self.endpoint}: unexpected message {type(m).__name__}")
-        if self.stopped:
-            final = {**self.stats(), "reward_stats": self.rewards.stats()}
-            self.transport.send("learner", Stopped(self.endpoint, final))
+        if self.done:
+            self.transport.send("learner", Stopped(self.cfg.index, self.stats(final=True)))
             return True
         if new:
             self._apply(new)
@@ -191,7 +189,7 @@ class Actor:
                 Request(
                     uid=gid,
                     prompt_tokens=tuple(int(t) for t in prompt.tokens),
-                    n_samples=self.cfg.samples_per_prompt,
+                    n_samples=self.cfg.schedule.samples_per_prompt,
                     seed=self.cfg.seed * 1_000_003 + gid,
                     max_new_tokens=self.max_new_tokens_fn(gid) if self.max_new_tokens_fn else None,
                     metadata=prompt,
@@ -204,7 +202,7 @@ class Actor:
             return
         free = self.loop.free_slots
         queued = self.granted - self.loop.stats.requests_admitted
-        want = math.ceil(free / self.cfg.samples_per_prompt) + self.lookahead - queued - self.asked
+        want = math.ceil(free / self.cfg.schedule.samples_per_prompt) + self.lookahead - queued - self.asked
         if want > 0:
             self.asked += want
             self.transport.send("coordinator", TicketRequest(self.cfg.index, want))
@@ -228,16 +226,15 @@ class Actor:
                 self._schedule_eval(m.version, params)
 
     def _eval_due(self, version: int) -> bool:
-        every = self.cfg.eval_every
-        return version == self.cfg.total_steps or bool(every and version % every == 0)
+        return self.cfg.eval.due(version, self.cfg.schedule.total_steps)
 
     def _schedule_eval(self, version: int, params) -> None:
         """Starts evaluating `version` now, or after the evaluations in progress and waiting (each waiting
         one holds its version's weights: say so when they pile up). With shared weights nothing holds a
         version: one due while another evaluation runs is skipped (logged), except the last version."""
-        if self.cfg.eval_shares_weights:
+        if self.cfg.eval.shares_weights:
             params = None  # the eval engine decodes with the sampler's weights, as they are now
-            if self._eval is not None and version != self.cfg.total_steps:
+            if self._eval is not None and version != self.cfg.schedule.total_steps:
                 log.warning("evaluation of version %d skipped: version %d's is still running "
                             "(config.eval_weights='shared' keeps no copy of its weights)",
                             version, self._eval.version)  # fmt: skip
@@ -259,7 +256,7 @@ class Actor:
     def _eval_finished(self) -> None:
         ev, self._eval = self._eval, None
         seconds = time.perf_counter() - ev.started
-        if self.cfg.eval_shares_weights and self.version != ev.version:
+        if self.cfg.eval.shares_weights and self.version != ev.version:
             log.info("the evaluation of version %d decoded with versions %d..%d (config.eval_weights="
                      "'shared')", ev.version, ev.version, self.version)  # fmt: skip
         self.eval_s += seconds
@@ -278,7 +275,7 @@ class Actor:
             self.rewards.submit(key, prompt.text, self.tokenizer.decode(c.tokens), dict(prompt.metadata))
 
     def _collect(self) -> None:
-        g = self.cfg.samples_per_prompt
+        g = self.cfg.schedule.samples_per_prompt
         for res in self.rewards.poll():
             if self._eval is not None and self._eval.owns(res.request_id):
                 self._eval.take(res.reward)
@@ -287,8 +284,8 @@ class Actor:
                 continue
             c = self._pending.pop(res.request_id)
             group = self._groups.setdefault(int(c.uid), [])
-            cap, cfg = self.engine.cfg.max_new_tokens, self.cfg
-            shaping = overlong_penalty(len(c.tokens), cap, cfg.overlong_buffer, cfg.overlong_penalty)
+            cap, rw = self.engine.cfg.max_new_tokens, self.cfg.reward
+            shaping = overlong_penalty(len(c.tokens), cap, rw.overlong_buffer, rw.overlong_penalty)
             group.append(to_rollout(c, res.reward, res.reason, self.tokenizer, shaping))
             if len(group) == g:
                 del self._groups[int(c.uid)]
@@ -314,21 +311,22 @@ class Actor:
             + (", data exhausted" if self.exhausted else "")
         )
 
-    def stats(self) -> dict[str, Any]:
-        """Counters since the start (the learner lead logs them)."""
+    def stats(self, final: bool = False) -> ActorStats:
+        """Counters since the start (the learner lead logs them); `final` adds the reward service's."""
         s = self.loop.stats
-        return {
-            "sample_tokens": self.sample_tokens,
-            "idle_s": self.idle_s + (time.perf_counter() - self._idle_since if self._idle_since else 0.0),
-            "eval_s": self.eval_s,
-            "evals_skipped": list(self.evals_skipped),
-            "eval_spans": list(self.eval_spans),
-            "sample_calls_during_eval": self.sample_calls_during_eval,
-            "weight_s": self.weight_s,
-            "occupancy": s.occupancy,
-            "completions": s.completions,
-            "reward_errors": float(sum(self.rewards.stats()["errors"].values())),
-            "drained": self.exhausted and self.loop.idle and not self._pending,
-            "checksums": dict(self.checksums),
-            "version": self.version,
-        }
+        return ActorStats(
+            version=self.version,
+            sample_tokens=self.sample_tokens,
+            completions=s.completions,
+            occupancy=float(s.occupancy),
+            idle_s=self.idle_s + (time.perf_counter() - self._idle_since if self._idle_since else 0.0),
+            weight_s=self.weight_s,
+            eval_s=self.eval_s,
+            eval_spans=list(self.eval_spans),
+            evals_skipped=list(self.evals_skipped),
+            sample_calls_during_eval=self.sample_calls_during_eval,
+            reward_errors=int(sum(self.rewards.stats()["errors"].values())),
+            drained=self.exhausted and self.loop.idle and not self._pending,
+            checksums=dict(self.checksums),
+            reward_stats=self.rewards.stats() if final else None,
+        )

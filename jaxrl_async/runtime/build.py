@@ -132,8 +132,8 @@ def build_engines(run: RunConfig, model_cfg: ModelConfig, mesh, sampler_cfg: Sam
     sampler's with config.eval_weights="shared"."""
     weights_cfg = model_cfg.compute_copy()
     engine = Engine(weights_cfg, None, mesh, sampler_cfg)
-    eval_cfg = eval_sampler_config(engine.cfg, mesh.shape["data"], run.eval_slots)  # the kernels it chose
-    shared = engine if run.eval_weights == "shared" else None  # config.eval_weights
+    eval_cfg = eval_sampler_config(engine.cfg, mesh.shape["data"], run.eval.slots)  # the kernels it chose
+    shared = engine if run.eval.weights == "shared" else None  # config.eval_weights
     return engine, Engine(weights_cfg, None, mesh, eval_cfg, weights_from=shared)
 
 
@@ -165,9 +165,9 @@ def warm_started_params(run: RunConfig, model_cfg: ModelConfig, tokenizer: Token
     data_cfg = dataclasses.replace(run.data, num_epochs=None, seed=run.data.seed + 7919)
     it = make_prompt_iterator(data_cfg, tokenizer)
     examples = ((p.tokens, tokenizer.encode(reference_completion(p.text)) + [tokenizer.eos_id]) for p in it)
-    eval_prompts = held_out_prompts(run.data, tokenizer, run.eval_prompts)  # the RL run's own eval set
+    eval_prompts = held_out_prompts(run.data, tokenizer, run.eval.prompts)  # the RL run's own eval set
     evaluator = _WarmStartEval(run, model_cfg, tokenizer, device, eval_prompts)
-    key = cache_key(model_cfg, run.data, run.warm_start, run.seed, tokenizer.vocab_size, run.eval_prompts)
+    key = cache_key(model_cfg, run.data, run.warm_start, run.seed, tokenizer.vocab_size, run.eval.prompts)
     bar = progress_bar(run.warm_start.max_steps, "warm start", show)
     try:
         params, info = warm_start(
@@ -229,7 +229,7 @@ def checkpoints(run: RunConfig, cluster, model_cfg: ModelConfig) -> RunCheckpoin
     roles = cluster.roles
     ckpt = RunCheckpoints(
         os.path.join(run.workdir, "checkpoints"),
-        keep=run.checkpoint_keep,
+        keep=run.checkpoint.keep,
         processes=roles.trainers if roles.multi else None,
     )
     if cluster.is_lead:

@@ -34,10 +34,20 @@ def _timed(fn) -> tuple[float, float]:
     return time.perf_counter() - w0, time.process_time() - c0
 
 
+def calibration_config(config):
+    """The run's config as `calibrate_roles` measures it: sync mode (η = 0), so that each version the
+    coordinator hears of opens exactly one batch of prompts. Build the roles from this
+    (`orchestrator.build_local`)."""
+    c = config.copy_and_resolve_references()
+    c.mode, c.max_staleness = "sync", 0
+    return c
+
+
 class _Driver:
     """Runs the actor and the coordinator of a one-process run and collects the actor's groups.
 
-    The coordinator runs with η = 0, so each new version it hears of opens exactly one batch of prompts.
+    The coordinator runs with η = 0 (`calibration_config`), so each new version it hears of opens exactly
+    one batch of prompts.
     """
 
     def __init__(self, proc):
@@ -79,9 +89,11 @@ def calibrate_roles(proc, batches: int = 6) -> dict[str, Any]:
     if batches < 2:
         raise ValueError(f"batches must be >= 2, got {batches}")
     run = proc.run
-    b = run.prompts_per_step
-    n = b * run.samples_per_prompt
-    proc.coordinator.controller.max_staleness = 0
+    if run.schedule.eta != 0:
+        raise ValueError("calibrate_roles: build the roles from calibration_config(config) (config.mode="
+                         f"'sync'), got config.mode={run.schedule.mode!r}")  # fmt: skip
+    b = run.schedule.prompts_per_step
+    n = b * run.schedule.samples_per_prompt
     proc.actor.eval_prompts = []  # nothing to evaluate: this measures sampling
     drive = _Driver(proc)
 
@@ -131,7 +143,7 @@ def calibrate_roles(proc, batches: int = 6) -> dict[str, Any]:
         "num_slots": run.sampler.num_slots,
         "steps_per_call": run.sampler.steps_per_call,
         "samples_per_batch": n,
-        "max_staleness": run.eta,
+        "max_staleness": run.schedule.eta,
         "tokens_per_batch": tokens,
         "completion_length_mean": float(statistics.fmean(lengths)),
         "sync_batch_groups": len(sync_groups) / batches,  # B when one batch at a time was in flight

@@ -113,14 +113,14 @@ class _Seq(_Spec):
         return [self.item.read(r, v, depth + 1, path) for v in rest]
 
 
-class _Pair(_Spec):
-    def __init__(self, first: _Spec, second: _Spec):
-        self.items = (first, second)
+class _Tuple(_Spec):
+    def __init__(self, *items: _Spec):
+        self.items = items
 
     def read(self, r, x, depth, path):
         rest = r.container(x, "t", depth, path)
-        if len(rest) != 2:
-            raise CodecError(f"{path}: expected a pair")
+        if len(rest) != len(self.items):
+            raise CodecError(f"{path}: expected a tuple of {len(self.items)}")
         return tuple(s.read(r, v, depth + 1, path) for s, v in zip(self.items, rest, strict=True))
 
 
@@ -204,8 +204,13 @@ SCHEMAS: dict[type, dict[str, _Spec]] = {
               "versions": _Array("iu", 1), "reward": FLOAT, "finish_reason": STR, "metadata": DICT},
     m.Hello: {"process_id": INT},
     m.TicketRequest: {"actor": INT, "n": INT},
-    m.Tickets: {"prompts": _Seq("l", _Pair(INT, _Object(Prompt))), "exhausted": BOOL},
-    m.Rollouts: {"actor": INT, "groups": GROUPS, "stats": DICT},
+    m.Tickets: {"prompts": _Seq("l", _Tuple(INT, _Object(Prompt))), "exhausted": BOOL},
+    m.ActorStats: {"version": _Optional(INT), "sample_tokens": INT, "completions": INT, "occupancy": FLOAT,
+                   "idle_s": FLOAT, "weight_s": FLOAT, "eval_s": FLOAT,
+                   "eval_spans": _Seq("l", _Tuple(INT, FLOAT, FLOAT)), "evals_skipped": IDS,
+                   "sample_calls_during_eval": INT, "reward_errors": INT, "drained": BOOL,
+                   "checksums": DICT, "reward_stats": _Optional(DICT)},
+    m.Rollouts: {"actor": INT, "groups": GROUPS, "stats": _Object(m.ActorStats)},
     m.NewWeights: {"version": INT, "params": _Scalar(type(None), name="None (weights are pulled)"),
                    "checksum": _Optional(FLOAT)},
     m.EvalResult: {"version": INT, "accuracy": FLOAT, "seconds": FLOAT, "checksum": _Optional(FLOAT)},
@@ -215,10 +220,11 @@ SCHEMAS: dict[type, dict[str, _Spec]] = {
                        "wait": BOOL},
     m.Stop: {},
     m.Preempt: {"process_id": INT, "signal": STR},
-    m.Stopped: {"endpoint": STR, "stats": DICT},
+    m.Stopped: {"actor": INT, "stats": _Object(m.ActorStats)},
     m.WarmStartParams: {"params": PLAIN},
 }  # fmt: skip
-MESSAGE_TYPES = tuple(t for t in SCHEMAS if t.__module__ == m.__name__)
+# The messages (what `encode` sends and `decode` returns); ActorStats crosses only inside them.
+MESSAGE_TYPES = tuple(t for t in SCHEMAS if t.__module__ == m.__name__ and t is not m.ActorStats)
 for _t, _fields in SCHEMAS.items():  # a field added to a message must be added to its schema
     assert [f.name for f in dataclasses.fields(_t)] == list(_fields), f"codec schema of {_t.__name__}"
 

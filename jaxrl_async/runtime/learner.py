@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from jaxrl_async.rollouts import GroupFilter, Rollout, RolloutQueue, staleness_stats
+from jaxrl_async.run_config import CheckpointSection, LogSection, Schedule
 from jaxrl_async.runtime.learner_log import (
     SUMMARY_KEYS,
     SavePolicy,
@@ -32,6 +33,7 @@ from jaxrl_async.runtime.learner_log import (
     train_values,
 )
 from jaxrl_async.runtime.messages import (
+    ActorStats,
     EvalResult,
     Preempt,
     Rollouts,
@@ -51,15 +53,13 @@ class LearnerConfig:
     """What the learner needs to know of the run.
 
     Attributes:
-      prompts_per_step: B, groups per train batch.
-      samples_per_prompt: G.
-      total_steps: versions to train.
-      max_head_staleness: drop groups older than this when trained (None = off).
-      log_every, text_samples, checkpoint_every, checkpoint_minutes: see configs/base.py.
-      eval_every: versions between evaluations (actor 0 runs them beside sampling; the lead waits only
-        for the last one, before stopping). Training never waits for an evaluation: a checkpoint due at
-        an evaluated version carries its accuracy (for the best-checkpoint policy) only if that
-        evaluation had finished; the final checkpoint always does.
+      schedule: the run's Schedule (prompts_per_step = B groups per batch, samples_per_prompt = G,
+        total_steps = versions to train, max_head_staleness = drop groups older than this when trained).
+      log: the run's LogSection (log every, text samples).
+      checkpoint: the run's CheckpointSection (when to save). Training never waits for an evaluation
+        (actor 0 runs them beside sampling; the lead waits only for the last one, before stopping): a
+        checkpoint due at an evaluated version carries its accuracy (for the best-checkpoint policy) only
+        if that evaluation had finished; the final checkpoint always does.
       followers: endpoints of the other trainer processes.
       actors: number of actors.
       dynamic_sampling: discard groups whose rewards are all equal as they arrive (DAPO), so every batch
@@ -68,15 +68,9 @@ class LearnerConfig:
         a row were discarded: the policy solves (or fails) everything the data offers.
     """
 
-    prompts_per_step: int
-    samples_per_prompt: int
-    total_steps: int
-    max_head_staleness: int | None
-    log_every: int
-    text_samples: int
-    checkpoint_every: int
-    eval_every: int
-    checkpoint_minutes: float = 0.0
+    schedule: Schedule
+    log: LogSection
+    checkpoint: CheckpointSection
     followers: tuple[str, ...] = ()
     actors: int = 1
     dynamic_sampling: bool = False
@@ -141,27 +135,28 @@ class Learner:
                  coordinator_state: Callable[[], dict]):  # fmt: skip
         self.cfg, self.core, self.transport, self.writer = cfg, core, transport, writer
         self.coordinator_state = coordinator_state
-        self.queue = RolloutQueue(cfg.samples_per_prompt, cfg.max_head_staleness)
+        self.queue = RolloutQueue(cfg.schedule.samples_per_prompt, cfg.schedule.max_head_staleness)
         self.version = core.version
         self.start_version = self.version
         self.inflight: _InFlight | None = None
-        self.actor_stats: dict[int, dict] = {}
+        self.actor_stats: dict[int, ActorStats] = {}  # the latest of each actor
         self._drained: set[int] = set()  # actors whose last report said they had nothing left to do
-        self.stopped: dict[str, dict] = {}
+        self.final_reports: dict[int, ActorStats] = {}  # actor -> its Stopped report
         self.evals: list[tuple[int, float, float]] = []  # (version, accuracy, elapsed)
         self.checksums: dict[int, float] = {}
         self.eval_s = 0.0
         self.trainer_idle_s = 0.0
         self.step_spans: list[tuple[int, float, float]] = []  # (version, dispatched, finished), monotonic
         self.trained_tokens = 0
-        self.log = StepLog(writer, cfg.text_samples)
+        self.log = StepLog(writer, cfg.log.text_samples)
         self.done = False
         self.data_exhausted = False
         self.preempting = False
         self.checkpoint_stall_s: list[float] = []
-        self.filter = GroupFilter(cfg.dynamic_sampling, cfg.dynamic_sampling_patience * cfg.prompts_per_step)
+        patience = cfg.dynamic_sampling_patience * cfg.schedule.prompts_per_step
+        self.filter = GroupFilter(cfg.dynamic_sampling, patience)
         self.no_signal = False
-        self.save_policy = SavePolicy(cfg.checkpoint_every, cfg.checkpoint_minutes, cfg.total_steps,
+        self.save_policy = SavePolicy(cfg.checkpoint.every, cfg.checkpoint.minutes, cfg.schedule.total_steps,
                                       saved_at=time.monotonic())  # fmt: skip
         self._stop_sent = False
         self.t_start = time.perf_counter()
@@ -180,8 +175,8 @@ class Learner:
             elif isinstance(m, EvalResult):
                 self._record_eval(m)
             elif isinstance(m, Stopped):
-                self.stopped[m.endpoint] = m.stats
-                self._actor_report(int(m.endpoint.split(":")[1]), m.stats)
+                self.final_reports[m.actor] = m.stats
+                self._actor_report(m.actor, m.stats)
             elif isinstance(m, Preempt):
                 self.preempt(f"process {m.process_id} got {m.signal}")
             else:
@@ -190,8 +185,9 @@ class Learner:
             self._finish()
             progress = True
         busy = self.inflight is not None
-        if not busy and not self.preempting and not self.no_signal and self.version < self.cfg.total_steps:
-            groups = self.queue.pop_batch(self.cfg.prompts_per_step, self.version)
+        more = self.version < self.cfg.schedule.total_steps
+        if not busy and not self.preempting and not self.no_signal and more:
+            groups = self.queue.pop_batch(self.cfg.schedule.prompts_per_step, self.version)
             self._report_drops()
             if groups is not None:
                 self._dispatch(groups)
@@ -208,9 +204,9 @@ class Learner:
             log.warning("%s: saving after the step in flight, then stopping", why)
         self.preempting = True
 
-    def _actor_report(self, actor: int, stats: dict) -> None:
+    def _actor_report(self, actor: int, stats: ActorStats) -> None:
         self.actor_stats[actor] = stats
-        if stats.get("drained"):
+        if stats.drained:
             self._drained.add(actor)
         else:
             self._drained.discard(actor)
@@ -273,7 +269,7 @@ class Learner:
         self.transport.send("coordinator", Trained(version, [g[0].group_id for g in step.groups]))
         metrics["zero_adv_skipped_frac"] = step.skipped / max(len(rollouts), 1)
         values = self._log_step(step.groups, metrics, step_s, sync)
-        if self.version % self.cfg.log_every == 0:
+        if self.version % self.cfg.log.every == 0:
             log.info(summary_line(self.version, values, SUMMARY_KEYS))
         # At once, even before this version's evaluation is in: waiting for it would idle the trainer.
         if self.save_policy.due(self.version, time.monotonic()):
@@ -314,7 +310,7 @@ class Learner:
 
     def _maybe_stop(self) -> None:
         quit_now = self.data_exhausted or self.preempting or self.no_signal
-        finished = self.version >= self.cfg.total_steps or quit_now
+        finished = self.version >= self.cfg.schedule.total_steps or quit_now
         last_eval = self.evals and self.evals[-1][0] >= self.version
         if finished and self.inflight is None and not self._stop_sent and (last_eval or quit_now):
             self.save(final=True)  # the final checkpoint, before the other trainer processes stop
@@ -330,7 +326,7 @@ class Learner:
             for f in self.cfg.followers:
                 self.transport.send(f, Stop())
             self._stop_sent = True
-        if self._stop_sent and len(self.stopped) == self.cfg.actors:
+        if self._stop_sent and len(self.final_reports) == self.cfg.actors:
             self.done = True
 
     def describe(self) -> str:
@@ -346,7 +342,7 @@ class Learner:
     # ----- logging -----
 
     def _actor_sum(self, key: str) -> float:
-        return float(sum(s.get(key, 0.0) for s in self.actor_stats.values()))
+        return float(sum(getattr(s, key) for s in self.actor_stats.values()))
 
     def _log_step(self, groups, m: dict, step_s: float, sync_s: float) -> dict[str, float]:
         st = staleness_stats(groups, self.version - 1)  # against the policy the batch was trained from
@@ -405,7 +401,7 @@ class Learner:
             "final_accuracy": self.evals[-1][1] if self.evals else None,
             "initial_accuracy": self.evals[0][1] if self.evals else None,
             "weight_checksums": {"learner": self.checksums,
-                                 "actors": {i: s.get("checksums", {}) for i, s in self.actor_stats.items()}},
+                                 "actors": {i: s.checksums for i, s in self.actor_stats.items()}},
         }  # fmt: skip
 
 

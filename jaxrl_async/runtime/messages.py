@@ -36,12 +36,38 @@ class Tickets:
 
 
 @dataclasses.dataclass
+class ActorStats:
+    """An actor's counters since its start: sent with every `Rollouts`, and in its `Stopped` with the
+    reward service's counters."""
+
+    version: int | None  # the policy version it samples with (None before the first)
+    sample_tokens: int  # completion tokens sampled
+    completions: int
+    occupancy: float  # fraction of slot-steps that produced a token
+    idle_s: float  # wall time with nothing to decode or grade
+    weight_s: float  # time spent receiving weights
+    eval_s: float  # wall time of the finished evaluations
+    eval_spans: list  # (version, start, end) of each finished evaluation, time.monotonic
+    evals_skipped: list  # versions due but not evaluated (config.eval_weights="shared")
+    sample_calls_during_eval: int  # sampling generate calls made while an evaluation was running
+    reward_errors: int  # completions the reward service scored 0 because grading failed
+    drained: bool  # the data is exhausted and nothing is in flight
+    checksums: dict  # version -> weight checksum (config.verify_weights)
+    reward_stats: dict | None = None  # the reward service's counters (in `Stopped` only)
+
+    @classmethod
+    def empty(cls) -> ActorStats:
+        """An actor's counters before it has done anything."""
+        return cls(None, 0, 0, 0.0, 0.0, 0.0, 0.0, [], [], 0, 0, False, {})
+
+
+@dataclasses.dataclass
 class Rollouts:
-    """Finished, graded groups from an actor, with its counters (see Actor.stats)."""
+    """Finished, graded groups from an actor, with its counters."""
 
     actor: int
     groups: list
-    stats: dict
+    stats: ActorStats
 
 
 @dataclasses.dataclass
@@ -109,10 +135,10 @@ class Preempt:
 
 @dataclasses.dataclass
 class Stopped:
-    """A role's final counters after Stop."""
+    """An actor's final counters after Stop."""
 
-    endpoint: str
-    stats: dict
+    actor: int
+    stats: ActorStats
 
 
 @dataclasses.dataclass

@@ -158,7 +158,7 @@ def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
         s_mesh = build.sampler_mesh(run, cluster)
         sync = WeightSync(model_cfg, s_mesh, dtype=sampler_dtype(model_cfg))
         publisher = local_weights = LocalWeights(sync, run.verify_weights)
-    publisher = lagged(publisher, run.trainer.controlled_lag, run.total_steps)  # samplers get v - k
+    publisher = lagged(publisher, run.trainer.controlled_lag, run.schedule.total_steps)  # samplers get v - k
     core = TrainerCore(state, run.trainer, publisher, ckpts)
     if not lead:
         proc.follower = Follower(core, transport, cluster.process_id)
@@ -167,8 +167,8 @@ def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
     prompts = make_prompt_iterator(run.data, tokenizer)
     coordinator = Coordinator(
         prompts,
-        run.prompts_per_step,
-        run.eta,
+        run.schedule.prompts_per_step,
+        run.schedule.eta,
         transport,
         core.version,
         coordinator_state or None,
@@ -180,15 +180,9 @@ def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
     writer = MetricsWriter(run.workdir, enabled=True)
     proc.closers.append(writer.close)
     lcfg = LearnerConfig(
-        prompts_per_step=run.prompts_per_step,
-        samples_per_prompt=run.samples_per_prompt,
-        total_steps=run.total_steps,
-        max_head_staleness=run.max_head_staleness,
-        log_every=run.log_every,
-        text_samples=run.text_samples,
-        checkpoint_every=run.checkpoint_every,
-        checkpoint_minutes=run.checkpoint_minutes,
-        eval_every=run.eval_every,
+        schedule=run.schedule,
+        log=run.log,
+        checkpoint=run.checkpoint,
         followers=tuple(f"trainer:{p}" for p in roles.trainers[1:]),
         actors=len(roles.samplers),
         dynamic_sampling=run.trainer.dynamic_sampling,
@@ -231,17 +225,10 @@ def _build_actor(proc, run, cluster, transport, tokenizer, model_cfg, scfg, t_me
     else:
         weights = TransferReceiver(cluster, index, model_cfg, t_mesh, s_mesh, sampler_dtype(model_cfg))
     acfg = ActorConfig(
-        index=index,
-        samples_per_prompt=run.samples_per_prompt,
-        seed=run.seed,
-        eval_every=run.eval_every,
-        total_steps=run.total_steps,
+        index=index, seed=run.seed, schedule=run.schedule, eval=run.eval, reward=run.reward,
         verify_weights=run.verify_weights,
-        overlong_buffer=run.reward.overlong_buffer,
-        overlong_penalty=run.reward.overlong_penalty,
-        eval_shares_weights=run.eval_weights == "shared",
     )
-    eval_prompts = held_out_prompts(run.data, tokenizer, run.eval_prompts) if index == 0 else []
+    eval_prompts = held_out_prompts(run.data, tokenizer, run.eval.prompts) if index == 0 else []
     caps = length_cap_fn(run.length_caps) if run.length_caps else None
     rewards.wait_ready()
     proc.actor = Actor(acfg, engine, eval_engine, rewards, tokenizer, eval_prompts, transport, weights, caps)
@@ -284,7 +271,7 @@ def _event_loop(proc: _Process, transport, signals: _StopSignals) -> None:
     done = (
         (lambda: proc.learner.done)
         if proc.learner is not None
-        else (lambda: proc.actor.stopped)
+        else (lambda: proc.actor.done)
         if proc.actor is not None
         else (lambda: proc.follower.done)
     )
@@ -339,20 +326,20 @@ def run_from_config(config, cluster: Cluster | None = None) -> dict[str, Any] | 
 
 def _summary(proc: _Process, wall: float) -> dict[str, Any]:
     run, learner = proc.run, proc.learner
-    actor0 = learner.stopped.get("actor:0", {})
+    actor0 = learner.final_reports.get(0)
     summary = {
-        "mode": run.mode,
-        "max_staleness": run.eta,
+        "mode": run.schedule.mode,
+        "max_staleness": run.schedule.eta,
         "loss": run.trainer.loss,
         "processes": proc.cluster.roles.num_processes,
         "wall_s": wall,
         **learner.summary(),
         **proc.coordinator.summary(),
         "warm_start": proc.warm_start_info,
-        "reward_stats": actor0.get("reward_stats"),
-        "eval_spans": actor0.get("eval_spans"),
-        "sample_calls_during_eval": actor0.get("sample_calls_during_eval"),
-        "trainer_during_eval": trainer_idle_during(actor0.get("eval_spans"), learner.step_spans),
+        "reward_stats": actor0 and actor0.reward_stats,
+        "eval_spans": actor0 and actor0.eval_spans,
+        "sample_calls_during_eval": actor0 and actor0.sample_calls_during_eval,
+        "trainer_during_eval": trainer_idle_during(actor0 and actor0.eval_spans, learner.step_spans),
     }
     with open(os.path.join(run.workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=str)
