@@ -1,0 +1,56 @@
+"""The run-level config sections: each validates itself and names the flat config key; `validate` builds
+them, then runs the named cross-checks."""
+
+import pytest
+
+from jaxrl_async.run_config import (
+    CROSS_CHECKS,
+    CheckpointSection,
+    ConfigError,
+    EvalSection,
+    LogSection,
+    Schedule,
+)
+
+
+def _schedule(**kw):
+    base = dict(mode="async", total_steps=4, prompts_per_step=2, samples_per_prompt=2, max_staleness=1)
+    return Schedule(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    "build,key",
+    [
+        (lambda: _schedule(mode="fast"), "config.mode"),
+        (lambda: _schedule(total_steps=0), "config.total_steps"),
+        (lambda: _schedule(prompts_per_step=1.5), "config.prompts_per_step"),
+        (lambda: _schedule(samples_per_prompt=True), "config.samples_per_prompt"),
+        (lambda: _schedule(max_staleness=0), "config.max_staleness: async mode"),
+        (lambda: _schedule(max_head_staleness=-2), "config.max_head_staleness"),
+        (lambda: EvalSection(every=-1, prompts=8, slots=8), "config.eval_every"),
+        (lambda: EvalSection(every=2, prompts=0, slots=8), "config.eval_prompts"),
+        (lambda: EvalSection(every=2, prompts=8, slots=0), "config.eval_slots"),
+        (lambda: EvalSection(every=2, prompts=8, slots=8, weights="copy"), "config.eval_weights"),
+        (lambda: CheckpointSection(every=-1), "config.checkpoint_every"),
+        (lambda: CheckpointSection(every=1, minutes=-0.5), "config.checkpoint_minutes"),
+        (lambda: CheckpointSection(every=1, keep=0), "config.checkpoint_keep"),
+        (lambda: LogSection(every=0), "config.log_every"),
+        (lambda: LogSection(every=1, text_samples=-1), "config.text_samples"),
+    ],
+)
+def test_each_section_names_the_flat_key_it_refuses(build, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        build()
+
+
+def test_sync_mode_admits_nothing_ahead_and_the_eval_schedule_is_one_predicate():
+    assert _schedule(mode="sync", max_staleness=4).eta == 0 and _schedule(max_staleness=3).eta == 3
+    ev = EvalSection(every=3, prompts=8, slots=8)
+    assert [v for v in range(11) if ev.due(v, last=10)] == [0, 3, 6, 9, 10]
+    assert [v for v in range(6) if EvalSection(every=0, prompts=8, slots=8).due(v, last=5)] == [5]
+    assert EvalSection(1, 8, 8, "shared").shares_weights and not ev.shares_weights
+
+
+def test_the_cross_checks_are_named():
+    names = [c.__name__ for c in CROSS_CHECKS]
+    assert all(n.startswith("_check_") for n in names) and len(set(names)) == len(names)
