@@ -217,6 +217,15 @@ SCHEMAS: dict[type, dict[str, _Spec]] = {
     m.Preempt: {"process_id": INT, "signal": STR},
     m.Stopped: {"endpoint": STR, "stats": DICT},
     m.WarmStartParams: {"params": PLAIN},
+    m.MemberRequest: {"uid": INT, "prompt_tokens": _Array("iu", 1), "n_samples": INT, "seed": INT,
+                      "max_new_tokens": _Optional(INT)},
+    m.MemberStep: {"call": INT, "requests": _Seq("l", _Object(m.MemberRequest)), "evaluate": BOOL},
+    m.MemberReceive: {"version": INT, "hold": BOOL},
+    m.MemberApply: {"version": INT, "mode": _Optional(STR)},
+    m.MemberEvaluate: {"version": INT, "own_weights": BOOL},
+    m.MemberPing: {},
+    m.MemberReport: {"process_id": INT, "steps": INT, "tokens_generated": INT, "applied_at": DICT,
+                     "checksums": DICT, "pulled_bytes": INT},
 }  # fmt: skip
 MESSAGE_TYPES = tuple(t for t in SCHEMAS if t.__module__ == m.__name__)
 for _t, _fields in SCHEMAS.items():  # a field added to a message must be added to its schema
