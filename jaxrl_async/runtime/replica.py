@@ -205,9 +205,9 @@ class ReplicaMember:
             pass
         elif isinstance(c, Stop):
             self.stopped = True
-            s = self.loop.stats
+            s, pulled = self.loop.stats, int(getattr(self.weights, "last_bytes", 0))
             report = MemberReport(self.pid, self._steps, s.tokens_generated, dict(self.applied_at),
-                                  dict(self.checksums), int(self.weights.last_bytes))  # fmt: skip
+                                  dict(self.checksums), pulled)  # fmt: skip
             self.channel.send(LEADER, report)
         else:
             raise TypeError(f"{self.endpoint}: unexpected command {type(c).__name__}")
