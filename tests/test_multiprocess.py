@@ -1,6 +1,7 @@
 """Multi-controller runs on localhost: separate sampler and trainer processes (jax.distributed, gloo)."""
 
 import json
+import math
 import os
 import re
 import signal
@@ -8,8 +9,11 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
 import pytest
 
+from jaxrl_async.model import ModelConfig, abstract_params
 from jaxrl_async.run_config import MeshConfig
 from jaxrl_async.runtime.cluster import ClusterError, Flags, Roles
 from jaxrl_async.runtime.metrics import read_scalars
@@ -205,3 +209,125 @@ def test_a_killed_process_ends_every_process(tmp_path, victim):
         summary = json.load(f)
     assert summary["steps"] == 5 and summary["evals"][0]["step"] >= 1  # from a checkpoint, not from 0
     _checksums_equal_from(summary, summary["evals"][0]["step"])
+
+
+# ----- a sampler replica that spans processes --------------------------------------------------------
+
+REPLICA = {"mesh.sampler": "(2,2)", "mesh.trainer": "(2,1)"}  # 3 processes x 2 devices: trainer, 2 members
+
+
+def _texts(logdir) -> dict[int, list[str]]:
+    """step -> the sorted sample texts the learner wrote (reward, prompt, completion)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
+
+    acc = EventAccumulator(str(logdir), size_guidance={"tensors": 0})
+    acc.Reload()
+    out: dict[int, list[str]] = {}
+    for e in acc.Tensors("samples/text_summary"):
+        out.setdefault(e.step, []).append(make_ndarray(e.tensor_proto).item().decode())
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def _members_agree(summary) -> dict:
+    """The replica's leader and its member applied every version before the same decode step, decoded
+    the same number of tokens and hold the learner's weights; returns the leader's record."""
+    (rec,) = summary["replicas"].values()
+    (member,) = rec["members"].values()
+    assert member["process_id"] == 2
+    assert member["applied_at"] == rec["applied_at"] and len(rec["applied_at"]) == summary["steps"] + 1
+    assert member["tokens_generated"] == rec["tokens_generated"] > 0
+    learner = summary["weight_checksums"]["learner"]
+    assert sorted(map(int, member["checksums"])) == sorted(map(int, learner))
+    for v, want in learner.items():
+        assert member["checksums"][v] == pytest.approx(want, rel=1e-6), f"version {v}"
+    return rec
+
+
+def test_replica_over_two_processes_decodes_as_one_process(tmp_path):
+    """One (2, 2) replica over processes 1 and 2 (2 CPU devices each) + a trainer process, sync, greedy:
+    the same completions (token ids, as text) and losses as the same meshes in one process; the sampled
+    logprobs equal the trainer's (is_weight = exp(trainer - sampler logprob) within 1e-5)."""
+    common = {**REPLICA, "mode": "sync", "total_steps": 2, "eval_every": 0, "sampler.temperature": 0.0,
+              "text_samples": 16}  # fmt: skip
+    res = _launch(3, 2, _flags(tmp_path / "multi", **common))
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert "process 2 of 3: sampler 0 member 1" in res.stdout
+    single = _flags(tmp_path / "single", **common, **{"mesh.fake_cpu_devices": 6})
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    one = subprocess.run(
+        [sys.executable, os.path.join(REPO, "launch", "run.py"), *single],
+        env=env, text=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stderr[-4000:]
+    texts = {k: _texts(tmp_path / k / "tb") for k in ("multi", "single")}
+    assert sorted(texts["multi"]) == [1, 2] and all(len(t) == 16 for t in texts["multi"].values())
+    assert texts["multi"] == texts["single"]
+    scalars = {k: read_scalars(str(tmp_path / k / "tb")) for k in ("multi", "single")}
+    loss = {k: [v for _, v in s["loss/policy"]] for k, s in scalars.items()}
+    assert loss["multi"] == pytest.approx(loss["single"], abs=1e-5)
+    assert all(abs(v - 1) <= 1e-5 for _, v in scalars["multi"]["is_weight/max"])
+    with open(tmp_path / "multi" / "summary.json") as f:
+        summary = json.load(f)
+    _checksums_equal(summary)
+    _members_agree(summary)
+
+
+def test_replica_over_two_processes_applies_in_flight_updates_on_every_member(tmp_path):
+    """Async, eta = 1, recompute_kv: every version is applied on both members before the same decode
+    step (some while sequences run), eta holds, the weights equal the learner's on both; the first and
+    the last version are evaluated (the member replays the evaluations' generate calls)."""
+    flags = _flags(tmp_path, **REPLICA, **{"sampler.update_mode": "recompute_kv", "eval_every": 0})
+    res = _launch(3, 2, flags)
+    assert res.returncode == 0, res.stdout[-4000:]
+    with open(tmp_path / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["steps"] == 4 and summary["max_admission_ahead"] <= 1
+    assert [e["step"] for e in summary["evals"]] == [0, 4]
+    _checksums_equal(summary)
+    rec = _members_agree(summary)
+    assert any(step > 0 for step in rec["applied_at"].values())  # updates after decoding had started
+    # Each process holds one data row of the mesh: one copy of the model split over its 2 devices. It
+    # pulls exactly that (each block once, copied to its other holder), not the replica's two copies.
+    with open(tmp_path / "checkpoints" / "model.json") as f:
+        cfg = ModelConfig(**json.load(f)["model"])
+    model_bytes = sum(math.prod(x.shape) * np.dtype(cfg.dtype).itemsize for x in jax.tree.leaves(
+        abstract_params(cfg)))  # fmt: skip
+    (member,) = rec["members"].values()
+    assert rec["pulled_bytes"] == member["pulled_bytes"] == model_bytes
+
+
+def test_a_killed_replica_member_ends_the_run(tmp_path):
+    """SIGKILL the replica's non-leader member mid-run: every process exits non-zero within 60 s, and the
+    leader's error names process 2 (the collective it waited in only names a socket)."""
+    flags = _flags(tmp_path, **REPLICA, **{"total_steps": 1000, "eval_every": 0, "checkpoint_every": 0})
+    proc = _launch(3, 2, flags, popen=True)
+    pids, lines = {}, []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            m = re.match(r"\[launcher\] process (\d+).*: pid (\d+)", line)
+            if m:
+                pids[int(m.group(1))] = int(m.group(2))
+            if re.search(r"step 2 \|", line):  # the replica decodes and the weights flow
+                break
+        assert len(pids) == 3, "".join(lines)
+        os.kill(pids[2], signal.SIGKILL)
+        killed = time.monotonic()
+        out, _ = proc.communicate(timeout=90)
+        elapsed = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(lines) + out
+    assert proc.returncode != 0
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+    assert "[launcher] process 2 was killed by SIGKILL" in text
+    for survivor in (0, 1):
+        assert re.search(
+            rf"\[launcher\] process {survivor} (exited with status [1-9]|was killed by SIGABRT)", text
+        )
+    named = r"process 2 \(sampler 0 member 1\) (stopped|failed)|process 2 \(member:2\) is unreachable"
+    assert re.search(named, text), text[-4000:]

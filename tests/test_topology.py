@@ -56,13 +56,19 @@ def test_a_layout_that_cannot_be_placed_names_the_field_and_the_numbers():
             Roles.from_config(mesh, n, devices_per_process=dpp)
 
 
-def test_a_replica_must_fit_one_process_and_the_trainer_its_processes():
+def test_a_replica_takes_whole_processes_and_the_trainer_its_processes():
     mesh = _mesh((12, 4), (8, 2))
     roles = Roles.from_config(mesh, 16, devices_per_process=4)  # derivable: 4 trainers, 12 in the replica
-    assert roles.replicas == (tuple(range(4, 16)),)
-    wide = r"config\.mesh\.sampler=\(12, 4\): a 48-device replica needs 12 whole processes of 4 devices"
+    assert roles.replicas == (tuple(range(4, 16)),) and roles.samplers == (4,)
+    assert roles.role(4) == "sampler 0" and roles.role(15) == "sampler 0 member 11"
+    check_placement(mesh, roles, 4)  # a replica that spans processes places
+    listed = _mesh((12, 4), (8, 2), sampler_processes=(4,), trainer_processes=(0, 1, 2, 3))
+    wide = (r"config\.mesh\.sampler=\(12, 4\): a 48-device replica needs 12 whole processes of 4 devices; "
+            r"replica\(s\) \[\[4\]\] have \[1\]")  # fmt: skip
     with pytest.raises(ClusterError, match=wide):
-        check_placement(mesh, roles, 4)
+        check_placement(listed, Roles.from_config(listed, 5), 4)
+    with pytest.raises(ClusterError, match=r"a 6-device replica does not fill whole processes of 4"):
+        check_placement(_mesh((6, 1), (4, 1)), roles, 4)
     explicit = _mesh((1, 1), (4, 1), sampler_processes=(1,), trainer_processes=(0,))
     short = r"config\.mesh\.trainer=\(4, 1\): needs 4 devices, the trainer processes \(0,\) have 2"
     with pytest.raises(ClusterError, match=short):

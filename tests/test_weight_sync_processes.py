@@ -1,5 +1,6 @@
 """Across processes the weights go shard to shard, in buckets: each sampler device receives exactly its
-blocks, and the values arrive unchanged."""
+blocks, and the values arrive unchanged; each member of a replica that spans processes pulls only its own
+devices' blocks; a version whose sender dies ends the receive with a clear error."""
 
 import json
 import os
@@ -178,3 +179,69 @@ def test_a_sync_cut_off_by_a_dead_sender_fails_fast_and_keeps_the_old_version(tm
     assert "the sampler keeps the version it has" in res["error"]
     assert res["seconds"] < 30
     assert res["after"] == res["before"]
+
+
+SPANNING = r"""
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+pid, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=3, process_id=pid)
+import numpy as np
+from jax._src.distributed import global_state
+from jaxrl_async.model import init_params, presets
+from jaxrl_async.runtime import shard_routes
+from jaxrl_async.runtime.cluster import Cluster, Roles
+from jaxrl_async.runtime.messages import NewWeights
+from jaxrl_async.runtime.weight_sync import TransferPublisher, TransferReceiver
+from jaxrl_async.sharding import SAMPLER_RULES, TRAINER_RULES, make_mesh
+
+cluster = Cluster(Roles(3, (1,), (0,), ((1, 2),)), pid, global_state.client)
+cfg = presets.tiny(vocab_size=64, d_model=64, n_heads=4, n_kv_heads=4, head_dim=16, ffw_size=128)
+t_mesh = make_mesh((2, 1), ("fsdp", "tensor"), [d for d in jax.devices() if d.process_index == 0])
+# One (1, 4) replica over processes 1 and 2: the tensor axis crosses them, each holds half the columns.
+s_devs = sorted((d for d in jax.devices() if d.process_index in (1, 2)),
+                key=lambda d: (d.process_index, d.id))
+s_mesh = make_mesh((1, 4), ("data", "tensor"), s_devs)
+if pid == 0:
+    params = init_params(cfg, jax.random.key(0), t_mesh, TRAINER_RULES)
+    pub = TransferPublisher(cluster, cfg, t_mesh, (1, 4), "float32", num_actors=2, bucket_bytes=8192,
+                            targets={0: (s_mesh, 1), 1: (s_mesh, 2)})
+    pub.publish(0, params)
+    cluster.barrier("pulled")
+else:
+    recv = TransferReceiver(cluster, pid - 1, cfg, t_mesh, s_mesh, "float32", bucket_bytes=8192)
+    got = recv.receive(NewWeights(0))
+    cluster.barrier("pulled")
+    one = make_mesh((1, 1), ("data", "tensor"), jax.local_devices()[:1])
+    want = [np.asarray(x) for x in jax.tree.leaves(init_params(cfg, jax.random.key(0), one, SAMPLER_RULES))]
+    leaves = jax.tree.leaves(got)
+    equal = all(np.array_equal(np.asarray(s.data), w[s.index]) for x, w in zip(leaves, want)
+                for s in x.addressable_shards)
+    mine = sum(int(np.prod([hi - lo for lo, hi in b])) * 4 for x in leaves
+               for b, devs in shard_routes.distinct_blocks(x.sharding, x.shape).items()
+               if any(d.process_index == pid for d in devs))
+    json.dump(dict(equal=equal, pulled=recv.last_bytes, mine=mine, full=sum(x.nbytes for x in leaves)),
+              open(f"{out}.{pid}", "w"))
+cluster.barrier("end")
+"""
+
+
+def test_members_of_a_spanning_replica_pull_only_their_own_blocks(tmp_path):
+    """A (1, 4) replica over two processes: each member pulls exactly the blocks its devices hold (about
+    half the model: the tensor axis crosses them), with the right values, and nobody the whole model."""
+    port, out = _port(), str(tmp_path / "member")
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-c", SPANNING]
+    procs = [subprocess.Popen([*cmd, str(i), str(port), out], env=env) for i in range(3)]
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [0, 0, 0]
+    res = [json.load(open(f"{out}.{pid}")) for pid in (1, 2)]
+    for r in res:
+        assert r["equal"]
+        assert r["pulled"] == r["mine"] < r["full"] * 0.6  # half, plus the replicated leaves (norms)

@@ -57,6 +57,13 @@ EXAMPLES = {
     m.Stopped: m.Stopped(0, _final({"errors": {"timeout": 2}})),
     m.WarmStartParams: m.WarmStartParams({"embed": np.ones((2, 3), np.float32),
                                           "layers": {"w": np.zeros((2, 2), np.float16)}}),
+    m.MemberRequest: m.MemberRequest(7, np.array([3, 4, 5], np.int32), 4, 7_000_021, None),
+    m.MemberStep: m.MemberStep(3, [m.MemberRequest(8, np.array([1], np.int32), 2, 9, 16)], evaluate=True),
+    m.MemberReceive: m.MemberReceive(2, hold=True),
+    m.MemberApply: m.MemberApply(2, "recompute_kv"),
+    m.MemberEvaluate: m.MemberEvaluate(2, own_weights=False),
+    m.MemberPing: m.MemberPing(),
+    m.MemberReport: m.MemberReport(2, 40, 1200, {1: 0, 2: 36}, {1: 0.5}, 4096),
 }  # fmt: skip
 
 
@@ -110,6 +117,9 @@ def _in_dict(d: list) -> list:
         (_in_dict(["d", "x", ["l"] * 1 + [["l"]] * 3]), b"", None),  # fine: plain lists
         (_in_dict(["d", "x", "y", "z"]), b"", "odd"),
         (_in_dict(["d", 1.5, 2]), b"", "key"),
+        (["o", "MemberStep", 0, ["l", ["o", "Hello", 1]], False], b"", "expected a MemberRequest"),
+        (["o", "MemberStep", 0, ["l"], 1], b"", "expected bool"),
+        (["o", "MemberApply", 1, 2], b"", "expected str"),
     ],
 )
 def test_the_decoder_refuses_what_is_not_a_known_message(tree, buffers, why):

@@ -28,6 +28,9 @@ from jaxrl_async.runtime.evaluation import Evaluation
 from jaxrl_async.runtime.messages import (
     ActorStats,
     EvalResult,
+    MemberApply,
+    MemberEvaluate,
+    MemberReceive,
     NewWeights,
     Rollouts,
     Stop,
@@ -35,6 +38,7 @@ from jaxrl_async.runtime.messages import (
     TicketRequest,
     Tickets,
 )
+from jaxrl_async.runtime.replica import as_member_request
 from jaxrl_async.runtime.weight_sync import checksum
 from jaxrl_async.sampler import Request, SamplerLoop
 
@@ -96,10 +100,12 @@ class Actor:
       transport: the run's transport; this role reads "actor:<index>".
       weights: receives published versions (`LocalWeights` or `TransferReceiver`).
       max_new_tokens_fn: optional group id -> generation cap (benchmarks impose a length distribution).
+      members: the leader's channel to the other processes of a replica that spans several
+        (`replica.Members`): every command goes to them before this process runs it on the mesh.
     """
 
     def __init__(self, cfg: ActorConfig, engine, eval_engine, rewards, tokenizer, eval_prompts, transport,
-                 weights, max_new_tokens_fn: Callable[[int], int] | None = None):  # fmt: skip
+                 weights, max_new_tokens_fn: Callable[[int], int] | None = None, members=None):  # fmt: skip
         self.cfg, self.engine, self.eval_engine = cfg, engine, eval_engine
         self.rewards, self.tokenizer, self.eval_prompts = rewards, tokenizer, eval_prompts
         self.transport, self.weights, self.max_new_tokens_fn = transport, weights, max_new_tokens_fn
@@ -129,11 +135,22 @@ class Actor:
         self.eval_spans: list[tuple[int, float, float]] = []  # (version, start, end), time.monotonic
         self.evals_skipped: list[int] = []  # versions due but not evaluated (config.eval_weights='shared')
         self._drained_sent = False
+        self.members = members
+        self._queued: list = []  # MemberRequests queued since the members' last step
+        self.applied_at: dict[int, int] = {}  # version -> decode steps run before it (a spanning replica)
 
     # ----- the event loop -----
 
     def poll(self) -> bool:
         """One round (see the module docstring); False if there was nothing to do."""
+        if self.members is None:
+            return self._poll()
+        try:
+            return self._poll()
+        except Exception as e:  # noqa: BLE001 - a member that died shows here as a broken collective
+            raise self.members.explain(e) from e
+
+    def _poll(self) -> bool:
         t0 = time.perf_counter()
         new: list[NewWeights] = []
         for m in self.transport.recv(self.endpoint):
@@ -146,7 +163,15 @@ class Actor:
             else:
                 raise TypeError(f"{self.endpoint}: unexpected message {type(m).__name__}")
         if self.done:
-            self.transport.send("learner", Stopped(self.cfg.index, self.stats(final=True)))
+            final = self.stats(final=True)
+            if self.members is not None:  # a replica that spans processes: what each member did
+                final.replica = {
+                    "applied_at": dict(self.applied_at),
+                    "tokens_generated": self.loop.stats.tokens_generated,
+                    "pulled_bytes": int(getattr(self.weights, "last_bytes", 0)),
+                    "members": self.members.stop(),
+                }
+            self.transport.send("learner", Stopped(self.cfg.index, final))
             return True
         if new:
             self._apply(new)
@@ -155,6 +180,9 @@ class Actor:
         self._ask()
         if self._eval is not None and not self.loop.idle:
             self.sample_calls_during_eval += 1
+        if self.members is not None:  # the members run this round's calls with this process
+            self.members.step(self._queued, evaluate=self._eval is not None)
+            self._queued = []
         completions = self.loop.step(self._admit_none)
         active = bool(completions) or not self.loop.idle
         self._grade(completions)
@@ -185,16 +213,17 @@ class Actor:
         self.asked = max(0, self.asked - len(tickets.prompts))
         self.granted += len(tickets.prompts)
         for gid, prompt in tickets.prompts:
-            self.loop.add_request(
-                Request(
-                    uid=gid,
-                    prompt_tokens=tuple(int(t) for t in prompt.tokens),
-                    n_samples=self.cfg.schedule.samples_per_prompt,
-                    seed=self.cfg.seed * 1_000_003 + gid,
-                    max_new_tokens=self.max_new_tokens_fn(gid) if self.max_new_tokens_fn else None,
-                    metadata=prompt,
-                )
+            request = Request(
+                uid=gid,
+                prompt_tokens=tuple(int(t) for t in prompt.tokens),
+                n_samples=self.cfg.schedule.samples_per_prompt,
+                seed=self.cfg.seed * 1_000_003 + gid,
+                max_new_tokens=self.max_new_tokens_fn(gid) if self.max_new_tokens_fn else None,
+                metadata=prompt,
             )
+            self.loop.add_request(request)
+            if self.members is not None:
+                self._queued.append(as_member_request(request))
 
     def _ask(self) -> None:
         """Keeps enough prompts queued to fill the free slots plus the lookahead."""
@@ -212,15 +241,19 @@ class Actor:
         evaluates the versions due (the eval engine shares the sampler's weights)."""
         for m in messages:
             t0 = time.perf_counter()
+            due = self.cfg.index == 0 and (self.version is None or self._eval_due(m.version))
+            self._tell(MemberReceive(m.version, hold=due and not self.cfg.eval.shares_weights))
             params = self.weights.receive(m)
             self.weight_s += time.perf_counter() - t0
             if self.cfg.verify_weights:
                 self.checksums[m.version] = checksum(params)
-            due = self.cfg.index == 0 and (self.version is None or self._eval_due(m.version))
             if due or m is messages[-1]:
                 first = self.version is None
                 mode = None if first else self.engine.cfg.update_mode  # sampler.update_mode
+                self._tell(MemberApply(m.version, mode))
                 self.loop.update_params(params, m.version, mode)
+                if self.members is not None:
+                    self.applied_at[m.version] = self.loop.stats.decode_steps
                 self.version = m.version
             if due:
                 self._schedule_eval(m.version, params)
@@ -241,6 +274,7 @@ class Actor:
                 self.evals_skipped.append(version)
                 return
         if self._eval is None:
+            self._tell(MemberEvaluate(version, own_weights=params is not None))
             self._eval = Evaluation(self.eval_engine, self.rewards, self.tokenizer, self.eval_prompts, params,
                                     version)  # fmt: skip
             self._eval_began = time.monotonic()
@@ -252,6 +286,10 @@ class Actor:
             log.warning("evaluations fall behind: versions %s wait for version %d's (each holds a copy of "
                         "its weights; raise config.eval_every or lower config.eval_prompts)",
                         [v for v, _ in self._eval_due_next], self._eval.version)  # fmt: skip
+
+    def _tell(self, command) -> None:
+        if self.members is not None:
+            self.members.tell(command)
 
     def _eval_finished(self) -> None:
         ev, self._eval = self._eval, None

@@ -102,9 +102,21 @@ def sampler_config(run: RunConfig, tokenizer: Tokenizer) -> SamplerConfig:
 # ----- meshes -----
 
 
-def sampler_mesh(run: RunConfig, cluster):
-    """This process's sampler replica: its first devices (one process: the first devices of all)."""
-    devices = jax.local_devices() if cluster.roles.multi else jax.devices()
+def sampler_mesh(run: RunConfig, cluster, replica: int | None = None):
+    """A sampler replica's mesh (default: this process's): the first devices of its one process, or the
+    devices of its processes in member order when it spans several (one process: the first devices of
+    all). Every process can build any replica's mesh; only its members compute on it."""
+    roles = cluster.roles
+    if not roles.multi:
+        devices = jax.devices()
+    else:
+        if replica is None:
+            replica = next(i for i, r in enumerate(roles.replicas) if cluster.process_id in r)
+        members = roles.replicas[replica]
+        devices = sorted(
+            (d for d in jax.devices() if d.process_index in members),
+            key=lambda d: (members.index(d.process_index), d.id),
+        )
     return make_mesh(run.mesh.sampler, ("data", "tensor"), devices[: run.mesh.sampler_devices])
 
 

@@ -5,7 +5,9 @@ A run is one program on every process (one controller per host). `config.mesh.sa
 devices) and which train (together they run one SPMD train step over the trainer mesh); the first trainer
 process is the *learner lead*: it hosts the coordinator, the TensorBoard writer and the message hub. With
 both lists empty a single process runs every role, as on a laptop; several processes then take their
-roles from the meshes and the devices per process (`Roles.from_topology`).
+roles from the meshes and the devices per process (`Roles.from_topology`), and a replica larger than one
+process takes several whole ones: its leader runs the actor, the others run its decode calls with it
+(`jaxrl_async.runtime.replica`).
 
 JAX's coordination service (started by `jax.distributed.initialize`) is the cluster manager: its heartbeats
 end every process when one dies (within `heartbeat_timeout_s`), its key-value store carries peer addresses
@@ -200,12 +202,15 @@ def check_placement(mesh, roles: Roles, devices_per_process: int) -> None:
             "devices each"
         )
     if mesh.sampler_devices > dpp:
-        k = -(-mesh.sampler_devices // dpp)
-        raise ClusterError(
-            f"config.mesh.sampler={tuple(mesh.sampler)}: a {mesh.sampler_devices}-device replica needs {k} "
-            f"whole processes of {dpp} devices; a sampler replica must fit in one process (replicas that "
-            "span processes are not supported)"
-        )
+        k = processes_for(mesh, "sampler", dpp)  # raises unless the replica fills whole processes
+        short = [r for r in roles.replicas if len(r) != k]
+        if short:
+            raise ClusterError(
+                f"config.mesh.sampler={tuple(mesh.sampler)}: a {mesh.sampler_devices}-device replica needs "
+                f"{k} whole processes of {dpp} devices; replica(s) {[list(r) for r in short]} have "
+                f"{sorted({len(r) for r in short})} (config.mesh.sampler_processes names one process per "
+                "replica: leave both role lists empty and the roles follow from the topology)"
+            )
     have = len(roles.trainers) * dpp
     if mesh.trainer_devices > have:
         raise ClusterError(

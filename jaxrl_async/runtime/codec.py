@@ -209,7 +209,7 @@ SCHEMAS: dict[type, dict[str, _Spec]] = {
                    "idle_s": FLOAT, "weight_s": FLOAT, "eval_s": FLOAT,
                    "eval_spans": _Seq("l", _Tuple(INT, FLOAT, FLOAT)), "evals_skipped": IDS,
                    "sample_calls_during_eval": INT, "reward_errors": INT, "drained": BOOL,
-                   "checksums": DICT, "reward_stats": _Optional(DICT)},
+                   "checksums": DICT, "reward_stats": _Optional(DICT), "replica": _Optional(DICT)},
     m.Rollouts: {"actor": INT, "groups": GROUPS, "stats": _Object(m.ActorStats)},
     m.NewWeights: {"version": INT, "params": _Scalar(type(None), name="None (weights are pulled)"),
                    "checksum": _Optional(FLOAT)},
@@ -222,6 +222,15 @@ SCHEMAS: dict[type, dict[str, _Spec]] = {
     m.Preempt: {"process_id": INT, "signal": STR},
     m.Stopped: {"actor": INT, "stats": _Object(m.ActorStats)},
     m.WarmStartParams: {"params": PLAIN},
+    m.MemberRequest: {"uid": INT, "prompt_tokens": _Array("iu", 1), "n_samples": INT, "seed": INT,
+                      "max_new_tokens": _Optional(INT)},
+    m.MemberStep: {"call": INT, "requests": _Seq("l", _Object(m.MemberRequest)), "evaluate": BOOL},
+    m.MemberReceive: {"version": INT, "hold": BOOL},
+    m.MemberApply: {"version": INT, "mode": _Optional(STR)},
+    m.MemberEvaluate: {"version": INT, "own_weights": BOOL},
+    m.MemberPing: {},
+    m.MemberReport: {"process_id": INT, "steps": INT, "tokens_generated": INT, "applied_at": DICT,
+                     "checksums": DICT, "pulled_bytes": INT},
 }  # fmt: skip
 # The messages (what `encode` sends and `decode` returns); ActorStats crosses only inside them.
 MESSAGE_TYPES = tuple(t for t in SCHEMAS if t.__module__ == m.__name__ and t is not m.ActorStats)

@@ -63,12 +63,17 @@ class Evaluation:
 
     def step(self) -> None:
         """One generate call; finished completions go to the reward service."""
-        if self.loop.idle:
-            return
-        self.calls += 1
-        for c in self.loop.step():
+        for c in self.decode():
             text, meta = self.tokenizer.decode(c.tokens), dict(c.metadata.metadata)
             self.rewards.submit(("eval", self.version, c.uid), c.metadata.text, text, meta)
+
+    def decode(self) -> list:
+        """One generate call (none once every prompt is decoded); its finished completions. The members of
+        a replica that spans processes run this where the leader runs `step` (they grade nothing)."""
+        if self.loop.idle:
+            return []
+        self.calls += 1
+        return self.loop.step()
 
     def take(self, reward: float) -> None:
         """One graded completion."""

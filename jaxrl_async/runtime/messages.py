@@ -54,6 +54,9 @@ class ActorStats:
     drained: bool  # the data is exhausted and nothing is in flight
     checksums: dict  # version -> weight checksum (config.verify_weights)
     reward_stats: dict | None = None  # the reward service's counters (in `Stopped` only)
+    # A replica that spans processes (in `Stopped` only): when each member applied each version, the
+    # tokens decoded, the bytes pulled, and each member's report.
+    replica: dict | None = None
 
     @classmethod
     def empty(cls) -> ActorStats:
@@ -147,3 +150,74 @@ class WarmStartParams:
     arrays)."""
 
     params: Any
+
+
+# ----- within a sampler replica that spans processes (runtime/replica.py): leader -> member, except
+# MemberReport; `Hello` and `Stop` serve there too.
+
+
+@dataclasses.dataclass
+class MemberRequest:
+    """A request the leader queued, as the member's loop must queue it (sampler.Request's fields that
+    shape the decode: no metadata)."""
+
+    uid: int
+    prompt_tokens: Any  # int32 [prompt_len]
+    n_samples: int
+    seed: int
+    max_new_tokens: int | None
+
+
+@dataclasses.dataclass
+class MemberStep:
+    """Run loop step `call` (counted from 0) after queueing `requests` (in the leader's order), then, with
+    `evaluate`, one generate call of the evaluation in progress (`Evaluation.decode`)."""
+
+    call: int
+    requests: list
+    evaluate: bool = False
+
+
+@dataclasses.dataclass
+class MemberReceive:
+    """Pull this member's pieces of policy `version` (every published version, as the leader does); `hold`
+    them for an evaluation the leader will start later (its eval engine keeps weights of its own)."""
+
+    version: int
+    hold: bool = False
+
+
+@dataclasses.dataclass
+class MemberApply:
+    """Swap in the last received version, `version`, with update `mode` (None: the first version)."""
+
+    version: int
+    mode: str | None = None
+
+
+@dataclasses.dataclass
+class MemberEvaluate:
+    """Start an evaluation of `version` as the leader does: with the weights held for it
+    (`own_weights`), or with the sampler's current ones (config.eval_weights='shared')."""
+
+    version: int
+    own_weights: bool
+
+
+@dataclasses.dataclass
+class MemberPing:
+    """Nothing to run: the leader checks which members are still connected (after a failed computation)."""
+
+
+@dataclasses.dataclass
+class MemberReport:
+    """A member's record after Stop: loop steps run, tokens its loop generated, the decode steps run before
+    each version was applied, its weight checksums (with config.verify_weights), the bytes it pulled of
+    the last version (its own devices' blocks)."""
+
+    process_id: int
+    steps: int
+    tokens_generated: int
+    applied_at: dict
+    checksums: dict
+    pulled_bytes: int = 0

@@ -9,6 +9,9 @@ this process plays:
   learner lead         coordinator + learner (+ the message hub, TensorBoard, checkpoint primary)
   other trainer        a follower running the lead's SPMD steps on its share of the trainer mesh
   sampler process      one actor over its own devices
+  replica leader       one actor over a replica that spans processes: it tells the other members what to
+                       run (jaxrl_async.runtime.replica)
+  replica member       the leader's decode calls, replayed on its share of the replica's mesh
 
 Every role is a `poll()` that never blocks on another role; the loop polls the roles of this process until
 the learner lead says the run is over. `mode="sync"` is the same code with η = 0.
@@ -37,6 +40,7 @@ from jaxrl_async.runtime.lag import lagged
 from jaxrl_async.runtime.learner import Follower, Learner, LearnerConfig, TrainerCore
 from jaxrl_async.runtime.messages import Hello, Preempt, WarmStartParams
 from jaxrl_async.runtime.metrics import MetricsWriter
+from jaxrl_async.runtime.replica import Members, ReplicaMember
 from jaxrl_async.runtime.transport import LocalTransport, ZmqTransport
 from jaxrl_async.runtime.weight_sync import (
     LocalWeights,
@@ -67,6 +71,8 @@ class _Process:
         self.coordinator: Coordinator | None = None
         self.actor: Actor | None = None
         self.follower: Follower | None = None
+        self.key: bytes | None = None  # the run's secret (several processes)
+        self.member: ReplicaMember | None = None
         self.warm_start_info = None
         self.reward_stats = None
 
@@ -78,20 +84,27 @@ class _Process:
                 log.exception("while closing")
 
 
-def _transport(cluster: Cluster):
+def _transport(cluster: Cluster, key: bytes | None):
     roles, pid = cluster.roles, cluster.process_id
     if not roles.multi:
         return LocalTransport()
-    key = secret.load()
     if cluster.is_lead:
         t = ZmqTransport(["coordinator", "learner", "hello"], True, cluster.host, pid, key)
         for i, p in enumerate(roles.samplers):
             t.route(f"actor:{i}", p)
         for p in roles.trainers[1:]:
             t.route(f"trainer:{p}", p)
+        for members in roles.replicas:
+            for p in members[1:]:  # they say hello here, and may preempt; their commands come from the leader
+                t.route(f"member:{p}", p)
         cluster.publish("hub", t.address)
         return t
-    local = [f"actor:{roles.samplers.index(pid)}"] if pid in roles.samplers else [f"trainer:{pid}"]
+    if pid in roles.samplers:
+        local = [f"actor:{roles.samplers.index(pid)}"]
+    elif pid in roles.trainers:
+        local = [f"trainer:{pid}"]
+    else:  # a replica member other than its leader
+        local = [f"member:{pid}"]
     t = ZmqTransport(local, False, cluster.lookup("hub"), pid, key)
     t.send("hello", Hello(pid))
     return t
@@ -109,10 +122,12 @@ def _await_hellos(transport, cluster: Cluster, timeout_s: float = 600.0) -> None
         transport.wait(0.05)
 
 
-def build_process(config, cluster: Cluster, transport) -> _Process:
-    """Validates `config` and builds the roles of this process (compiles nothing but the init)."""
+def build_process(config, cluster: Cluster, transport, key: bytes | None = None) -> _Process:
+    """Validates `config` and builds the roles of this process (compiles nothing but the init); `key` is the
+    run's secret (a replica that spans processes signs its own channel with it)."""
     run = build.validate_for(config, cluster)
     proc = _Process(run, cluster)
+    proc.key = key
     roles, pid = cluster.roles, cluster.process_id
     tokenizer = build.build_tokenizer(run)
     model_cfg = build.model_config(run, tokenizer)
@@ -124,7 +139,26 @@ def build_process(config, cluster: Cluster, transport) -> _Process:
         local_weights = _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh)
     if pid in roles.samplers:
         _build_actor(proc, run, cluster, transport, tokenizer, model_cfg, scfg, t_mesh, local_weights)
+    elif pid not in roles.trainers:
+        _build_member(proc, run, cluster, tokenizer, model_cfg, scfg, t_mesh)
     return proc
+
+
+def _pull_index(roles: Roles, pid: int) -> int:
+    """Which pull of each weight version is process `pid`'s: one per sampler process, replicas in order
+    (with one process per replica: the actor's index)."""
+    return [p for r in roles.replicas for p in r].index(pid)
+
+
+def _pull_targets(run, cluster) -> dict:
+    """The publisher's view of the members of replicas that span processes: pull -> (the replica's mesh,
+    the member's pid); each such pull takes only the pieces that member's devices hold."""
+    targets = {}
+    for i, members in enumerate(cluster.roles.replicas):
+        if len(members) > 1:
+            mesh = build.sampler_mesh(run, cluster, i)
+            targets.update({_pull_index(cluster.roles, p): (mesh, p) for p in members})
+    return targets
 
 
 def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
@@ -151,7 +185,7 @@ def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
     if roles.multi:
         publisher = TransferPublisher(
             cluster, model_cfg, t_mesh, tuple(run.mesh.sampler), sampler_dtype(model_cfg),
-            len(roles.samplers), run.verify_weights,
+            sum(map(len, roles.replicas)), run.verify_weights, targets=_pull_targets(run, cluster),
         )  # fmt: skip
         local_weights = None
     else:
@@ -223,7 +257,8 @@ def _build_actor(proc, run, cluster, transport, tokenizer, model_cfg, scfg, t_me
     if local_weights is not None:
         weights = local_weights
     else:
-        weights = TransferReceiver(cluster, index, model_cfg, t_mesh, s_mesh, sampler_dtype(model_cfg))
+        pull = _pull_index(roles, pid)
+        weights = TransferReceiver(cluster, pull, model_cfg, t_mesh, s_mesh, sampler_dtype(model_cfg))
     acfg = ActorConfig(
         index=index, seed=run.seed, schedule=run.schedule, eval=run.eval, reward=run.reward,
         verify_weights=run.verify_weights,
@@ -231,15 +266,37 @@ def _build_actor(proc, run, cluster, transport, tokenizer, model_cfg, scfg, t_me
     eval_prompts = held_out_prompts(run.data, tokenizer, run.eval.prompts) if index == 0 else []
     caps = length_cap_fn(run.length_caps) if run.length_caps else None
     rewards.wait_ready()
-    proc.actor = Actor(acfg, engine, eval_engine, rewards, tokenizer, eval_prompts, transport, weights, caps)
+    members = None
+    if len(roles.replicas[index]) > 1:
+        members = Members(cluster, index, roles.replicas[index][1:], proc.key)
+        proc.closers.append(members.close)
+    proc.actor = Actor(
+        acfg, engine, eval_engine, rewards, tokenizer, eval_prompts, transport, weights, caps, members
+    )
     proc.roles.insert(0, proc.actor)
+
+
+def _build_member(proc, run, cluster, tokenizer, model_cfg, scfg, t_mesh):
+    """A member of a replica that spans processes (not its leader): the leader's engines, replayed."""
+    roles, pid = cluster.roles, cluster.process_id
+    index = next(i for i, r in enumerate(roles.replicas) if pid in r)
+    s_mesh = build.sampler_mesh(run, cluster)
+    engine, eval_engine = build.build_engines(run, model_cfg, s_mesh, scfg)
+    pull = _pull_index(roles, pid)
+    weights = TransferReceiver(cluster, pull, model_cfg, t_mesh, s_mesh, sampler_dtype(model_cfg))
+    eval_prompts = held_out_prompts(run.data, tokenizer, run.eval.prompts) if index == 0 else []
+    proc.member = ReplicaMember(
+        cluster, index, engine, eval_engine, eval_prompts, weights, run.verify_weights, proc.key
+    )
+    proc.closers.append(proc.member.close)
+    proc.roles.append(proc.member)
 
 
 def build_local(config) -> _Process:
     """Every role of a one-process run, built but not started (for tools that drive the roles)."""
     cluster = single_process()
     build.validate(config, num_devices=None)
-    transport = _transport(cluster)
+    transport = _transport(cluster, None)
     proc = build_process(config, cluster, transport)
     proc.closers.append(transport.close)
     return proc
@@ -273,8 +330,12 @@ def _event_loop(proc: _Process, transport, signals: _StopSignals) -> None:
         if proc.learner is not None
         else (lambda: proc.actor.done)
         if proc.actor is not None
+        else (lambda: proc.member.done)
+        if proc.member is not None
         else (lambda: proc.follower.done)
     )
+    # A member sleeps on its leader's channel: the next decode call's command ends the wait at once.
+    wait = proc.member.wait if proc.member is not None else transport.wait
     asked_to_stop = False
     last = time.monotonic()
     while not done():
@@ -292,7 +353,7 @@ def _event_loop(proc: _Process, transport, signals: _StopSignals) -> None:
         if progress:
             last = now
         else:
-            transport.wait(0.002) if cluster.roles.multi else time.sleep(0.0005)
+            wait(0.002) if cluster.roles.multi else time.sleep(0.0005)
             if now - last > STALL_WARNING_S:  # say what every role waits for (a slow step, or a bug)
                 log.warning(
                     "no progress for %.0f s: %s", now - last, " | ".join(r.describe() for r in proc.roles)
@@ -307,11 +368,12 @@ def run_from_config(config, cluster: Cluster | None = None) -> dict[str, Any] | 
     """
     cluster = cluster or single_process()
     build.validate(config, num_devices=None)  # fail on the config before connecting anything
-    transport = _transport(cluster)
+    key = secret.load() if cluster.roles.multi else None  # it leaves the environment here
+    transport = _transport(cluster, key)
     proc = None
     signals = _StopSignals()
     try:
-        proc = build_process(config, cluster, transport)
+        proc = build_process(config, cluster, transport, key)
         t0 = time.perf_counter()
         _event_loop(proc, transport, signals)
         if proc.learner is None:
@@ -340,6 +402,8 @@ def _summary(proc: _Process, wall: float) -> dict[str, Any]:
         "eval_spans": actor0 and actor0.eval_spans,
         "sample_calls_during_eval": actor0 and actor0.sample_calls_during_eval,
         "trainer_during_eval": trainer_idle_during(actor0 and actor0.eval_spans, learner.step_spans),
+        # replicas that span processes: when each member applied each version, the tokens it decoded
+        "replicas": {f"actor:{i}": s.replica for i, s in learner.final_reports.items() if s.replica},
     }
     with open(os.path.join(run.workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=str)

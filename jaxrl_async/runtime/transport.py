@@ -1,8 +1,10 @@
 """How the roles talk: named endpoints and the messages between them.
 
 Every role owns an endpoint: "coordinator", "learner" (the learner lead), "trainer:<pid>" (the other
-trainer processes), "actor:<i>" (sampler replica i). The roles only `send(endpoint, message)` and
-`recv(endpoint)`; where an endpoint lives is the transport's business:
+trainer processes), "actor:<i>" (sampler replica i), "member:<pid>" (the other processes of a replica that
+spans several; its leader's commands reach it on a star of the replica's own, `runtime.replica`). The
+roles only `send(endpoint, message)` and `recv(endpoint)`; where an endpoint lives is the transport's
+business:
 
 * `LocalTransport` (one process): in-memory queues. Messages are passed as objects, so weights travel
   as device arrays.

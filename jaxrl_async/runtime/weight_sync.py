@@ -209,15 +209,29 @@ class TransferPublisher:
     """Trainer side: offers each version's pieces to every actor (see the module docstring).
 
     Every trainer process must call `publish` for every version, in the same order as its train steps.
+
+    Args:
+      num_actors: pulls per version: one per sampler process (a replica that spans processes takes one per
+        member).
+      targets: pull -> (its replica's sampler mesh, the member's process id) for the members of replicas
+        that span processes: such a pull takes only the pieces whose block a device of that member holds
+        (`local_pieces`); the other pulls take every piece.
     """
 
     def __init__(self, cluster, model_cfg: ModelConfig, trainer_mesh, sampler_shape, dtype, num_actors: int,
-                 verify=False, bucket_bytes: int = BUCKET_BYTES):  # fmt: skip
+                 verify=False, bucket_bytes: int = BUCKET_BYTES, targets: dict | None = None):  # fmt: skip
         from jax.experimental import transfer
 
         self.pid, self.num_actors, self.verify = cluster.process_id, num_actors, verify
         self.plan = _PiecePlan(model_cfg, trainer_mesh, sampler_shape, dtype)
         self.buckets = self.plan.buckets(self.pid, bucket_bytes)
+        # pull -> per bucket, the positions of the pieces it takes (absent: all of them)
+        self._takes: dict[int, list[list[int]]] = {}
+        for pull, (mesh, member) in (targets or {}).items():
+            mine = local_pieces(model_cfg, mesh, member, self.plan.shapes)
+            self._takes[pull] = [
+                [i for i, o in enumerate(bucket) if (o.leaf, o.block) in mine] for bucket in self.buckets
+            ]
         self.server = transfer.start_transfer_server(
             jax.local_devices()[0].client, f"{cluster.host}:0", [f"{cluster.host}:0"]
         )
@@ -255,7 +269,10 @@ class TransferPublisher:
                 for i, a in zip(idx, cut(shards), strict=True):
                     arrays[i] = a
             for actor in range(self.num_actors):
-                self.server.await_pull(_uuid(version, actor, b), arrays)
+                take = self._takes.get(actor)
+                offer = arrays if take is None else [arrays[i] for i in take[b]]
+                if offer:  # a member whose devices hold none of the bucket's blocks does not pull it
+                    self.server.await_pull(_uuid(version, actor, b), offer)
             offered.append(arrays)
         self._offered[version] = offered
         self._offered.pop(version - 2, None)
@@ -267,22 +284,33 @@ class TransferPublisher:
 class TransferReceiver:
     """Actor side: pulls each piece of a version straight onto the sampler device whose block it belongs
     to, and lays the blocks out in the sampler layout: no array is joined on one device. A block held by
-    several devices of the replica (the data axis) is pulled once and copied device to device."""
+    several devices of this process (the data axis) is pulled once and copied device to device.
+
+    A member of a replica that spans processes (`actor` is then its pull, `TransferPublisher`'s `targets`)
+    pulls only the pieces of the blocks its own devices hold, onto the first of them: no process of the
+    replica receives the whole model."""
 
     def __init__(self, cluster, actor: int, model_cfg: ModelConfig, trainer_mesh, sampler_mesh, dtype,
                  timeout_s: float = 300.0, bucket_bytes: int = BUCKET_BYTES):  # fmt: skip
         from jax.experimental import transfer
 
         self.actor, self.timeout_s = actor, timeout_s
+        pid = cluster.process_id
         self.plan = _PiecePlan(model_cfg, trainer_mesh, tuple(sampler_mesh.devices.shape), dtype)
-        self.buckets = {p: self.plan.buckets(p, bucket_bytes) for p in self.plan.processes}
         self.target = jax.tree.leaves(param_shardings(model_cfg, sampler_mesh, SAMPLER_RULES))
-        self.holders = [shard_routes.distinct_blocks(sh, shape) for sh, shape in
-                        zip(self.target, self.plan.shapes, strict=True)]  # fmt: skip
-        self.server = transfer.start_transfer_server(
-            sampler_mesh.devices.flat[0].client, f"{cluster.host}:0", [f"{cluster.host}:0"]
-        )
-        self.conns = {p: self.server.connect(cluster.lookup(f"transfer/{p}")) for p in self.plan.processes}
+        # per leaf: block -> the devices of this process that hold it (none: another member's block)
+        self.holders = [
+            {b: [d for d in devs if d.process_index == pid] for b, devs in
+             shard_routes.distinct_blocks(sh, shape).items()}
+            for sh, shape in zip(self.target, self.plan.shapes, strict=True)
+        ]  # fmt: skip
+        mine = lambda o: bool(self.holders[o.leaf][o.block])
+        self.buckets = {p: [[o for o in b if mine(o)] for b in self.plan.buckets(p, bucket_bytes)]
+                        for p in self.plan.processes}  # fmt: skip
+        local = next(d for d in sampler_mesh.devices.flat if d.process_index == pid)
+        self.server = transfer.start_transfer_server(local.client, f"{cluster.host}:0", [f"{cluster.host}:0"])
+        self.conns = {p: self.server.connect(cluster.lookup(f"transfer/{p}"))
+                      for p, buckets in self.buckets.items() if any(buckets)}  # fmt: skip
         self._place: dict = {}
         self.last_seconds, self.last_bytes = 0.0, 0
 
@@ -311,7 +339,7 @@ class TransferReceiver:
         parts: dict = {}  # (leaf, device) -> [(dst_slices, array)]
         copies = []  # (leaf, device, slices, array on another holder of the block)
         nbytes = 0
-        pulls = [(proc, b, o) for proc in plan.processes for b, o in enumerate(self.buckets[proc])]
+        pulls = [(proc, b, o) for proc in plan.processes for b, o in enumerate(self.buckets[proc]) if o]
         for p, b, offered in pulls:
             first = [self.holders[o.leaf][o.block][0] for o in offered]
             specs = [jax.ShapeDtypeStruct(o.shape, plan.dtype, sharding=SingleDeviceSharding(d))
@@ -352,6 +380,17 @@ class TransferReceiver:
             )
             for leaf, (shape, sh) in enumerate(zip(self.plan.shapes, self.target, strict=True))
         ]
+
+
+def local_pieces(model_cfg: ModelConfig, sampler_mesh, pid: int, shapes: list) -> set:
+    """(leaf, block) of every sampler block that a device of process `pid` holds on `sampler_mesh`."""
+    shardings = jax.tree.leaves(param_shardings(model_cfg, sampler_mesh, SAMPLER_RULES))
+    return {
+        (leaf, block)
+        for leaf, (sh, shape) in enumerate(zip(shardings, shapes, strict=True))
+        for block, devs in shard_routes.distinct_blocks(sh, shape).items()
+        if any(d.process_index == pid for d in devs)
+    }
 
 
 def sampler_dtype(model_cfg: ModelConfig) -> str:

@@ -272,7 +272,7 @@ class SamplerLoop:
                 None if s is None else (*s.request.prompt_tokens, *s.tokens)[:-1] for s in self._slots
             ]
             if any(s is not None for s in sequences):
-                table = self._planner.device_table()
+                table = self._planner.host_table()
                 self._state = self.engine.recompute_kv(self._state, sequences, *table)
             self._forget_prefixes()  # samples not yet inserted are prefilled again with the new weights
 

@@ -369,6 +369,11 @@ class PagePlanner:
             self._device = (self.table.version, self._to_device(self.table.table.copy()))
         return (self._device[1],)
 
+    def host_table(self) -> tuple:
+        """The page-table argument of recompute_kv, which reads it on the host: the host's own copy (the
+        device copy of a replica that spans processes is not whole on any of them)."""
+        return (self.table.table,)
+
 
 class SlotPlanner:
     """The slotted cache's policy (same interface as `PagePlanner`): every slot holds `slot_len` positions,
@@ -404,4 +409,7 @@ class SlotPlanner:
         return []
 
     def device_table(self) -> tuple:
+        return ()
+
+    def host_table(self) -> tuple:
         return ()

@@ -74,6 +74,12 @@ class EngineSpec:
         return layout.abstract(self.state_specs, self.state_sh)
 
 
+def spans_processes(mesh: Mesh) -> bool:
+    """Whether `mesh` has devices of several processes (a replica over several hosts: its processes then
+    run every call together)."""
+    return len({d.process_index for d in mesh.devices.flat}) > 1
+
+
 def check_slot_count(mesh: Mesh, cfg: SamplerConfig) -> None:
     if cfg.num_slots % mesh.shape["data"]:
         raise ValueError(
@@ -108,6 +114,12 @@ def engine_spec(model_cfg: ModelConfig, mesh: Mesh, cfg: SamplerConfig) -> Engin
     b, steps = cfg.num_slots, cfg.steps_per_call
     steps_sh = shard((None, "batch"), (steps, b))
     row_sh = shard(("batch",), (b,))
+    round_sh = dict.fromkeys(("tokens", "logprobs", "sample_logprobs", "valid"), steps_sh) | {"done": row_sh}
+    if spans_processes(mesh):
+        # Every process of the replica reads each round on the host: the program gathers it (k x B values
+        # per field) onto every device instead of leaving slices on other hosts, which no process could
+        # read without another computation that every one of them enters.
+        round_sh = dict.fromkeys(round_sh, NamedSharding(mesh, PartitionSpec()))
     return EngineSpec(
         model_cfg=model_cfg,
         cfg=cfg,
@@ -121,8 +133,7 @@ def engine_spec(model_cfg: ModelConfig, mesh: Mesh, cfg: SamplerConfig) -> Engin
         state_specs=state_specs,
         state_sh=tree_shardings(state_specs, mesh, SAMPLER_RULES),
         row_sh=row_sh,
-        round_sh={name: steps_sh for name in ("tokens", "logprobs", "sample_logprobs", "valid")}
-        | {"done": row_sh},
+        round_sh=round_sh,
         kv_in_sh=shard(layout.PREFIX_AXES, (1, model_cfg.n_kv_heads, cfg.max_prompt_len, model_cfg.head_dim)),
         table_sh=NamedSharding(mesh, PartitionSpec("data", None)),
         replicated=NamedSharding(mesh, PartitionSpec()),
