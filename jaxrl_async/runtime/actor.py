@@ -4,9 +4,11 @@ policy version between decode calls (in flight). Actor 0 also measures held-out 
 schedule beside sampling (`evaluation.Evaluation`: one greedy generate call per round, with the weights of
 the version under evaluation), so neither sampling nor, in one process, training waits for it.
 
-One `poll()` is one round of its event loop: read messages, apply new weights, ask for prompts, run one
-generate call, hand completions to the reward service and finished groups to the learner. It never blocks
-on another role: everything it needs arrives as messages.
+One `poll()` is one round of its event loop: read messages, start receiving new versions and swap in those
+that have fully arrived, ask for prompts, run one generate call, hand completions to the reward service
+and finished groups to the learner. It never blocks on another role: everything it needs arrives as
+messages, and a version in transit lands on the sampler's devices while it decodes on with the one it has
+(it waits for a version only when it has nothing else to do).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from jaxrl_async.runtime.messages import (
     Tickets,
 )
 from jaxrl_async.runtime.replica import as_member_request
-from jaxrl_async.runtime.weight_sync import checksum
+from jaxrl_async.runtime.weight_sync import Incoming, checksum
 from jaxrl_async.sampler import Request, SamplerLoop
 
 log = logging.getLogger(__name__)
@@ -137,6 +139,7 @@ class Actor:
         self._drained_sent = False
         self.members = members
         self._queued: list = []  # MemberRequests queued since the members' last step
+        self._arriving: list[tuple[Incoming, bool]] = []  # versions on their way (and whether due)
         self.applied_at: dict[int, int] = {}  # version -> decode steps run before it (a spanning replica)
 
     # ----- the event loop -----
@@ -174,8 +177,10 @@ class Actor:
             self.transport.send("learner", Stopped(self.cfg.index, final))
             return True
         if new:
-            self._apply(new)
-        if self.version is None:  # nothing to sample with yet
+            self._arrive(new)
+        if self._arriving:
+            self._take_arrived(block=self.version is None)  # nothing to sample with yet: wait for it
+        if self.version is None:
             return bool(new)
         self._ask()
         if self._eval is not None and not self.loop.idle:
@@ -189,7 +194,10 @@ class Actor:
         if self._eval is not None:
             self._eval.step()
             active = True
-        if not active and self._pending:  # only rewards in flight: sleep until one lands
+        if not active and self._arriving:  # nothing to decode: wait for the version on its way
+            self._take_arrived(block=True)
+            active = True
+        elif not active and self._pending:  # only rewards in flight: sleep until one lands
             self.rewards.wait(0.005)
         self._collect()
         self._send()
@@ -236,18 +244,33 @@ class Actor:
             self.asked += want
             self.transport.send("coordinator", TicketRequest(self.cfg.index, want))
 
-    def _apply(self, messages: list[NewWeights]) -> None:
-        """Receives every published version (each must be taken) and samples with the newest; actor 0
-        evaluates the versions due (the eval engine shares the sampler's weights)."""
+    def _arrive(self, messages: list[NewWeights]) -> None:
+        """Starts receiving every published version (each must be taken), oldest first; they land while
+        the sampler decodes on with the version it has (`_take_arrived` swaps them in)."""
         for m in messages:
             t0 = time.perf_counter()
             due = self.cfg.index == 0 and (self.version is None or self._eval_due(m.version))
             self._tell(MemberReceive(m.version, hold=due and not self.cfg.eval.shares_weights))
-            params = self.weights.receive(m)
+            self._arriving.append((self.weights.start(m), due))
             self.weight_s += time.perf_counter() - t0
+
+    def _take_arrived(self, block: bool) -> None:
+        """Swaps in the versions that have fully arrived, in order, between two decode calls: the newest
+        of them is sampled with, and actor 0 evaluates those due. With `block` (nothing else to do) it
+        waits for the oldest one still on its way."""
+        t0 = time.perf_counter()
+        n = 0
+        while n < len(self._arriving) and self.weights.ready(self._arriving[n][0]):
+            n += 1
+        if block and not n and self._arriving:
+            n = 1
+        taken, self._arriving = self._arriving[:n], self._arriving[n:]
+        arrived = [(incoming.message, self.weights.finish(incoming), due) for incoming, due in taken]
+        self.weight_s += time.perf_counter() - t0
+        for i, (m, params, due) in enumerate(arrived):
             if self.cfg.verify_weights:
                 self.checksums[m.version] = checksum(params)
-            if due or m is messages[-1]:
+            if due or i == len(arrived) - 1:
                 first = self.version is None
                 mode = None if first else self.engine.cfg.update_mode  # sampler.update_mode
                 self._tell(MemberApply(m.version, mode))

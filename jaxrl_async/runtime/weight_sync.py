@@ -114,6 +114,18 @@ class WeightSync:
         return out
 
 
+@dataclasses.dataclass
+class Incoming:
+    """A version on its way to the sampler (`start` of a weight receiver): its message, the pieces pulled
+    so far ((leaf, device) -> [(slices in the block, array)]; None in one process), their bytes and the
+    seconds `start` took."""
+
+    message: NewWeights
+    parts: dict | None
+    nbytes: int
+    start_s: float = 0.0
+
+
 class LocalWeights:
     """One process: the published message carries the sampler-layout arrays themselves.
 
@@ -133,6 +145,15 @@ class LocalWeights:
     def publish(self, version: int, params) -> NewWeights:
         out = self.sync(params, wait=False)
         return NewWeights(version, out, checksum(out) if self.verify else None)
+
+    def start(self, message: NewWeights) -> Incoming:
+        return Incoming(message, None, 0)  # already on the sampler's devices (dispatched)
+
+    def ready(self, incoming: Incoming) -> bool:
+        return True
+
+    def finish(self, incoming: Incoming):
+        return incoming.message.params
 
     def receive(self, message: NewWeights):
         return message.params
@@ -316,20 +337,44 @@ class TransferReceiver:
 
     def receive(self, message: NewWeights):
         """The sampler-layout params of `message.version` (blocks until every piece has arrived)."""
+        return self.finish(self.start(message))
+
+    def start(self, message: NewWeights) -> Incoming:
+        """Starts pulling `message.version` and returns at once: the pieces land on the sampler's devices
+        while the caller goes on (the actor keeps decoding with the version it has)."""
         t0 = time.perf_counter()
-        try:  # a pull returns at once; a sender's death surfaces when its pieces are used or awaited
-            parts, nbytes = self.pull(message)
-            out = jax.tree.unflatten(self.plan.treedef, self.assemble(parts))
-            jax.block_until_ready(out)
+        parts, nbytes = self._guard(message, lambda: self.pull(message))
+        return Incoming(message, parts, nbytes, time.perf_counter() - t0)
+
+    def ready(self, incoming: Incoming) -> bool:
+        """Whether every piece of `incoming` has landed (`finish` then does not wait for the wire)."""
+        arrays = [a for got in incoming.parts.values() for _, a in got]
+        return self._guard(incoming.message, lambda: all(a.is_ready() for a in arrays))
+
+    def finish(self, incoming: Incoming):
+        """The sampler-layout params of `incoming` (waits for any piece still on its way)."""
+        t0 = time.perf_counter()
+
+        def lay_out():
+            out = jax.tree.unflatten(self.plan.treedef, self.assemble(incoming.parts))
+            return jax.block_until_ready(out)
+
+        out = self._guard(incoming.message, lay_out)
+        self.last_seconds = incoming.start_s + time.perf_counter() - t0
+        self.last_bytes = incoming.nbytes
+        return out
+
+    def _guard(self, message: NewWeights, fn):
+        """`fn()`; a pull returns at once, so a sender's death surfaces when its pieces are used or awaited:
+        it becomes a PeerFailure that names the version."""
+        try:
+            return fn()
         except Exception as e:  # noqa: BLE001 - the transfer library's errors have no type of their own
             raise PeerFailure(
                 f"actor {self.actor}: version {message.version}'s weights stopped arriving from the trainer "
                 f"processes {list(self.plan.processes)} ({str(e).splitlines()[0][:200]}); the sampler keeps "
                 "the version it has"
             ) from None
-        self.last_seconds = time.perf_counter() - t0
-        self.last_bytes = nbytes
-        return out
 
     def pull(self, message: NewWeights) -> tuple[dict, int]:
         """Every piece of `message.version` on the sampler device(s) of its block: ((leaf, device) -> the
