@@ -3,8 +3,8 @@ decode calls once every piece has landed."""
 
 from test_orchestrator import _small
 
+from jaxrl_async.runtime.build import build_local
 from jaxrl_async.runtime.messages import NewWeights
-from jaxrl_async.runtime.orchestrator import build_local
 
 
 class _InTransit:

@@ -211,7 +211,7 @@ def test_sampler_devices_hold_two_copies_of_the_weights(tmp_path):
     version it evaluates while sampling swaps in newer ones); nothing else stays behind."""
     import gc
 
-    from jaxrl_async.runtime.orchestrator import build_local
+    from jaxrl_async.runtime.build import build_local
 
     proc = build_local(_small(tmp_path, eval_prompts=4))
     try:

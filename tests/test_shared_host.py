@@ -129,8 +129,8 @@ def test_cli_shared_host_sweep(tmp_path):
 def test_calibrate_roles_times_each_role_of_a_real_run(tmp_path):
     from test_orchestrator import _small
 
+    from jaxrl_async.runtime.build import build_local
     from jaxrl_async.runtime.calibration import calibrate_roles, calibration_config, host_cores
-    from jaxrl_async.runtime.orchestrator import build_local
 
     cfg = _small(tmp_path, **{"mesh.sampler": (1, 1), "mesh.trainer": (1, 1)})
     proc = build_local(cfg)

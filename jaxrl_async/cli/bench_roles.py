@@ -33,8 +33,8 @@ def main(argv):
     config = _CONFIG.value
     prepare_devices(config)  # before JAX picks a backend
     from jaxrl_async.run_config import ConfigError
+    from jaxrl_async.runtime.build import build_local
     from jaxrl_async.runtime.calibration import calibrate_roles, calibration_config
-    from jaxrl_async.runtime.orchestrator import build_local
 
     try:
         proc = build_local(calibration_config(config))

@@ -12,7 +12,7 @@ The libraries below it (`model/`, `data/`, `sampler/`, `rewards/`, `trainer/`, `
 Layers, top to bottom (no module imports one above it):
   orchestrator, calibration, plan_check   a process's event loop; role timing; compile-before-you-pay
   build                                   puts the roles of one process together from a RunConfig
-  actor, learner, coordinator             the roles: each a non-blocking `poll()`
+  actor, replica, learner, coordinator    the roles: each a non-blocking `poll()`
   weight_sync, checkpoint, metrics,       what the roles use
   evaluation
   transport                               messages between roles: in memory, or ZeroMQ between processes

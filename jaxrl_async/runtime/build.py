@@ -1,28 +1,55 @@
-"""The run's assembly, role by role: validated config -> meshes, model, engines, train state, rewards.
+"""The run's assembly: validated config -> meshes, model, engines, train state, rewards, and from them the
+roles of one process (`build_process`: coordinator, learner, follower, actor, replica member, as
+`cluster.Roles` says), wired to their transport.
 
-Part of the orchestrator (the only place that knows every component). Each builder makes the parts of
-one role and hands them to it; no object is shared between roles.
+The only module that knows every component (the orchestrator runs what it builds). Each builder makes the
+parts of one role and hands them to it; no object is shared between roles.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
+import time
 
 import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxrl_async.data import held_out_prompts, make_prompt_iterator, reference_completion
+from jaxrl_async.data import held_out_prompts, make_prompt_iterator, prompt_at, reference_completion
+from jaxrl_async.data.length_caps import length_cap_fn
 from jaxrl_async.data.prompt import SYNTHETIC_TASKS
 from jaxrl_async.model import ModelConfig, from_hf_config, init_params, load_hf, param_shardings, presets
 from jaxrl_async.rewards import RewardService
 from jaxrl_async.run_config import ConfigError, RunConfig, validate
+from jaxrl_async.runtime.actor import Actor, ActorConfig
 from jaxrl_async.runtime.checkpoint import RunCheckpoints, write_model_info
-from jaxrl_async.runtime.cluster import ClusterError, check_placement, devices_per_process
+from jaxrl_async.runtime.cluster import (
+    Cluster,
+    ClusterError,
+    PeerFailure,
+    Roles,
+    check_placement,
+    devices_per_process,
+)
+from jaxrl_async.runtime.coordinator import Coordinator
 from jaxrl_async.runtime.evaluation import eval_sampler_config, evaluate_accuracy
+from jaxrl_async.runtime.lag import lagged
+from jaxrl_async.runtime.learner import Follower, Learner, LearnerConfig, TrainerCore
+from jaxrl_async.runtime.messages import Hello, WarmStartParams
+from jaxrl_async.runtime.metrics import MetricsWriter
+from jaxrl_async.runtime.replica import Members, ReplicaMember
+from jaxrl_async.runtime.transport import LocalTransport, ZmqTransport
+from jaxrl_async.runtime.weight_sync import (
+    LocalWeights,
+    TransferPublisher,
+    TransferReceiver,
+    WeightSync,
+    sampler_dtype,
+)
 from jaxrl_async.sampler import Engine, SamplerConfig
 from jaxrl_async.sharding import TRAINER_RULES, make_mesh
 from jaxrl_async.tokenizer import Tokenizer, load_tokenizer
@@ -247,3 +274,253 @@ def checkpoints(run: RunConfig, cluster, model_cfg: ModelConfig) -> RunCheckpoin
     if cluster.is_lead:
         write_model_info(ckpt.directory, model_cfg, tokenizer_path(run))
     return ckpt
+
+
+# ----- one process's roles, put together ------------------------------------------------------------
+
+
+def single_process() -> Cluster:
+    """The cluster of a run without `jax.distributed`: one process, every role."""
+    return Cluster(Roles(1, (0,), (0,)))
+
+
+class Process:
+    """The roles of this process, built from the config, and what they hold that must be closed."""
+
+    def __init__(self, run, cluster: Cluster):
+        self.run, self.cluster = run, cluster
+        self.roles: list = []
+        self.closers: list = []
+        self.learner: Learner | None = None
+        self.coordinator: Coordinator | None = None
+        self.actor: Actor | None = None
+        self.follower: Follower | None = None
+        self.key: bytes | None = None  # the run's secret (several processes)
+        self.member: ReplicaMember | None = None
+        self.warm_start_info = None
+        self.reward_stats = None
+
+    def close(self) -> None:
+        for c in reversed(self.closers):
+            try:
+                c()
+            except Exception:  # noqa: BLE001 - close everything else, then let the run's error surface
+                log.exception("while closing")
+
+
+def make_transport(cluster: Cluster, key: bytes | None):
+    roles, pid = cluster.roles, cluster.process_id
+    if not roles.multi:
+        return LocalTransport()
+    if cluster.is_lead:
+        t = ZmqTransport(["coordinator", "learner", "hello"], True, cluster.host, pid, key)
+        for i, p in enumerate(roles.samplers):
+            t.route(f"actor:{i}", p)
+        for p in roles.trainers[1:]:
+            t.route(f"trainer:{p}", p)
+        for members in roles.replicas:
+            for p in members[1:]:  # they say hello here, and may preempt; their commands come from the leader
+                t.route(f"member:{p}", p)
+        cluster.publish("hub", t.address)
+        return t
+    if pid in roles.samplers:
+        local = [f"actor:{roles.samplers.index(pid)}"]
+    elif pid in roles.trainers:
+        local = [f"trainer:{pid}"]
+    else:  # a replica member other than its leader
+        local = [f"member:{pid}"]
+    t = ZmqTransport(local, False, cluster.lookup("hub"), pid, key)
+    t.send("hello", Hello(pid))
+    return t
+
+
+def _await_hellos(transport, cluster: Cluster, timeout_s: float = 600.0) -> None:
+    """The hub waits until every other process has connected (only then can it address them)."""
+    want = set(range(cluster.roles.num_processes)) - {cluster.process_id}
+    deadline = time.monotonic() + timeout_s
+    while want:
+        want -= {m.process_id for m in transport.recv("hello")}
+        cluster.check_peers()
+        if time.monotonic() > deadline:
+            raise PeerFailure(f"process(es) {sorted(want)} never connected to the learner lead")
+        transport.wait(0.05)
+
+
+def build_process(config, cluster: Cluster, transport, key: bytes | None = None) -> Process:
+    """Validates `config` and builds the roles of this process (compiles nothing but the init); `key` is the
+    run's secret (a replica that spans processes signs its own channel with it)."""
+    run = validate_for(config, cluster)
+    proc = Process(run, cluster)
+    proc.key = key
+    roles, pid = cluster.roles, cluster.process_id
+    tokenizer = build_tokenizer(run)
+    model_cfg = model_config(run, tokenizer)
+    scfg = sampler_config(run, tokenizer)
+    os.makedirs(run.workdir, exist_ok=True)
+    t_mesh = trainer_mesh(run, cluster)
+    local_weights = None
+    if pid in roles.trainers:
+        local_weights = _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh)
+    if pid in roles.samplers:
+        _build_actor(proc, run, cluster, transport, tokenizer, model_cfg, scfg, t_mesh, local_weights)
+    elif pid not in roles.trainers:
+        _build_member(proc, run, cluster, tokenizer, model_cfg, scfg, t_mesh)
+    return proc
+
+
+def _pull_index(roles: Roles, pid: int) -> int:
+    """Which pull of each weight version is process `pid`'s: one per sampler process, replicas in order
+    (with one process per replica: the actor's index)."""
+    return [p for r in roles.replicas for p in r].index(pid)
+
+
+def _pull_targets(run, cluster) -> dict:
+    """The publisher's view of the members of replicas that span processes: pull -> (the replica's mesh,
+    the member's pid); each such pull takes only the pieces that member's devices hold."""
+    targets = {}
+    for i, members in enumerate(cluster.roles.replicas):
+        if len(members) > 1:
+            mesh = sampler_mesh(run, cluster, i)
+            targets.update({_pull_index(cluster.roles, p): (mesh, p) for p in members})
+    return targets
+
+
+def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
+    roles, lead = cluster.roles, cluster.is_lead
+    if run.warm_start.enabled:
+        if lead:
+            params, proc.warm_start_info = warm_started_params(
+                run, model_cfg, tokenizer, t_mesh.devices.flat[0], show=True
+            )
+            for p in roles.trainers[1:]:
+                transport.send(f"trainer:{p}", WarmStartParams(params))
+        else:
+            params = _wait_for(transport, f"trainer:{cluster.process_id}", cluster).params
+    else:
+        params = initial_params(run, model_cfg, t_mesh)
+    state = train_state(run, model_cfg, t_mesh, params)
+    ckpts = checkpoints(run, cluster, model_cfg)
+    proc.closers.append(ckpts.close)
+    coordinator_state = None
+    restored = ckpts.restore_latest(state)
+    if restored is not None:
+        state, version, coordinator_state = restored
+        log.info("resumed from %s at version %d", ckpts.directory, version)
+    if roles.multi:
+        publisher = TransferPublisher(
+            cluster, model_cfg, t_mesh, tuple(run.mesh.sampler), sampler_dtype(model_cfg),
+            sum(map(len, roles.replicas)), run.verify_weights, targets=_pull_targets(run, cluster),
+        )  # fmt: skip
+        local_weights = None
+    else:
+        s_mesh = sampler_mesh(run, cluster)
+        sync = WeightSync(model_cfg, s_mesh, dtype=sampler_dtype(model_cfg))
+        publisher = local_weights = LocalWeights(sync, run.verify_weights)
+    publisher = lagged(publisher, run.trainer.controlled_lag, run.schedule.total_steps)  # samplers get v - k
+    core = TrainerCore(state, run.trainer, publisher, ckpts)
+    if not lead:
+        proc.follower = Follower(core, transport, cluster.process_id)
+        proc.roles.append(proc.follower)
+        return None
+    prompts = make_prompt_iterator(run.data, tokenizer)
+    coordinator = Coordinator(
+        prompts,
+        run.schedule.prompts_per_step,
+        run.schedule.eta,
+        transport,
+        core.version,
+        coordinator_state or None,
+        lookup=functools.partial(prompt_at, run.data, tokenizer),
+        trained_log=os.path.join(run.workdir, "trained_uids.jsonl"),
+    )
+    proc.coordinator = coordinator
+    proc.closers.append(coordinator.close)
+    writer = MetricsWriter(run.workdir, enabled=True)
+    proc.closers.append(writer.close)
+    lcfg = LearnerConfig(
+        schedule=run.schedule,
+        log=run.log,
+        checkpoint=run.checkpoint,
+        followers=tuple(f"trainer:{p}" for p in roles.trainers[1:]),
+        actors=len(roles.samplers),
+        dynamic_sampling=run.trainer.dynamic_sampling,
+        dynamic_sampling_patience=run.trainer.dynamic_sampling_patience,
+    )
+    if roles.multi:
+        _await_hellos(transport, cluster)
+    proc.learner = Learner(lcfg, core, transport, writer, lambda: _snapshot(coordinator))
+    proc.roles += [proc.coordinator, proc.learner]
+    return local_weights
+
+
+def _snapshot(coordinator: Coordinator) -> dict:
+    """The coordinator's state for a checkpoint, once it has taken in the learner's last `Trained` (the
+    ledger must agree with the train state saved beside it)."""
+    coordinator.poll()
+    return coordinator.state()
+
+
+def _wait_for(transport, endpoint: str, cluster: Cluster, timeout_s: float = 3600.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = transport.recv(endpoint)
+        if got:
+            return got[0]
+        cluster.check_peers()
+        transport.wait(0.05)
+    raise PeerFailure(f"{endpoint}: nothing arrived from the learner lead within {timeout_s:.0f} s")
+
+
+def _build_actor(proc, run, cluster, transport, tokenizer, model_cfg, scfg, t_mesh, local_weights):
+    roles, pid = cluster.roles, cluster.process_id
+    index = roles.samplers.index(pid)
+    s_mesh = sampler_mesh(run, cluster)
+    engine, eval_engine = build_engines(run, model_cfg, s_mesh, scfg)
+    rewards = RewardService(run.reward)
+    proc.closers.append(rewards.close)
+    if local_weights is not None:
+        weights = local_weights
+    else:
+        pull = _pull_index(roles, pid)
+        weights = TransferReceiver(cluster, pull, model_cfg, t_mesh, s_mesh, sampler_dtype(model_cfg))
+    acfg = ActorConfig(
+        index=index, seed=run.seed, schedule=run.schedule, eval=run.eval, reward=run.reward,
+        verify_weights=run.verify_weights,
+    )
+    eval_prompts = held_out_prompts(run.data, tokenizer, run.eval.prompts) if index == 0 else []
+    caps = length_cap_fn(run.length_caps) if run.length_caps else None
+    rewards.wait_ready()
+    members = None
+    if len(roles.replicas[index]) > 1:
+        members = Members(cluster, index, roles.replicas[index][1:], proc.key)
+        proc.closers.append(members.close)
+    proc.actor = Actor(
+        acfg, engine, eval_engine, rewards, tokenizer, eval_prompts, transport, weights, caps, members
+    )
+    proc.roles.insert(0, proc.actor)
+
+
+def _build_member(proc, run, cluster, tokenizer, model_cfg, scfg, t_mesh):
+    """A member of a replica that spans processes (not its leader): the leader's engines, replayed."""
+    roles, pid = cluster.roles, cluster.process_id
+    index = next(i for i, r in enumerate(roles.replicas) if pid in r)
+    s_mesh = sampler_mesh(run, cluster)
+    engine, eval_engine = build_engines(run, model_cfg, s_mesh, scfg)
+    pull = _pull_index(roles, pid)
+    weights = TransferReceiver(cluster, pull, model_cfg, t_mesh, s_mesh, sampler_dtype(model_cfg))
+    eval_prompts = held_out_prompts(run.data, tokenizer, run.eval.prompts) if index == 0 else []
+    proc.member = ReplicaMember(
+        cluster, index, engine, eval_engine, eval_prompts, weights, run.verify_weights, proc.key
+    )
+    proc.closers.append(proc.member.close)
+    proc.roles.append(proc.member)
+
+
+def build_local(config) -> Process:
+    """Every role of a one-process run, built but not started (for tools that drive the roles)."""
+    cluster = single_process()
+    validate(config, num_devices=None)
+    transport = make_transport(cluster, None)
+    proc = build_process(config, cluster, transport)
+    proc.closers.append(transport.close)
+    return proc

@@ -5,7 +5,7 @@ to produce one train batch (from empty slots to the last graded sample, as sync 
 steady rate of a never-drained stream, as async RL does), how long one train step plus its weight sync
 takes, and how much of the host's cores each keeps busy meanwhile (process CPU seconds, which include
 XLA's worker threads). Part of the orchestrator layer: it builds the run's own actor, coordinator and
-trainer (`jaxrl_async.runtime.orchestrator.build_process`) and drives them one at a time through their
+trainer (`jaxrl_async.runtime.build.build_process`) and drives them one at a time through their
 messages (`tools/bench_roles.py` is the CLI).
 """
 
@@ -37,7 +37,7 @@ def _timed(fn) -> tuple[float, float]:
 def calibration_config(config):
     """The run's config as `calibrate_roles` measures it: sync mode (η = 0), so that each version the
     coordinator hears of opens exactly one batch of prompts. Build the roles from this
-    (`orchestrator.build_local`)."""
+    (`build.build_local`)."""
     c = config.copy_and_resolve_references()
     c.mode, c.max_staleness = "sync", 0
     return c
@@ -73,7 +73,7 @@ def calibrate_roles(proc, batches: int = 6) -> dict[str, Any]:
     """Measures the sampler and the trainer of a built one-process run, one at a time.
 
     Args:
-      proc: `jaxrl_async.runtime.orchestrator.build_process` of a one-process run; its train state is
+      proc: `jaxrl_async.runtime.build.build_process` of a one-process run; its train state is
         updated by the timed steps.
       batches: timed train batches per measurement (one more, untimed, compiles first).
 
