@@ -9,8 +9,9 @@ have median 8 and p99 51 tokens (p99/median ~6; tests/test_letter_range.py check
 thousand prompts). Every answer letter follows from the one before and the stop from the prompt's last
 letter, so a tiny character model learns the task from a short supervised warm start; its mistakes
 pile up on long ranges, which leaves RL most of the way to go on the tail. The verifier
-(rewards "letter_range") rebuilds the answer from the prompt's metadata and gives the share of
-positions right, 1.0 only for the exact answer (held-out accuracy counts those).
+(rewards "letter_range") rebuilds the answer from the prompt's metadata: 1.0 for the exact answer, else 0.
+While the policy still overshoots (its usual mistake: it misses the stop), its own completions are less
+skewed than the reference answers: one run measured median 21, p99 52 tokens (p99/median 2.5).
 """
 
 from jaxrl_async.cli.config_file import sibling
@@ -27,7 +28,9 @@ def get_config():
     c.mode = "async"  # sampling and training overlap (tools/bench_learning.py also runs "sync")
     c.max_staleness = 2  # eta: tiny_arith's (docs/benchmarks.md: level with sync at 2, behind it at 8)
     c.total_steps = 200  # RL steps; the warm start comes before and is cached
-    c.prompts_per_step = 32  # groups per train step
+    # Groups per train step: held-out accuracy 0.315 -> 0.45 in 100 RL steps with 64, 0.315 -> 0.345 with
+    # 32 (one run each, exact reward).
+    c.prompts_per_step = 64
     c.samples_per_prompt = 8  # completions per prompt (GRPO group size)
     c.eval_every = 10  # train steps between held-out evaluations (time to accuracy is read from them)
     c.eval_prompts = 200  # held-out draws per evaluation (with repetition; standard error ~0.03 near 0.5)

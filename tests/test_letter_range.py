@@ -59,7 +59,8 @@ def test_verifier_right_wrong_and_malformed():
     meta = {"first": "d", "last": "k", "answer": "defghijk"}
     assert grade("range d-k:", "defghijk", meta) == 1.0
     assert grade("range d-k:", " defghijk\n", meta) == 1.0  # surrounding whitespace is no mistake
-    assert grade("range d-k:", "defgXXXX", meta) == 0.5  # the share of positions right
+    assert grade("range d-k:", "defgXXXX", meta) == 0.0  # exact answers only
+    assert grade("range d-k:", "defghij", meta) == 0.0  # stopped one letter early
     assert grade("range d-k:", "defghijkl", meta) < 1.0  # an extra letter costs
     assert grade("range d-k:", "kjihgfed", meta) == 0.0
     assert grade("range d-k:", "", meta) == 0.0

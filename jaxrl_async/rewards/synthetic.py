@@ -78,13 +78,6 @@ def shift_reward(prompt: str, completion: str, metadata: Mapping[str, Any]) -> f
     return hits / max(len(answer), len(got), 1)
 
 
-def _share_right(answer: str, completion: str) -> float:
-    """Matching characters / max(len(answer), len(completion)): 1.0 only for the exact answer."""
-    got = completion.strip()
-    hits = sum(a == b for a, b in zip(answer, got, strict=False))
-    return hits / max(len(answer), len(got), 1)
-
-
 def letter_span(first: str, last: str) -> str:
     """The letters of _LETTERS from `first` to `last` in either direction, both included.
 
@@ -99,6 +92,9 @@ def letter_span(first: str, last: str) -> str:
 
 @register_reward("letter_range")
 def letter_range_reward(prompt: str, completion: str, metadata: Mapping[str, Any]) -> float:
-    """The share of answer positions right, as for shift, against the range metadata["first"] to
-    metadata["last"]: a long range that is mostly right still carries a signal within its group."""
-    return _share_right(letter_span(str(metadata["first"]), str(metadata["last"])), completion)
+    """1.0 when the stripped completion is exactly the range metadata["first"] to metadata["last"], else 0.
+
+    Exact, not shift's share of positions right: with partial credit, RL from the warm start lost held-out
+    accuracy (0.315 -> 0.125 in 60 steps of configs/letter_range.py; its completions got shorter), with
+    this reward it gained (0.315 -> 0.45 in 100 steps)."""
+    return 1.0 if completion.strip() == letter_span(str(metadata["first"]), str(metadata["last"])) else 0.0
