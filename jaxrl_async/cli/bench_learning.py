@@ -52,7 +52,7 @@ _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny runs (4 steps, small batches, 1
 _KEEP = flags.DEFINE_string("keep", "", "Keep workdirs and logs here (default: a temporary directory).")
 _OUT = flags.DEFINE_string("out", "", "Also write the JSON report here.")
 
-# --smoke: every size a few, so the whole command (role benches, warm starts, both modes) takes seconds.
+# --smoke: every size a few, so the whole command (role benches, warm starts, both modes) takes minutes.
 SMOKE = {
     "prompts_per_step": 4, "samples_per_prompt": 2, "eval_every": 0, "eval_prompts": 8, "eval_slots": 8,
     "text_samples": 0, "checkpoint_every": 0, "checkpoint_minutes": 0.0, "sampler.num_slots": 8,
