@@ -39,6 +39,7 @@ TASK_REWARD = {
     "arithmetic": "arithmetic",
     "countdown": "countdown",
     "shift": "shift",
+    "letter_range": "letter_range",
     "gsm8k": "math",
     "math": "math",
     "jsonl": "math",

@@ -82,6 +82,17 @@ def test_step_log_records_history_and_writes_one_step():
     assert "loss/policy" not in log.history[0] and log.mean("reward/mean") == 0.5 and log.mean("x") == 0.0
 
 
+def test_step_log_length_quantiles_pool_every_step():
+    log = StepLog(_Writer(), text_samples=0)
+    assert log.length_quantiles() == {"completion_length_p50": None, "completion_length_p99": None}
+    st = {"head_values": [0], "token_values": [0]}
+    for length in (2,) * 98 + (40, 50):  # one completion per step: the quantiles pool the steps
+        groups = [_group(0, [1.0], length=length)]
+        log.record(0, completion_values(groups), st, groups, {"time/elapsed_s": 1.0})
+    q = log.length_quantiles()
+    assert q["completion_length_p50"] == 2.0 and q["completion_length_p99"] == pytest.approx(40.1)
+
+
 def test_steady_rate_skips_the_first_fifth():
     hist = [{"time/elapsed_s": float(t), "time/trained_tokens": float(t * t)} for t in range(1, 11)]
     assert steady_rate(hist) == pytest.approx((100 - 4) / (10 - 2))

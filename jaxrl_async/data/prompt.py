@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-TASKS = ("arithmetic", "countdown", "shift", "jsonl", "parquet", "gsm8k", "math")
-SYNTHETIC_TASKS = ("arithmetic", "countdown", "shift")
+TASKS = ("arithmetic", "countdown", "shift", "letter_range", "jsonl", "parquet", "gsm8k", "math")
+SYNTHETIC_TASKS = ("arithmetic", "countdown", "shift", "letter_range")
 # (prompt field, answer field) for each file task unless DataConfig overrides them.
 DEFAULT_FIELDS = {
     "jsonl": ("prompt", "answer"),
@@ -49,8 +49,8 @@ class DataConfig:
     """Where prompts come from and how they are rendered, shuffled and split.
 
     Attributes:
-      task: "arithmetic" | "countdown" | "shift" (built in, no files) | "jsonl" | "parquet" | "gsm8k" |
-        "math".
+      task: "arithmetic" | "countdown" | "shift" | "letter_range" (built in, no files) | "jsonl" |
+        "parquet" | "gsm8k" | "math".
       path: data file for file tasks (.jsonl/.json or .parquet; gsm8k/math accept either).
       eval_path: optional held-out file; without it file tasks hold out `heldout_fraction` by uid hash.
       prompt_field, answer_field: field mapping (defaults per task in DEFAULT_FIELDS).

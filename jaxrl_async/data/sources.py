@@ -196,7 +196,8 @@ def prompt_at(cfg: DataConfig, tokenizer, key: str) -> Prompt:
 
 
 def held_out_prompts(cfg: DataConfig, tokenizer, n: int) -> list[Prompt]:
-    """The first `n` held-out prompts (distinct, fixed order; fewer if the split is smaller)."""
+    """The first `n` held-out prompts (distinct, fixed order; fewer if the split is smaller). The letter-range
+    task's are drawn with repetition (jaxrl_async.data.letter_range says why)."""
     if cfg.task in SYNTHETIC_TASKS:
         records = synthetic_heldout(cfg, n)
     else:

@@ -10,8 +10,9 @@ Countdown: prompt "make 24 with 3 5 8:", completion an expression using each num
 Shift: prompt "shift 40913:" (`digits` random digits), completion every digit plus one mod 10 ("51024"):
 answers as long as `digits` (tens of tokens), so that weight updates land in the middle of sequences,
 yet learnable by a tiny model (each answer token copies one prompt token, shifted); metadata carries
-"answer". The verifiers that read that metadata are the rewards "arithmetic", "countdown" and "shift"
-(jaxrl_async.rewards.synthetic).
+"answer". Letter range (jaxrl_async.data.letter_range): prompt "range d-k:", completion "defghijk", with
+long-tailed answer lengths. The verifiers that read that metadata are the rewards "arithmetic",
+"countdown", "shift" and "letter_range" (jaxrl_async.rewards.synthetic).
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
+from jaxrl_async.data.letter_range import (
+    letter_range_example,
+    letter_range_heldout,
+    letter_range_problem,
+    parse_letter_range,
+)
 from jaxrl_async.data.prompt import DataConfig, is_heldout, unit_hash
 
 _ARITH_RE = re.compile(r"(\d+)([+\-*])(\d+)=")
@@ -171,7 +178,11 @@ def shift_example(cfg: DataConfig, split: str, index: int) -> dict[str, Any]:
 
 
 def reference_completion(prompt: str) -> str:
-    """The correct completion text for an arithmetic, countdown or shift prompt (supervised warm starts)."""
+    """The correct completion text for an arithmetic, countdown, shift or letter-range prompt (supervised
+    warm starts)."""
+    bounds = parse_letter_range(prompt)
+    if bounds:
+        return letter_range_problem(*bounds)[1]
     m = _SHIFT_RE.findall(prompt)
     if m:
         return shift_problem(m[-1])[1]
@@ -188,7 +199,8 @@ def reference_completion(prompt: str) -> str:
 
 def synthetic_example(cfg: DataConfig, split: str, index: int) -> dict[str, Any]:
     """The `index`-th raw record of a synthetic task's split."""
-    fn = {"arithmetic": arithmetic_example, "shift": shift_example}.get(cfg.task, countdown_example)
+    tasks = {"arithmetic": arithmetic_example, "shift": shift_example, "letter_range": letter_range_example}
+    fn = tasks.get(cfg.task, countdown_example)
     return fn(cfg, split, index)
 
 
@@ -196,6 +208,8 @@ def synthetic_heldout(cfg: DataConfig, n: int) -> list[dict[str, Any]]:
     """`n` distinct held-out records (fewer if the held-out space is smaller), in a fixed order."""
     if cfg.task == "arithmetic":
         return _arithmetic_heldout(cfg, n)
+    if cfg.task == "letter_range":
+        return letter_range_heldout(cfg, n)
     return _sample_unique(lambda i: synthetic_example(cfg, "test", i), n)
 
 

@@ -160,6 +160,7 @@ class Learner:
                                       saved_at=time.monotonic())  # fmt: skip
         self._stop_sent = False
         self.t_start = time.perf_counter()
+        self._t_start_mono = time.monotonic()  # the clock of step_spans
         self._idle_since = self.t_start
         self._publish()
 
@@ -375,6 +376,8 @@ class Learner:
         hist, mean = self.log.history, self.log.mean
         train_wall = max(self.elapsed(), 1e-9)
         actors = self.actor_stats.values()
+        # When each version's weights existed: the end of its train step (version 0: the start).
+        trained = {0: 0.0, **{v: end - self._t_start_mono for v, _, end in self.step_spans}}
         return {
             "steps": self.version,
             "eval_s": self.eval_s,
@@ -389,6 +392,7 @@ class Learner:
             "staleness_mean": mean("staleness/mean"),
             "staleness_max": max((h.get("staleness/max", 0) for h in hist), default=0),
             "token_staleness_mean": mean("staleness/token_mean"),
+            **self.log.length_quantiles(),
             "weight_sync_s_mean": mean("perf/weight_sync_s"),
             "checkpoint_stall_s": self.checkpoint_stall_s,
             "checkpoint_failures": self.core.checkpoints.failures if self.core.checkpoints is not None else 0,
@@ -397,7 +401,8 @@ class Learner:
             "filtered_groups": self.filter.filtered_total,
             "stopped_no_signal": self.no_signal,
             "dropped_lengths": self.queue.dropped_lengths,
-            "evals": [{"step": s, "accuracy": a, "elapsed_s": e} for s, a, e in self.evals],
+            "evals": [{"step": s, "accuracy": a, "elapsed_s": e, "trained_s": trained.get(s)}
+                      for s, a, e in self.evals],  # fmt: skip
             "final_accuracy": self.evals[-1][1] if self.evals else None,
             "initial_accuracy": self.evals[0][1] if self.evals else None,
             "weight_checksums": {"learner": self.checksums,

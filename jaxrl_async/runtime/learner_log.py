@@ -4,6 +4,7 @@ touches the device, the transport or another role, so each piece is unit-tested 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -88,6 +89,7 @@ class StepLog:
     def __init__(self, writer, text_samples: int):
         self.writer, self.text_samples = writer, text_samples
         self.history: list[dict[str, float]] = []
+        self.lengths: collections.Counter[int] = collections.Counter()  # trained completion length -> count
         self._totals: list[tuple[float, dict[str, float]]] = [(0.0, {k: 0.0 for k in RATE_KEYS})]
 
     def rates(self, elapsed: float, totals: dict[str, float]) -> dict[str, float]:
@@ -112,13 +114,24 @@ class StepLog:
         w.scalars(version, values)
         w.histogram(version, "staleness/head", st["head_values"])
         w.histogram(version, "staleness/token", st["token_values"])
-        w.histogram(version, "completion/length", [len(r.completion_tokens) for r in rollouts])
+        lengths = [len(r.completion_tokens) for r in rollouts]
+        self.lengths.update(lengths)
+        w.histogram(version, "completion/length", lengths)
         for r in rollouts[: self.text_samples]:
             text = f"reward {r.reward:.2f} | {r.metadata['prompt']!r} -> {r.metadata['text']!r}"
             w.text(version, "samples", text)
         values = {**values, **times}
         self.history.append({k: v for k, v in values.items() if v is not None})
         return values
+
+    def length_quantiles(self) -> dict[str, float | None]:
+        """Median and 99th percentile of the length in tokens of every completion the recorded steps held
+        (the run's own completions: how long-tailed its workload was), None before any step."""
+        if not self.lengths:
+            return {"completion_length_p50": None, "completion_length_p99": None}
+        values = np.repeat(np.fromiter(self.lengths.keys(), int), np.fromiter(self.lengths.values(), int))
+        p50, p99 = np.percentile(values, [50, 99])
+        return {"completion_length_p50": float(p50), "completion_length_p99": float(p99)}
 
     def mean(self, key: str) -> float:
         """Mean of `key` over the steps that have it (0 before any step)."""

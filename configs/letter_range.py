@@ -1,0 +1,52 @@
+"""A learnable task with a real long tail: letter ranges ("range d-k:" -> "defghijk"), tiny_arith's setup.
+
+Why this task: asynchronous RL gains wall time when some completions are much longer than the others
+(a synchronous step waits for its longest sequence while the rest of the batch is done). 2-digit
+addition has answers of 2-4 tokens, so the demo cannot show it; configs/bench_async.py draws lengths from
+a sampler, so it shows throughput, not learning. Here the tail comes from the problems: a range's span,
+the answer's length, is log-uniform on 1..52 letters, so the reference completions (stop token included)
+have median 8 and p99 51 tokens (p99/median ~6; tests/test_letter_range.py checks >= 4 on a few
+thousand prompts). Every answer letter follows from the one before and the stop from the prompt's last
+letter, so a tiny character model learns the task from a short supervised warm start; its mistakes
+pile up on long ranges, which leaves RL most of the way to go on the tail. The verifier
+(rewards "letter_range") rebuilds the answer from the prompt's metadata: 1.0 for the exact answer, else 0.
+While the policy still overshoots (its usual mistake: it misses the stop), its own completions are less
+skewed than the reference answers: one run measured median 21, p99 52 tokens (p99/median 2.5).
+"""
+
+from jaxrl_async.cli.config_file import sibling
+
+tiny_arith = sibling(__file__, "tiny_arith")
+
+PROMPT_LEN = 10  # "range d-k:"
+LONGEST = 52  # letters in the longest answer (the whole alphabet, a..z then A..Z)
+
+
+def get_config():
+    c = tiny_arith.get_config()
+    c.workdir = "runs/letter_range"  # TensorBoard events, checkpoints, summary.json
+    c.mode = "async"  # sampling and training overlap (tools/bench_learning.py also runs "sync")
+    c.max_staleness = 2  # eta: tiny_arith's (docs/benchmarks.md: level with sync at 2, behind it at 8)
+    c.total_steps = 200  # RL steps; the warm start comes before and is cached
+    # Groups per train step: held-out accuracy 0.315 -> 0.45 in 100 RL steps with 64, 0.315 -> 0.345 with
+    # 32 (one run each, exact reward).
+    c.prompts_per_step = 64
+    c.samples_per_prompt = 8  # completions per prompt (GRPO group size)
+    c.eval_every = 10  # train steps between held-out evaluations (time to accuracy is read from them)
+    c.eval_prompts = 200  # held-out draws per evaluation (with repetition; standard error ~0.03 near 0.5)
+    c.text_samples = 2  # completions written to TensorBoard as text per step
+
+    c.data.task = "letter_range"  # jaxrl_async.data.letter_range; its reward is "letter_range"
+    c.sampler.max_prompt_len = 12  # the prompt is PROMPT_LEN characters; one bucket covers every prompt
+    c.sampler.prompt_buckets = (12,)
+    c.sampler.max_new_tokens = LONGEST + 2  # the longest answer, its stop token and one spare
+    # A packed row holds the longest sequence the sampler can make: max_prompt_len + max_new_tokens = 66.
+    c.trainer.token_budget = 72
+    c.trainer.rows_per_micro = 64  # rows per micro-batch: the sequences of a batch pack into a few rows
+
+    c.warm_start.seq_len = 64  # prompt + longest answer + stop = 63 tokens
+    # Stops at the first check at or above this, so RL starts from about a third right (most misses on
+    # the long ranges).
+    c.warm_start.target_accuracy = 0.3
+    c.warm_start.max_steps = 400  # upper bound on supervised steps (batch 128, checked every 5)
+    return c

@@ -1,0 +1,245 @@
+"""Wall time to a held-out accuracy, sync vs async, on a learnable long-tailed task (configs/letter_range.py).
+
+  python tools/bench_learning.py --seeds 0,1,2 --steps 150 --out /tmp/bench_learning.json
+  python tools/bench_learning.py --smoke        # a few tiny steps: proves the command works (a test runs it)
+
+Every run is `jaxrl-run` (or `jaxrl-local-cluster`) in a process of its own from the same cached supervised
+warm start (one per seed: seed s sets `config.seed` and `config.data.seed`, so both modes of a seed share
+the warm start, the data order and the sampling keys); its summary.json is read back. The runs, per seed:
+  sync   one process on every core: sample a batch to its last token, then train it (η = 0);
+  async  (--async-processes 2, the default) the learner on process 0 and the sampler on process 1, each
+         pinned to a core of its own (jaxrl-local-cluster --pin-cores), η = --eta; with 1, one process.
+Before the runs, the roles are timed alone (jaxrl-bench-roles, on every core and on one core with the
+decode curve) and the performance model predicts the async / sync throughput ratio: the shared-host
+model for sync and one-process async, the split model (calibrated, lognormal lengths with the task's own
+reference-answer median and p99) for the pinned two-process run, and its best split of a 16-core host.
+The prediction is printed before any run starts and again beside the measurement.
+
+Reported per mode (means over seeds) and per seed: wall seconds to the target (the first held-out
+evaluation at or above it, seconds since the learner started; default target: sync's final accuracy,
+mean of seeds, minus --margin), the step it happened, final accuracy, steady trained tokens/s, sampler
+and trainer idle fractions, realized staleness (mean, max), and p99/median of the run's own completion
+lengths. The paired speedup (sync time / async time) splits into a throughput ratio times a steps ratio.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import tempfile
+
+import numpy as np
+from absl import app, flags
+
+from jaxrl_async.cli import learning_study as ls
+from jaxrl_async.cli import module_command, run_command
+
+# The checkout: configs/ is not part of the installed package.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_CONFIG = flags.DEFINE_string("config", os.path.join(REPO, "configs", "letter_range.py"), "The run config.")
+_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds; each runs sync and async (>= 3 for a claim).")
+_STEPS = flags.DEFINE_integer("steps", 150, "Train steps of every run.", lower_bound=1)
+_ETA = flags.DEFINE_integer("eta", 2, "Staleness bound of the async runs.", lower_bound=1)
+_PROCS = flags.DEFINE_integer("async-processes", 2, "2: async roles pinned in processes of their own.", 1, 2)
+_TARGET = flags.DEFINE_float("target", None, "Target held-out accuracy (default: sync final - margin).")
+_MARGIN = flags.DEFINE_float("margin", 0.01, "Default target: sync's mean final accuracy minus this.")
+_PREDICT = flags.DEFINE_bool("predict", True, "Time the roles alone first and predict the throughput ratio.")
+_SET = flags.DEFINE_multi_string("set", [], "KEY=VALUE config override for every run (repeatable).")
+_SMOKE = flags.DEFINE_bool("smoke", False, "Tiny runs (4 steps, small batches, 1 seed unless --seeds).")
+_KEEP = flags.DEFINE_string("keep", "", "Keep workdirs and logs here (default: a temporary directory).")
+_OUT = flags.DEFINE_string("out", "", "Also write the JSON report here.")
+
+# --smoke: every size a few, so the whole command (role benches, warm starts, both modes) takes minutes.
+SMOKE = {
+    "prompts_per_step": 4, "samples_per_prompt": 2, "eval_every": 0, "eval_prompts": 8, "eval_slots": 8,
+    "text_samples": 0, "checkpoint_every": 0, "checkpoint_minutes": 0.0, "sampler.num_slots": 8,
+    "warm_start.max_steps": 2, "warm_start.batch": 8, "warm_start.eval_every": 1,
+}  # fmt: skip
+SMOKE_STEPS = 4
+PREDICT_HOST_CORES = 16  # the host the split model is also asked about (the issue's 16-core node)
+
+
+def _env() -> dict[str, str]:
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+
+
+def _run_logged(cmd: list[str], cores: list[int] | None, log: str) -> None:
+    pre = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+    with open(log, "w") as f:
+        res = subprocess.run(cmd, env=_env(), stdout=f, stderr=subprocess.STDOUT, preexec_fn=pre)
+    if res.returncode != 0:
+        with open(log) as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f"{' '.join(cmd[:5])} ... failed ({res.returncode}), {log}:\n{tail}")
+
+
+def _overrides(root: str) -> dict[str, str]:
+    """Config overrides of every run: --smoke's sizes, then --set (which wins)."""
+    values: dict[str, str] = {}
+    if _SMOKE.value:
+        values.update({k: str(v) for k, v in SMOKE.items()})
+        values["warm_start.cache_dir"] = os.path.join(root, "warmstart")
+    for kv in _SET.value:
+        key, sep, value = kv.partition("=")
+        if not sep or not key:
+            raise app.UsageError(f"--set: {kv!r} is not KEY=VALUE")
+        values[key] = value
+    return values
+
+
+def run_flags(workdir: str, mode: str, seed: int, steps: int, overrides: dict[str, str]) -> list[str]:
+    values = {"workdir": workdir, "mode": mode, "seed": seed, "data.seed": seed, "total_steps": steps,
+              "max_staleness": _ETA.value, **overrides}  # fmt: skip
+    return [f"--config={_CONFIG.value}", *(f"--config.{k}={v}" for k, v in values.items())]
+
+
+def run_one(mode: str, seed: int, root: str, steps: int, overrides: dict[str, str]) -> dict:
+    name = f"{mode}_s{seed}"
+    workdir, log = os.path.join(root, name), os.path.join(root, f"{name}.log")
+    flags_ = run_flags(workdir, mode, seed, steps, overrides)
+    if mode == "async" and _PROCS.value == 2:
+        flags_ += ["--config.mesh.trainer_processes=(0,)", "--config.mesh.sampler_processes=(1,)"]
+        cmd = module_command("local_cluster", "--num-processes", "2", "--pin-cores", "--", *flags_)
+    else:
+        cmd = module_command("run", *flags_)
+    _run_logged(cmd, None, log)
+    with open(os.path.join(workdir, "summary.json")) as f:
+        return json.load(f)
+
+
+def reference_lengths(overrides: dict[str, str], n: int = 2000) -> dict[str, float]:
+    """Median, p99 and max of the task's reference completions in tokens (stop token included): the
+    length mix the prediction assumes, measured from the task itself (no model)."""
+    from jaxrl_async.data import DataConfig, make_prompt_iterator, reference_completion
+    from jaxrl_async.tokenizer import CharTokenizer
+
+    c = _base_config()
+    data = dict(c.data)
+    for k, v in overrides.items():
+        if k.startswith("data."):
+            try:
+                data[k[5:]] = ast.literal_eval(v)
+            except (ValueError, SyntaxError):
+                data[k[5:]] = v
+    if c.tokenizer != "char":
+        raise app.UsageError(f"--config: reference lengths need config.tokenizer='char', got {c.tokenizer!r}")
+    tok = CharTokenizer()
+    it = make_prompt_iterator(DataConfig(**data), tok)
+    lengths = [len(tok.encode(reference_completion(next(it).text))) + 1 for _ in range(n)]
+    p50, p99 = np.percentile(lengths, [50, 99])
+    return {"median": float(p50), "p99": float(p99), "max": int(max(lengths))}
+
+
+def predict(root: str, overrides: dict[str, str], lengths: dict[str, float]) -> dict:
+    """Times the roles alone (seed 0's warm start, cached for the runs) and predicts both modes."""
+    from jaxrl_async.perf import model as pm
+    from jaxrl_async.perf.calibrated import calibrated_system, engine_lag_s, trained_tokens_per_s
+    from jaxrl_async.perf.shared_host import load_role_bench, predict_async, predict_sync
+
+    seed = int(_SEEDS.value[0])
+    benches = {}
+    for name, cores in (("roles_every_core", None), ("roles_one_core", sorted(os.sched_getaffinity(0))[:1])):
+        out = os.path.join(root, f"{name}.json")
+        cmd = module_command("bench_roles", *run_flags(os.path.join(root, name), "async", seed, _STEPS.value,
+                             overrides), "--batches", "2" if _SMOKE.value else "6", "--out", out)  # fmt: skip
+        _run_logged([*cmd, *(["--decode_curve"] if cores else [])], cores, os.path.join(root, f"{name}.log"))
+        benches[name] = out
+    every = load_role_bench(benches["roles_every_core"])
+    sync = predict_sync(every, every).to_dict()
+    if _PROCS.value == 1:
+        async_ = predict_async(every, every, _ETA.value, cores=len(os.sched_getaffinity(0))).to_dict()
+        best16 = None
+    else:
+        with open(benches["roles_one_core"]) as f:
+            one = json.load(f)
+        prompts = _config_int("prompts_per_step", overrides)
+        samples = _config_int("samples_per_prompt", overrides)
+
+        def system(s: int, t: int):
+            return calibrated_system(
+                one, prompts=prompts, samples=samples, median=lengths["median"], p99=lengths["p99"],
+                max_len=lengths["max"], eta=_ETA.value, static_batch=True, admit_lag_s=engine_lag_s(one),
+                sampler_devices=s, trainer_devices=t,
+            )  # fmt: skip
+
+        r = pm.analyze_split(system(1, 1), 1, 1)
+        async_ = {**r.to_dict(), "tokens_per_s": trained_tokens_per_s(system(1, 1), r.tokens_per_s)}
+        big = system(PREDICT_HOST_CORES // 2, PREDICT_HOST_CORES // 2)
+        best = pm.best_split(pm.sweep(big), ignore_balance=True)
+        best16 = None
+        if best is not None:
+            best16 = {**best.to_dict(), "cores": PREDICT_HOST_CORES,
+                      "tokens_per_s": trained_tokens_per_s(big, best.tokens_per_s)}  # fmt: skip
+    ratio = async_["tokens_per_s"] / sync["tokens_per_s"]
+    return {"sync": sync, "async": async_, "ratio": ratio, "best_split_16_cores": best16, "lengths": lengths}
+
+
+def _base_config():
+    from jaxrl_async.cli.config_file import sibling
+
+    path = _CONFIG.value
+    return sibling(path, os.path.splitext(os.path.basename(path))[0]).get_config()
+
+
+def _config_int(key: str, overrides: dict[str, str]) -> int:
+    """A top-level integer field of the runs' config: its override, else the config file's value."""
+    return int(overrides[key]) if key in overrides else int(getattr(_base_config(), key))
+
+
+def main(argv):
+    del argv
+    seeds = [int(s) for s in _SEEDS.value]
+    if _SMOKE.value and _SEEDS.present == 0:
+        seeds = seeds[:1]
+    steps = SMOKE_STEPS if _SMOKE.value and not _STEPS.present else _STEPS.value
+    with tempfile.TemporaryDirectory() as tmp:
+        root = _KEEP.value or tmp
+        os.makedirs(root, exist_ok=True)
+        overrides = _overrides(root)
+        lengths = reference_lengths(overrides)
+        tail = lengths["p99"] / lengths["median"]
+        print(f"task reference completions: median {lengths['median']:g}, p99 {lengths['p99']:g} tokens "
+              f"(p99/median {tail:.2f}), longest {lengths['max']}", flush=True)  # fmt: skip
+        predicted = predict(root, overrides, lengths) if _PREDICT.value else None
+        if predicted:
+            print(f"predicted throughput async / sync: {predicted['ratio']:.2f} "
+                  f"({predicted['async']['tokens_per_s']:.0f} / {predicted['sync']['tokens_per_s']:.0f} "
+                  "trained tokens/s), before any run", flush=True)  # fmt: skip
+        summaries: dict[str, dict[int, dict]] = {m: {} for m in ls.MODES}
+        for seed in seeds:  # both modes of a seed back to back: a load change hits both alike
+            for mode in ls.MODES:
+                summaries[mode][seed] = run_one(mode, seed, root, steps, overrides)
+                print(f"{mode} seed {seed}: final accuracy {summaries[mode][seed]['final_accuracy']}, "
+                      f"{summaries[mode][seed]['wall_s']:.0f} s", flush=True)  # fmt: skip
+    target = _TARGET.value
+    if target is None:
+        target = ls.default_target(list(summaries["sync"].values()), _MARGIN.value)
+    rows = {m: {s: ls.run_row(summ, target) for s, summ in by.items()} for m, by in summaries.items()}
+    report = ls.compare(rows)
+    settings = {"config": _CONFIG.value, "seeds": seeds, "steps": steps, "eta": _ETA.value,
+                "async_processes": _PROCS.value, "target": target, "margin": _MARGIN.value,
+                "set": _SET.value, "smoke": _SMOKE.value,
+                "cpus": sorted(os.sched_getaffinity(0))}  # fmt: skip
+    out = {"settings": settings, "prediction": predicted, "rows": rows, **report}
+    print(json.dumps(out, indent=2, default=str))
+    print(f"\ntarget held-out accuracy {target:.3f}\n" + ls.table(report))
+    if predicted:
+        print(
+            f"\nthroughput async / sync: predicted {predicted['ratio']:.2f}, "
+            f"measured {report['throughput_ratio_mean'] or float('nan'):.2f} (mean of seeds)"
+        )
+    if _OUT.value:
+        with open(_OUT.value, "w") as f:
+            json.dump(out, f, indent=2, default=str)
+
+
+def run() -> None:
+    run_command(main, __name__)
+
+
+if __name__ == "__main__":  # `python -m jaxrl_async.cli.bench_learning`
+    run()

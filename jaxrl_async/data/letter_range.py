@@ -1,0 +1,79 @@
+"""The letter-range task: answers whose length is long-tailed because the task's own input sizes are.
+
+Prompt "range d-k:", completion every letter from the first to the last in the order of `ALPHABET`
+("defghijk"); a range may also run down ("range k-d:" -> "kjihgfed") and across the case boundary
+("range x-C:" -> "xyzABC"). Its span, the answer's length in letters (1 to 52), is drawn log-uniform,
+so short answers are common and long ones rare but present: the reference answers' p99/median is about
+7 in tokens (stop token included), a tail the sampler meets because of the problems themselves, not
+because a length cap was drawn. Each answer letter follows from the previous one (the next or the
+previous letter of the alphabet) and the stop from a comparison with the prompt's last letter, so a
+tiny character model learns it from a short supervised warm start; its errors grow with the span, which
+leaves RL work on the long tail.
+
+The problem space is small (52 x 52 ranges), so the held-out split (a stable hash of the range) is drawn
+with repetition, as the training stream is: held-out accuracy estimates accuracy over the task's own
+span distribution. Drawing distinct ranges instead would weigh every range alike, and long ranges, which
+are most of them, would dominate. Metadata carries "first" and "last"; the verifier ("letter_range",
+jaxrl_async.rewards.synthetic) rebuilds the answer from them.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from typing import Any
+
+from jaxrl_async.data.prompt import DataConfig, is_heldout
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+_RANGE_RE = re.compile(r"range ([a-zA-Z])-([a-zA-Z]):")
+
+
+def letter_range(first: str, last: str) -> str:
+    """Every letter of ALPHABET from `first` to `last`, both included, in either direction.
+
+    Raises:
+      ValueError: a bound is not one letter of ALPHABET.
+    """
+    if len(first) != 1 or len(last) != 1 or first not in ALPHABET or last not in ALPHABET:
+        raise ValueError(f"letter_range: bounds must be letters of {ALPHABET!r}, got {first!r}, {last!r}")
+    i, j = ALPHABET.index(first), ALPHABET.index(last)
+    step = 1 if j >= i else -1
+    return ALPHABET[i : j + step : step] if j + step >= 0 else ALPHABET[i::-1]
+
+
+def letter_range_problem(first: str, last: str) -> tuple[str, str]:
+    """(prompt, answer), e.g. ("d", "k") -> ("range d-k:", "defghijk")."""
+    return f"range {first}-{last}:", letter_range(first, last)
+
+
+def parse_letter_range(prompt: str) -> tuple[str, str] | None:
+    """(first, last) of the last range in `prompt`, or None when it holds none."""
+    m = _RANGE_RE.findall(prompt)
+    return m[-1] if m else None
+
+
+def _draw(rng: random.Random) -> tuple[str, str]:
+    n = len(ALPHABET)
+    span = min(n, int(math.exp(rng.random() * math.log(n + 1))))  # log-uniform on 1..n
+    start = rng.randrange(n - span + 1)
+    lo, hi = ALPHABET[start], ALPHABET[start + span - 1]
+    return (hi, lo) if rng.random() < 0.5 else (lo, hi)
+
+
+def letter_range_example(cfg: DataConfig, split: str, index: int) -> dict[str, Any]:
+    """The `index`-th record of `split` ("train" or "test"): a deterministic function of (seed, split,
+    index); a range is in exactly one split."""
+    rng = random.Random(f"letter_range:{cfg.seed}:{split}:{index}")
+    while True:
+        first, last = _draw(rng)
+        if is_heldout(f"{first}-{last}", cfg.heldout_fraction) == (split == "test"):
+            prompt, answer = letter_range_problem(first, last)
+            uid, meta = f"letter_range:{split}:{index}", {"first": first, "last": last}
+            return {"uid": uid, "prompt": prompt, "answer": answer, "metadata": meta}
+
+
+def letter_range_heldout(cfg: DataConfig, n: int) -> list[dict[str, Any]]:
+    """The first `n` held-out draws, repetitions included (see the module docstring)."""
+    return [letter_range_example(cfg, "test", i) for i in range(n)]

@@ -1,0 +1,70 @@
+"""tools/bench_learning.py: its statistics (time to target, pairing, the default target) and a smoke run of
+the command (sync and the pinned two-process async run, the report). The smoke leaves out the role benches
+and the prediction (--nopredict): with them it took about 5 minutes on the loaded 2-core machine."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxrl_async.cli import learning_study as ls
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _summary(evals, final, tokens_per_s, p50=8.0, p99=50.0):
+    evals = [{"step": s, "accuracy": a, "elapsed_s": t + 5.0, "trained_s": t} for s, a, t in evals]
+    return {"evals": evals, "final_accuracy": final, "steady_train_tokens_per_s": tokens_per_s,
+            "completion_length_p50": p50, "completion_length_p99": p99}  # fmt: skip
+
+
+def test_time_to_target_reads_when_the_version_was_trained_not_when_its_eval_ended():
+    evals = _summary([(0, 0.3, 0.0), (10, 0.55, 40.0), (20, 0.7, 80.0)], 0.7, 1.0)["evals"]
+    assert ls.time_to_target(evals, 0.5) == (40.0, 10)
+    assert ls.time_to_target(evals, 0.3) == (0.0, 0)  # reached at the start: no time needed
+    assert ls.time_to_target(evals, 0.9) == (None, None)
+    with pytest.raises(ValueError, match="trained_s"):
+        ls.time_to_target([{"step": 3, "accuracy": 1.0, "elapsed_s": 1.0, "trained_s": None}], 0.5)
+
+
+def test_compare_pairs_seeds_and_splits_the_speedup():
+    sync = {0: _summary([(0, 0.3, 0.0), (10, 0.6, 100.0), (20, 0.8, 200.0)], 0.8, 100.0),
+            1: _summary([(0, 0.3, 0.0), (10, 0.7, 100.0), (20, 0.82, 200.0)], 0.82, 100.0)}  # fmt: skip
+    target = ls.default_target(list(sync.values()), 0.01)
+    assert target == pytest.approx(0.80)
+    async_ = {0: _summary([(0, 0.3, 0.0), (10, 0.5, 25.0), (20, 0.81, 50.0)], 0.81, 400.0),
+              1: _summary([(0, 0.3, 0.0), (10, 0.6, 25.0), (20, 0.7, 50.0)], 0.70, 400.0)}  # fmt: skip
+    rows = {"sync": {s: ls.run_row(v, target) for s, v in sync.items()},
+            "async": {s: ls.run_row(v, target) for s, v in async_.items()}}  # fmt: skip
+    report = ls.compare(rows)
+    assert report["paired"][0]["speedup"] == pytest.approx(4.0)  # 200 s / 50 s
+    assert report["paired"][0]["throughput_ratio"] == pytest.approx(4.0)
+    assert report["paired"][0]["steps_ratio"] == pytest.approx(1.0)
+    assert report["paired"][1]["speedup"] is None  # async seed 1 never reached the target
+    assert report["speedup_mean"] == pytest.approx(4.0) and report["final_gap_mean"] == pytest.approx(-0.055)
+    assert report["modes"]["async"]["reached_target"] == 1 and report["modes"]["sync"]["reached_target"] == 2
+    assert rows["sync"][0]["length_p99_over_median"] == pytest.approx(50 / 8)
+    assert "| mean | 4 | 4 | 1 |" in ls.table(report)
+    with pytest.raises(ValueError, match="--target"):
+        ls.default_target([{"final_accuracy": None}], 0.01)
+
+
+def test_smoke_runs_every_part_of_the_command(tmp_path):
+    out = tmp_path / "report.json"
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, os.path.join(REPO, "tools", "bench_learning.py"), "--smoke", "--nopredict",
+           "--out", str(out), "--keep", str(tmp_path / "runs")]  # fmt: skip
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "task reference completions: median" in res.stdout
+    report = json.loads(out.read_text())
+    assert report["settings"]["smoke"] and report["settings"]["seeds"] == [0] and report["prediction"] is None
+    for mode in ("sync", "async"):
+        row = report["rows"][mode]["0"]
+        assert 0.0 <= row["final_accuracy"] <= 1.0 and row["steady_train_tokens_per_s"] > 0
+        assert 0 < row["completion_length_p50"] <= row["completion_length_p99"]
+    assert report["rows"]["sync"]["0"]["staleness_max"] == 0
+    assert report["rows"]["async"]["0"]["staleness_max"] >= 1
+    assert (tmp_path / "runs" / "async_s0.log").exists()  # the pinned two-process run

@@ -1,0 +1,85 @@
+"""The letter-range task: deterministic generation, a long tail of its own, its verifier and its config."""
+
+import jax
+import numpy as np
+
+from configs import letter_range as letter_range_config
+from jaxrl_async.data import DataConfig, held_out_prompts, make_prompt_iterator, reference_completion
+from jaxrl_async.data.letter_range import ALPHABET, letter_range, letter_range_example
+from jaxrl_async.rewards import synthetic as reward_synthetic
+from jaxrl_async.rewards.registry import get_reward
+from jaxrl_async.rewards.service import RewardConfig, grade_one
+from jaxrl_async.run_config import validate
+from jaxrl_async.tokenizer import CharTokenizer
+
+
+def test_generation_is_a_function_of_seed_split_and_index():
+    cfg = DataConfig(task="letter_range", seed=4)
+    a = [letter_range_example(cfg, "train", i) for i in range(50)]
+    assert a == [letter_range_example(cfg, "train", i) for i in range(50)]
+    other = [letter_range_example(DataConfig(task="letter_range", seed=5), "train", i) for i in range(50)]
+    assert [r["prompt"] for r in a] != [r["prompt"] for r in other]
+    tok = CharTokenizer()
+    first = [p.text for p, _ in zip(make_prompt_iterator(cfg, tok), range(20), strict=False)]
+    again = [p.text for p, _ in zip(make_prompt_iterator(cfg, tok), range(20), strict=False)]
+    assert first == again
+    for r in a:
+        assert r["prompt"] == f"range {r['metadata']['first']}-{r['metadata']['last']}:"
+        assert reference_completion(r["prompt"]) == r["answer"] == letter_range(**r["metadata"])
+    held = held_out_prompts(cfg, tok, 300)
+    train = {r["prompt"] for r in (letter_range_example(cfg, "train", i) for i in range(3000))}
+    assert len(held) == 300 and not {p.text for p in held} & train  # a range is in one split only
+
+
+def test_answers_run_both_ways_and_across_the_case_boundary():
+    assert letter_range("d", "k") == "defghijk" and letter_range("k", "d") == "kjihgfed"
+    assert letter_range("x", "C") == "xyzABC" and letter_range("c", "a") == "cba"
+    assert letter_range("q", "q") == "q" and letter_range("a", "Z") == ALPHABET
+    assert letter_range("Z", "a") == ALPHABET[::-1]
+    for a in ALPHABET:  # the verifier's own copy of the order agrees with the generator's
+        for b in ALPHABET:
+            assert reward_synthetic.letter_span(a, b) == letter_range(a, b)
+
+
+def test_reference_answers_are_long_tailed_in_tokens():
+    tok = CharTokenizer()
+    cfg = DataConfig(task="letter_range", seed=0)
+    it = make_prompt_iterator(cfg, tok)
+    # What the sampler must generate: the answer's tokens and the stop token.
+    lengths = np.asarray([len(tok.encode(reference_completion(next(it).text))) + 1 for _ in range(3000)])
+    p50, p99 = np.percentile(lengths, [50, 99])
+    assert p99 / p50 >= 4, (p50, p99)
+    held = np.asarray([len(p.answer) + 1 for p in held_out_prompts(cfg, tok, 1000)])
+    assert np.percentile(held, 99) / np.percentile(held, 50) >= 4  # held-out follows the same mix
+    assert lengths.max() <= len(ALPHABET) + 1
+
+
+def test_verifier_right_wrong_and_malformed():
+    grade = get_reward("letter_range")
+    meta = {"first": "d", "last": "k", "answer": "defghijk"}
+    assert grade("range d-k:", "defghijk", meta) == 1.0
+    assert grade("range d-k:", " defghijk\n", meta) == 1.0  # surrounding whitespace is no mistake
+    assert grade("range d-k:", "defgXXXX", meta) == 0.0  # exact answers only
+    assert grade("range d-k:", "defghij", meta) == 0.0  # stopped one letter early
+    assert grade("range d-k:", "defghijkl", meta) < 1.0  # an extra letter costs
+    assert grade("range d-k:", "kjihgfed", meta) == 0.0
+    assert grade("range d-k:", "", meta) == 0.0
+    # The answer is rebuilt from the bounds, never read from metadata["answer"].
+    assert grade("range d-k:", "defghijk", {**meta, "answer": "zzz"}) == 1.0
+    # What a reward worker runs on each request: a failing verifier is reward 0 with the reason, no crash.
+    cfg = RewardConfig(reward="letter_range")
+    assert grade_one(cfg, "range d-k:", "defghijk", meta)[:2] == (1.0, "ok")
+    reward, reason, _ = grade_one(cfg, "range d-k:", "defghijk", {"answer": "defghijk"})
+    assert (reward, reason) == (0.0, "error:KeyError")
+    reward, reason, _ = grade_one(cfg, "range d-k:", "defghijk", {"first": "7", "last": "kk"})
+    assert (reward, reason) == (0.0, "error:ValueError")
+
+
+def test_config_validates_and_fits_the_longest_answer(tmp_path):
+    c = letter_range_config.get_config()
+    c.workdir = str(tmp_path)
+    run = validate(c, len(jax.devices()))
+    assert run.data.task == "letter_range" and run.reward.reward == "letter_range"
+    longest = len(CharTokenizer().encode(f"range a-Z:{ALPHABET}")) + 1
+    assert run.warm_start.seq_len + 1 >= longest
+    assert run.sampler.max_new_tokens >= len(ALPHABET) + 1
