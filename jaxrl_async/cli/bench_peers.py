@@ -12,7 +12,8 @@
    set (OUT/heldout.jsonl), and the GRPO settings every framework runs with (OUT/spec.json).
 3. Checks that every framework's step-0 held-out greedy accuracy is equal (within --step0-tolerance)
    before anything trains; a difference stops the benchmark unless --no-require-step0-match.
-4. Runs each framework's own loop, one at a time, pinned to --cores: the peers' drivers
+4. Runs each framework's own loop, one at a time, pinned to --cores (Tunix: the step-0 check only, its
+   GRPOLearner loop is not implemented in its driver; the report says so): the peers' drivers
    (jaxrl_async/cli/peer_drivers/, copied to OUT/drivers and run with the peer's interpreter) and
    `jaxrl-run` with the config in sync mode and in async mode.
 5. Writes OUT/bench_peers.json and prints a table: step-0 and final accuracy, seconds to the target
@@ -150,6 +151,9 @@ def main(argv):
     results = {}
     user = _user_overrides()
     for name in frameworks:
+        if name in pb.STEP0_ONLY:
+            print(f"{name}: not trained: {pb.STEP0_ONLY[name]}", flush=True)
+            continue
         print(f"{name}: {steps} steps", flush=True)
         if name in pb.OURS:
             workdir = os.path.join(out, name)
@@ -165,10 +169,13 @@ def main(argv):
         target = results["ours_sync"]["evals"][-1]["accuracy"] - 0.01
     rep = {**pb.report(results, target), "step0": {"ok": ok, "message": message, "accuracies": step0},
            "steps": steps, "cores": list(cores), "smoke": _SMOKE.value, "overrides": user,
+           "not_trained": {k: v for k, v in pb.STEP0_ONLY.items() if k in frameworks},
            "results": results}  # fmt: skip
     with open(os.path.join(out, "bench_peers.json"), "w") as f:
         json.dump(rep, f, indent=1, default=str)
     print(message)
+    for name, why in rep["not_trained"].items():
+        print(f"{name}: not trained: {why}")
     print(pb.table(rep))
 
 
