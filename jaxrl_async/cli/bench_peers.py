@@ -12,8 +12,7 @@
    set (OUT/heldout.jsonl), and the GRPO settings every framework runs with (OUT/spec.json).
 3. Checks that every framework's step-0 held-out greedy accuracy is equal (within --step0-tolerance)
    before anything trains; a difference stops the benchmark unless --no-require-step0-match.
-4. Runs each framework's own loop, one at a time, pinned to --cores (Tunix: the step-0 check only, its
-   GRPOLearner loop is not implemented in its driver; the report says so): the peers' drivers
+4. Runs each framework's own loop, one at a time, pinned to --cores: the peers' drivers
    (jaxrl_async/cli/peer_drivers/, copied to OUT/drivers and run with the peer's interpreter) and
    `jaxrl-run` with the config in sync mode and in async mode.
 5. Writes OUT/bench_peers.json and prints a table: step-0 and final accuracy, seconds to the target

@@ -32,7 +32,7 @@ OURS = ("ours_sync", "ours_async")
 FRAMEWORKS = (*OURS, *PEERS)
 DRIVERS = {"trl": "trl_grpo.py", "tunix": "tunix_grpo.py"}
 # Peers whose driver runs the step-0 check only (the reason is printed and kept in the report).
-STEP0_ONLY = {"tunix": "its driver runs the step-0 check only: training with GRPOLearner is not implemented"}
+STEP0_ONLY: dict[str, str] = {}
 _DRIVER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_drivers")
 _MARKER = "jaxrl-bench-requirements.json"
 REWARDS = ("arithmetic", "shift")  # the verifiers the drivers reimplement (peer_drivers/common.py)
