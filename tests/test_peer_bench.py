@@ -114,3 +114,20 @@ def test_step0_check_time_to_target_and_table():
     assert "| trl 1.16.0 | 40 | 0.300 | 0.800 | 20.0 | 50 |" in pb.table(rep)
     with pytest.raises(ValueError, match="--peers"):
         pb.parse_frameworks("trl,vllm")
+
+
+def test_drivers_import_nothing_of_this_package():
+    """The drivers run in the peers' venvs, where jaxrl_async is not installed: common.py imports only the
+    standard library, and each driver only common, the standard library and its peer's stack."""
+    import ast
+    import sys
+
+    folder = os.path.join(REPO, "jaxrl_async", "cli", "peer_drivers")
+    for name in ("common.py", *pb.DRIVERS.values()):
+        with open(os.path.join(folder, name)) as f:
+            tree = ast.parse(f.read())
+        roots = {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        roots |= {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert "jaxrl_async" not in roots and "configs" not in roots, name
+        if name == "common.py":
+            assert roots <= set(sys.stdlib_module_names) | {"__future__"}, roots
