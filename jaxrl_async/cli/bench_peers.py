@@ -49,7 +49,7 @@ _CORES = flags.DEFINE_list("cores", ["0"], "CPU cores every framework is pinned 
 _TARGET = flags.DEFINE_float("target-accuracy", 0.0, "Held-out accuracy to time; 0 = ours_sync final - 0.01.")
 _TOL = flags.DEFINE_float("step0-tolerance", 0.0, "Allowed spread of the step-0 accuracies.")
 _REQUIRE = flags.DEFINE_bool("require-step0-match", True, "Stop when the step-0 accuracies differ.")
-_SMOKE = flags.DEFINE_bool("smoke", False, "3 steps of 8 prompts, 40 held-out prompts: do the drivers run?")
+_SMOKE = flags.DEFINE_bool("smoke", False, "3 steps of 8 prompts, 40 held-out (not --steps): drivers run?")
 _TIMEOUT = flags.DEFINE_float("timeout-s", 7200.0, "Seconds a framework's run may take.")
 flags.mark_flags_as_required(["venvs"])
 
@@ -86,7 +86,7 @@ def _run_pinned(cmd: list[str], log_path: str, cores: tuple[int, ...], env=None)
         with open(log_path) as f:
             tail = f.read()[-3000:]
         took = time.monotonic() - t0
-        raise RuntimeError(f"{cmd[3]} exited {rc} after {took:.0f} s; log {log_path}:\n{tail}")
+        raise RuntimeError(f"{' '.join(cmd[3:5])} exited {rc} after {took:.0f} s; log {log_path}:\n{tail}")
 
 
 def _prepare(out: str, steps: int):
@@ -107,7 +107,7 @@ def _prepare(out: str, steps: int):
     spec.write(spec_path)
     print(f"exported the warm start (held-out {info['accuracy']:.4f}) to {model_dir}; prompts and spec "
           f"in {out}", flush=True)  # fmt: skip
-    return spec_path, info["accuracy"] if info.get("accuracy") is not None else None
+    return spec_path, info.get("accuracy")
 
 
 def _our_command(name: str, workdir: str, user: list[str]) -> list[str]:
