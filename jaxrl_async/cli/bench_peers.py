@@ -14,7 +14,8 @@
    before anything trains; a difference stops the benchmark unless --no-require-step0-match.
 4. Runs each framework's own loop, one at a time, pinned to --cores: the peers' drivers
    (jaxrl_async/cli/peer_drivers/, copied to OUT/drivers and run with the peer's interpreter) and
-   `jaxrl-run` with the config in sync mode and in async mode.
+   `jaxrl-run` with the config in sync mode and in async mode (--async-processes 2: the learner and the
+   sampler in pinned processes of their own, as `jaxrl-local-cluster --pin-cores` runs them).
 5. Writes OUT/bench_peers.json and prints a table: step-0 and final accuracy, seconds to the target
    accuracy (--target-accuracy; 0: ours_sync's final accuracy minus one point) and trained tokens/s.
 
@@ -50,6 +51,10 @@ _TARGET = flags.DEFINE_float("target-accuracy", 0.0, "Held-out accuracy to time;
 _TOL = flags.DEFINE_float("step0-tolerance", 0.0, "Allowed spread of the step-0 accuracies.")
 _REQUIRE = flags.DEFINE_bool("require-step0-match", True, "Stop when the step-0 accuracies differ.")
 _SMOKE = flags.DEFINE_bool("smoke", False, "3 steps of 8 prompts, 40 held-out (not --steps): drivers run?")
+_ASYNC_PROCS = flags.DEFINE_integer(
+    "async-processes", 1, "2: ours_async runs the learner and the sampler in processes of their own, each "
+    "on its own block of --cores (jaxrl-local-cluster --pin-cores; needs 2 or more cores)."
+)
 _TIMEOUT = flags.DEFINE_float("timeout-s", 7200.0, "Seconds a framework's run may take.")
 flags.mark_flags_as_required(["venvs"])
 
@@ -114,7 +119,11 @@ def _our_command(name: str, workdir: str, user: list[str]) -> list[str]:
     mode = ["--config.mode=sync"] if name == "ours_sync" else ["--config.mode=async"]
     values = [f"--config.{k}={v}" for k, v in _overrides().items()]
     path = config_flags.get_config_filename(flags.FLAGS["config"])
-    return module_command("run", f"--config={path}", *user, *values, *mode, f"--config.workdir={workdir}")
+    run_flags = [f"--config={path}", *user, *values, *mode, f"--config.workdir={workdir}"]
+    if name == "ours_sync" or _ASYNC_PROCS.value == 1:
+        return module_command("run", *run_flags)
+    run_flags += ["--config.mesh.trainer_processes=(0,)", "--config.mesh.sampler_processes=(1,)"]
+    return module_command("local_cluster", "--num-processes", "2", "--pin-cores", "--", *run_flags)
 
 
 def main(argv):
@@ -127,6 +136,9 @@ def main(argv):
     allowed = sorted(os.sched_getaffinity(0))
     if not set(cores) <= set(allowed):
         raise app.UsageError(f"--cores: {list(cores)} not all in this process's {allowed}")
+    if _ASYNC_PROCS.value not in (1, 2) or (_ASYNC_PROCS.value == 2 and len(cores) < 2):
+        raise app.UsageError(f"--async-processes: 1, or 2 with two or more --cores; got "
+                             f"{_ASYNC_PROCS.value} with --cores {list(cores)}")  # fmt: skip
     out = os.path.abspath(_OUT.value)
     os.makedirs(out, exist_ok=True)
     for k, v in _overrides().items():

@@ -204,7 +204,10 @@ def read_ours(workdir: str, name: str) -> dict:
     with open(os.path.join(workdir, "summary.json")) as f:
         s = json.load(f)
     evals = [{"step": e["step"], "accuracy": e["accuracy"], "elapsed_s": e["elapsed_s"]} for e in s["evals"]]
-    return {"framework": name, "evals": evals, "train_tokens_per_s": s["train_tokens_per_s"],
+    procs = s.get("processes", 1)
+    where = f"(eta {s['max_staleness']}, {procs} process{'es' if procs > 1 else ''})"
+    return {"framework": name, "version": where if s["max_staleness"] else "", "evals": evals,
+            "train_tokens_per_s": s["train_tokens_per_s"],
             "steps": s["steps"], "wall_s": s["wall_s"], "mode": s["mode"],
             "max_staleness": s["max_staleness"]}  # fmt: skip
 
