@@ -111,7 +111,9 @@ def test_step0_check_time_to_target_and_table():
     trl = {"evals": evals, "trained_tokens": 1000, "train_s": 20.0, "version": "1.16.0"}
     rep = pb.report({"trl": trl}, 0.7)
     assert rep["rows"][0]["train_tokens_per_s"] == 50.0 and rep["rows"][0]["final_accuracy"] == 0.8
-    assert "| trl 1.16.0 | 40 | 0.300 | 0.800 | 20.0 | 50 |" in pb.table(rep)
+    assert rep["rows"][0]["steady_s_per_step"] == pytest.approx(11.0 / 20)  # step 20 -> 40
+    assert "| trl 1.16.0 | 40 | 0.300 | 0.800 | 20.0 | 50 | 0.550 |" in pb.table(rep)
+    assert pb.steady_s_per_step(evals[:2]) is None
     with pytest.raises(ValueError, match="--peers"):
         pb.parse_frameworks("trl,vllm")
 

@@ -218,6 +218,15 @@ def time_to_target(evals: list[dict], target: float) -> float | None:
     return hits[0] if hits else None
 
 
+def steady_s_per_step(evals: list[dict]) -> float | None:
+    """Seconds per step between the first evaluation after step 0 and the last: the same span for every
+    framework, past our compilation and each loop's warm-up (None with fewer than two such evaluations)."""
+    later = sorted((e for e in evals if e["step"] > 0), key=lambda e: e["step"])
+    if len(later) < 2:
+        return None
+    return (later[-1]["elapsed_s"] - later[0]["elapsed_s"]) / (later[-1]["step"] - later[0]["step"])
+
+
 def step0(result: dict) -> float | None:
     return next((e["accuracy"] for e in result["evals"] if e["step"] == 0), None)
 
@@ -246,6 +255,7 @@ def report(results: dict[str, dict], target: float) -> dict:
         rows.append({"framework": name, "version": r.get("version", ""), "steps": evals[-1]["step"] if evals
                      else 0, "step0_accuracy": step0(r), "final_accuracy": evals[-1]["accuracy"] if evals
                      else None, "time_to_target_s": time_to_target(evals, target),
+                     "steady_s_per_step": steady_s_per_step(evals),
                      "train_tokens_per_s": rate, "patches": r.get("patches", [])})  # fmt: skip
     return {"target_accuracy": target, "rows": rows}
 
@@ -253,11 +263,11 @@ def report(results: dict[str, dict], target: float) -> dict:
 def table(rep: dict) -> str:
     f = lambda v, p: "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{p}f}"
     lines = [f"| framework | steps | step-0 acc | final acc | s to {rep['target_accuracy']:.2f} | "
-             "trained tok/s |", "|---|---|---|---|---|---|"]  # fmt: skip
+             "trained tok/s | s/step (steady) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rep["rows"]:
         name = f"{r['framework']} {r['version']}".strip()
         ttt = f(r["time_to_target_s"], 1) or "not reached"
         cols = [name, str(r["steps"]), f(r["step0_accuracy"], 3), f(r["final_accuracy"], 3), ttt,
-                f(r["train_tokens_per_s"], 0)]  # fmt: skip
+                f(r["train_tokens_per_s"], 0), f(r["steady_s_per_step"], 3)]  # fmt: skip
         lines.append("| " + " | ".join(cols) + " |")
     return "\n".join(lines)
