@@ -114,6 +114,8 @@ def test_step0_check_time_to_target_and_table():
     assert rep["rows"][0]["steady_s_per_step"] == pytest.approx(11.0 / 20)  # step 20 -> 40
     assert "| trl 1.16.0 | 40 | 0.300 | 0.800 | 20.0 | 50 | 0.550 |" in pb.table(rep)
     assert pb.steady_s_per_step(evals[:2]) is None
+    untimed = pb.report({"trl": trl}, None)
+    assert untimed["rows"][0]["time_to_target_s"] is None and "| no target |" in pb.table(untimed)
     with pytest.raises(ValueError, match="--peers"):
         pb.parse_frameworks("trl,vllm")
 

@@ -175,8 +175,8 @@ def main(argv):
             cmd = pb.driver_command(pythons[name], name, out, spec_path, result, step0=False)
             _run_pinned(cmd, os.path.join(out, f"{name}.log"), cores)
             results[name] = pb.read_peer(result)
-    target = _TARGET.value
-    if not target and "ours_sync" in results:
+    target = _TARGET.value or None  # None: no target (no --target-accuracy and no ours_sync run)
+    if target is None and "ours_sync" in results:
         target = results["ours_sync"]["evals"][-1]["accuracy"] - 0.01
     rep = {**pb.report(results, target), "step0": {"ok": ok, "message": message, "accuracies": step0},
            "steps": steps, "cores": list(cores), "smoke": _SMOKE.value, "overrides": user,

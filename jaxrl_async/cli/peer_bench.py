@@ -244,7 +244,7 @@ def step0_check(accuracies: dict[str, float | None], tolerance: float) -> tuple[
                f"(spread {spread:.4f}, tolerance {tolerance})"
 
 
-def report(results: dict[str, dict], target: float) -> dict:
+def report(results: dict[str, dict], target: float | None) -> dict:
     """Rows per framework: step-0 and final accuracy, seconds to `target`, trained tokens/s."""
     rows = []
     for name, r in results.items():
@@ -254,7 +254,7 @@ def report(results: dict[str, dict], target: float) -> dict:
             rate = r["trained_tokens"] / r["train_s"]
         rows.append({"framework": name, "version": r.get("version", ""), "steps": evals[-1]["step"] if evals
                      else 0, "step0_accuracy": step0(r), "final_accuracy": evals[-1]["accuracy"] if evals
-                     else None, "time_to_target_s": time_to_target(evals, target),
+                     else None, "time_to_target_s": None if target is None else time_to_target(evals, target),
                      "steady_s_per_step": steady_s_per_step(evals),
                      "train_tokens_per_s": rate, "patches": r.get("patches", [])})  # fmt: skip
     return {"target_accuracy": target, "rows": rows}
@@ -262,11 +262,12 @@ def report(results: dict[str, dict], target: float) -> dict:
 
 def table(rep: dict) -> str:
     f = lambda v, p: "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{p}f}"
-    lines = [f"| framework | steps | step-0 acc | final acc | s to {rep['target_accuracy']:.2f} | "
+    goal = "no target" if rep["target_accuracy"] is None else f"s to {rep['target_accuracy']:.2f}"
+    lines = [f"| framework | steps | step-0 acc | final acc | {goal} | "
              "trained tok/s | s/step (steady) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rep["rows"]:
         name = f"{r['framework']} {r['version']}".strip()
-        ttt = f(r["time_to_target_s"], 1) or "not reached"
+        ttt = f(r["time_to_target_s"], 1) or ("not reached" if rep["target_accuracy"] is not None else "")
         cols = [name, str(r["steps"]), f(r["step0_accuracy"], 3), f(r["final_accuracy"], 3), ttt,
                 f(r["train_tokens_per_s"], 0), f(r["steady_s_per_step"], 3)]  # fmt: skip
         lines.append("| " + " | ".join(cols) + " |")
