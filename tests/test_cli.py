@@ -45,6 +45,7 @@ def test_console_scripts_name_a_run_function():
         ("tools/eta_sweep.py", "--deadline-s"),
         ("tools/bench_async.py", "--processes"),
         ("tools/bench_learning.py", "--async-processes"),
+        ("tools/bench_peers.py", "--venvs"),
         ("tools/bench_checkpoint.py", "--reps"),
         ("tools/bench_decode.py", "--latency-only"),
         ("tools/bench_kernels.py", "--march"),

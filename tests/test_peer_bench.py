@@ -1,0 +1,137 @@
+"""The peer benchmark's shared task (tools/bench_peers.py): the Hugging Face export with our token ids, the
+prompt dump, the spec, and the drivers' schedule and reward against ours. No peer venv is needed."""
+
+import importlib.util
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from configs import tiny_arith
+from jaxrl_async.cli import peer_bench as pb
+from jaxrl_async.data import held_out_prompts, make_prompt_iterator
+from jaxrl_async.model import forward_logits, init_params
+from jaxrl_async.rewards.registry import get_reward
+from jaxrl_async.run_config import validate
+from jaxrl_async.runtime import build
+from jaxrl_async.trainer.optimizer import learning_rate_schedule
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _common():
+    """The drivers' common.py, loaded as the drivers load it (a file, not a package module)."""
+    path = os.path.join(REPO, "jaxrl_async", "cli", "peer_drivers", "common.py")
+    spec = importlib.util.spec_from_file_location("peer_common", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(tmp_path, **overrides):
+    c = tiny_arith.get_config()
+    c.workdir = str(tmp_path / "run")
+    c.eval_prompts = 50
+    for k, v in overrides.items():
+        setattr(c, k, v)
+    return validate(c, len(jax.devices()))
+
+
+def _rows(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_prompt_dump_is_our_pipeline_in_our_order_with_disjoint_splits(tmp_path):
+    run = _run(tmp_path, prompts_per_step=16)
+    tok = build.build_tokenizer(run)
+    paths = pb.dump_prompts(run, tok, str(tmp_path), steps=3)
+    train, held = _rows(paths["train"]), _rows(paths["heldout"])
+    assert len(train) == 3 * 16 and len(held) == 50
+    it = make_prompt_iterator(run.data, tok)
+    ours = [next(it) for _ in range(len(train))]
+    assert [r["prompt"] for r in train] == [p.text for p in ours]  # the order our run draws them
+    assert [r["answer"] for r in train] == [p.answer for p in ours]
+    assert [r["prompt"] for r in held] == [p.text for p in held_out_prompts(run.data, tok, 50)]
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+    for r in train + held:
+        assert r["prompt_ids"] == tok.encode(r["prompt"]) and r["reward"] == "arithmetic"
+        assert str(eval(r["prompt"][:-1])) == r["answer"]  # "37+85=" -> "122"
+
+
+def test_export_loads_in_transformers_with_our_ids_and_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    run = _run(tmp_path)
+    tok = build.build_tokenizer(run)
+    cfg = build.model_config(run, tok)
+    params = init_params(cfg, jax.random.key(0))
+    model_dir = pb.export_model(cfg, params, tok, str(tmp_path))
+    paths = pb.dump_prompts(run, tok, str(tmp_path), steps=1)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    for r in _rows(paths["train"]) + _rows(paths["heldout"]):
+        assert hf_tok(r["prompt"], add_special_tokens=False)["input_ids"] == r["prompt_ids"]
+    assert (hf_tok.eos_token_id, hf_tok.pad_token_id) == (tok.eos_id, tok.pad_id)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = np.asarray([tok.encode("37+85=")], np.int32)
+    ours = np.asarray(forward_logits(cfg, params, ids))
+    with torch.no_grad():
+        theirs = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(theirs, ours, atol=2e-4)
+
+
+def test_spec_carries_our_settings_and_the_drivers_schedule_and_reward_are_ours(tmp_path):
+    run = _run(tmp_path)
+    tok = build.build_tokenizer(run)
+    spec = pb.make_spec(run, "m", {"train": "t", "heldout": "h"}, 150, tok, threads=1)
+    assert (spec.prompts_per_step, spec.samples_per_prompt, spec.max_new_tokens) == (64, 8, 6)
+    assert (spec.lr, spec.warmup_steps, spec.schedule_steps, spec.end_lr_ratio) == (3e-4, 5, 1000, 0.1)
+    spec.write(str(tmp_path / "spec.json"))
+    common = _common()
+    loaded = common.load_spec(str(tmp_path / "spec.json"))
+    ours = learning_rate_schedule(run.trainer)
+    for step in (0, 1, 4, 5, 6, 100, 999, 1000, 1200):
+        assert common.lr_at(loaded, step) == pytest.approx(float(ours(step)), rel=1e-5, abs=1e-12), step
+    for kind in pb.REWARDS:
+        grade = get_reward(kind)
+        for answer, completion in (("122", "122"), ("122", " 122 "), ("122", "12"), ("51024", "51000")):
+            assert common.reward(kind, completion, answer) == grade("", completion, {"answer": answer})
+
+
+def test_step0_check_time_to_target_and_table():
+    assert pb.step0_check({"ours": 0.35, "trl": 0.35}, 0.0)[0]
+    ok, msg = pb.step0_check({"ours": 0.35, "tunix": 0.30}, 0.01)
+    assert not ok and "DIFFERS" in msg and "tunix 0.3000" in msg
+    assert not pb.step0_check({"ours": 0.35, "trl": None}, 1.0)[0]
+    evals = [{"step": 0, "accuracy": 0.3, "elapsed_s": 0.0}, {"step": 20, "accuracy": 0.6, "elapsed_s": 9.0},
+             {"step": 40, "accuracy": 0.8, "elapsed_s": 20.0}]  # fmt: skip
+    assert pb.time_to_target(evals, 0.7) == 20.0 and pb.time_to_target(evals, 0.9) is None
+    trl = {"evals": evals, "trained_tokens": 1000, "train_s": 20.0, "version": "1.16.0"}
+    rep = pb.report({"trl": trl}, 0.7)
+    assert rep["rows"][0]["train_tokens_per_s"] == 50.0 and rep["rows"][0]["final_accuracy"] == 0.8
+    assert rep["rows"][0]["steady_s_per_step"] == pytest.approx(11.0 / 20)  # step 20 -> 40
+    assert "| trl 1.16.0 | 40 | 0.300 | 0.800 | 20.0 | 50 | 0.550 |" in pb.table(rep)
+    assert pb.steady_s_per_step(evals[:2]) is None
+    untimed = pb.report({"trl": trl}, None)
+    assert untimed["rows"][0]["time_to_target_s"] is None and "| no target |" in pb.table(untimed)
+    with pytest.raises(ValueError, match="--peers"):
+        pb.parse_frameworks("trl,vllm")
+
+
+def test_drivers_import_nothing_of_this_package():
+    """The drivers run in the peers' venvs, where jaxrl_async is not installed: common.py imports only the
+    standard library, and each driver only common, the standard library and its peer's stack."""
+    import ast
+    import sys
+
+    folder = os.path.join(REPO, "jaxrl_async", "cli", "peer_drivers")
+    for name in ("common.py", *pb.DRIVERS.values()):
+        with open(os.path.join(folder, name)) as f:
+            tree = ast.parse(f.read())
+        roots = {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        roots |= {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert "jaxrl_async" not in roots and "configs" not in roots, name
+        if name == "common.py":
+            assert roots <= set(sys.stdlib_module_names) | {"__future__"}, roots
