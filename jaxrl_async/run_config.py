@@ -171,6 +171,10 @@ class MeshConfig:
     # planned for: a run or a launcher whose hardware differs fails before anything compiles.
     sampler_replicas: int = 0
     devices_per_process: int = 0
+    # How weights cross between processes. "auto": processes of one CPU host share each version through
+    # shared-memory slots (one copy; jaxrl_async/runtime/shm_weights.py), all others pull it from the
+    # trainer's transfer server; "transfer": every process pulls from the transfer server.
+    weight_transport: str = "auto"
 
     def __post_init__(self):
         for name in ("sampler", "trainer"):
@@ -185,6 +189,9 @@ class MeshConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ConfigError(f"config.mesh.{name}: must be an integer >= 0, got {v!r}")
+        if self.weight_transport not in ("auto", "transfer"):
+            got = self.weight_transport
+            raise ConfigError(f"config.mesh.weight_transport: 'auto' or 'transfer', got {got!r}")
         if self.colocate and (self.sampler_processes or self.trainer_processes):
             raise ConfigError("config.mesh.colocate: only for a single process (the roles share its devices)")
 

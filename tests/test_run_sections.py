@@ -9,6 +9,7 @@ from jaxrl_async.run_config import (
     ConfigError,
     EvalSection,
     LogSection,
+    MeshConfig,
     Schedule,
 )
 
@@ -36,6 +37,7 @@ def _schedule(**kw):
         (lambda: CheckpointSection(every=1, keep=0), "config.checkpoint_keep"),
         (lambda: LogSection(every=0), "config.log_every"),
         (lambda: LogSection(every=1, text_samples=-1), "config.text_samples"),
+        (lambda: MeshConfig(weight_transport="shm"), "config.mesh.weight_transport: 'auto' or 'transfer'"),
     ],
 )
 def test_each_section_names_the_flat_key_it_refuses(build, key):

@@ -8,13 +8,15 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WORKER = r"""
 import gc, json, sys
 import jax
 jax.config.update("jax_num_cpu_devices", 2)
-pid, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+pid, port, out, transport = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
 import numpy as np
 from jax._src.distributed import global_state
@@ -32,14 +34,16 @@ res = {}
 BUCKET = 8192  # bytes: the tiny model's version travels in many buckets
 if pid == 0:
     params = init_params(cfg, jax.random.key(0), t_mesh, TRAINER_RULES)
-    pub = TransferPublisher(cluster, cfg, t_mesh, (1, 2), "bfloat16", num_actors=1, bucket_bytes=BUCKET)
+    pub = TransferPublisher(cluster, cfg, t_mesh, (1, 2), "bfloat16", num_actors=1, bucket_bytes=BUCKET,
+                            transport=transport)
     assert len(pub.buckets) > 4  # several buckets per version
     for v in range(2):
         pub.publish(v, params)
         cluster.barrier(f"pulled_{v}")
 else:
     s_mesh = make_mesh((1, 2), ("data", "tensor"), jax.local_devices())
-    recv = TransferReceiver(cluster, 0, cfg, t_mesh, s_mesh, "bfloat16", bucket_bytes=BUCKET)
+    recv = TransferReceiver(cluster, 0, cfg, t_mesh, s_mesh, "bfloat16", bucket_bytes=BUCKET,
+                            transport=transport)
     got = recv.receive(NewWeights(0))
     cluster.barrier("pulled_0")
     del got
@@ -74,7 +78,7 @@ else:
     res = dict(mid_live={d: sum(n for (i, _), n in mid_live.items() if i == d) for d in shard_bytes},
                equal=equal, shard_bytes=shard_bytes, live_bytes=live_bytes, pulled=recv.last_bytes,
                full=sum(x.nbytes for x in jax.tree.leaves(got)), biggest_block=biggest_block,
-               largest_live=largest_live,
+               largest_live=largest_live, shm=sorted(recv.readers), transfer=sorted(recv.conns),
                sharded=[s.data.shape != x.shape for x in jax.tree.leaves(got) for s in x.addressable_shards])
     json.dump(res, open(out, "w"), default=str)
 cluster.barrier("end")
@@ -87,12 +91,14 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def test_receiver_gets_exactly_its_blocks(tmp_path):
+@pytest.mark.parametrize("transport", ["auto", "transfer"])
+def test_receiver_gets_exactly_its_blocks(tmp_path, transport):
+    """"auto" on one CPU host: shared-memory slots, mapped in place; "transfer": the transfer server."""
     port, out = _port(), str(tmp_path / "sampler.json")
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, "-c", WORKER]
-    procs = [subprocess.Popen([*cmd, str(i), str(port), out], env=env) for i in range(2)]
+    procs = [subprocess.Popen([*cmd, str(i), str(port), out, transport], env=env) for i in range(2)]
     try:
         codes = [p.wait(timeout=240) for p in procs]
     finally:
@@ -108,13 +114,14 @@ def test_receiver_gets_exactly_its_blocks(tmp_path):
     assert res["mid_live"] == res["shard_bytes"]
     assert res["largest_live"] == res["biggest_block"]
     assert res["pulled"] == res["full"]  # (1, 2): no replicated block, every byte pulled once
+    assert (res["shm"], res["transfer"]) == (([0], []) if transport == "auto" else ([], [0]))
 
 
 CUT_OFF = r"""
 import json, os, signal, sys, time
 import jax
 jax.config.update("jax_num_cpu_devices", 2)
-pid, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+pid, port, out, transport = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
 from jax._src.distributed import global_state
 from jaxrl_async.model import init_params, presets
@@ -128,16 +135,21 @@ from jaxrl_async.sharding import TRAINER_RULES, make_mesh
 cluster = Cluster(Roles(2, (0,), (1,)), pid, global_state.client)
 cfg = presets.tiny(vocab_size=64, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffw_size=128)
 t_mesh = make_mesh((2, 1), ("fsdp", "tensor"), [d for d in jax.devices() if d.process_index == 1])
-if pid == 1:  # offers version 0, then version 1, and dies before version 1 is pulled
+if pid == 1:  # sends version 0, then dies in the middle of version 1
     params = init_params(cfg, jax.random.key(0), t_mesh, TRAINER_RULES)
-    pub = TransferPublisher(cluster, cfg, t_mesh, (1, 2), "bfloat16", num_actors=1, bucket_bytes=8192)
+    pub = TransferPublisher(cluster, cfg, t_mesh, (1, 2), "bfloat16", num_actors=1, bucket_bytes=8192,
+                            transport=transport)
     pub.publish(0, params)
     cluster.barrier("pulled_0")
-    pub.publish(1, jax.tree.map(lambda x: x + 1, params))
+    if transport == "transfer":  # offered, not yet pulled
+        pub.publish(1, jax.tree.map(lambda x: x + 1, params))
+    else:  # a shared-memory slot taken for version 1, its pieces not all written, the version not stamped
+        pub.writer._claim(1)
     open(out + ".offered", "w").write(str(os.getpid()))
     os.kill(os.getpid(), signal.SIGKILL)
 s_mesh = make_mesh((1, 2), ("data", "tensor"), jax.local_devices())
-recv = TransferReceiver(cluster, 0, cfg, t_mesh, s_mesh, "bfloat16", bucket_bytes=8192)
+recv = TransferReceiver(cluster, 0, cfg, t_mesh, s_mesh, "bfloat16", bucket_bytes=8192, transport=transport)
+assert bool(recv.readers) == (transport == "auto")
 held = recv.receive(NewWeights(0))
 before = checksum(held)
 cluster.barrier("pulled_0")
@@ -160,12 +172,13 @@ os._exit(0)  # the other process is gone: do not wait for the coordination servi
 """
 
 
-def test_a_sync_cut_off_by_a_dead_sender_fails_fast_and_keeps_the_old_version(tmp_path):
+@pytest.mark.parametrize("transport", ["auto", "transfer"])
+def test_a_sync_cut_off_by_a_dead_sender_fails_fast_and_keeps_the_old_version(tmp_path, transport):
     port, out = _port(), str(tmp_path / "sampler.json")
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, "-c", CUT_OFF]
-    procs = [subprocess.Popen([*cmd, str(i), str(port), out], env=env) for i in range(2)]
+    procs = [subprocess.Popen([*cmd, str(i), str(port), out, transport], env=env) for i in range(2)]
     try:
         codes = [p.wait(timeout=240) for p in procs]
     finally:
@@ -177,6 +190,8 @@ def test_a_sync_cut_off_by_a_dead_sender_fails_fast_and_keeps_the_old_version(tm
     # process at once (not after the pull's 300 s deadline), and the version it holds is untouched.
     assert "version 1's weights stopped arriving from the trainer processes [1]" in (res["error"] or "")
     assert "the sampler keeps the version it has" in res["error"]
+    if transport == "auto":  # the writer's death is seen from its OS process, not from a connection
+        assert "the trainer process writing version 1 (OS pid" in res["error"]
     assert res["seconds"] < 30
     assert res["after"] == res["before"]
 

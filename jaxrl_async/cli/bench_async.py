@@ -46,6 +46,7 @@ KEYS = (
     "staleness_max",
     "token_staleness_mean",
     "weight_sync_s_mean",
+    "weight_sync_frac",
     "wall_s",
 )
 

@@ -44,6 +44,8 @@ _CODEC = flags.DEFINE_bool("codec", False, "Only time the wire format of a rollo
 _ROLE = flags.DEFINE_integer("role", -1, "Internal: the worker's process id (0 trainer, 1 sampler).")
 _PORT = flags.DEFINE_integer("port", 0, "Internal: the workers' coordinator port.")
 _TMP = flags.DEFINE_string("tmp", "", "Internal: where the workers write their measurements.")
+_TRANSPORT = flags.DEFINE_enum("transport", "transfer", ["transfer", "auto"],
+                               "Internal: the workers' config.mesh.weight_transport.")  # fmt: skip
 
 
 def _free_port() -> int:
@@ -52,7 +54,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(pid: int, port: int, tmp: str, preset: str, reps: int, samples: int, tokens: int) -> None:
+def _worker(pid: int, port: int, tmp: str, preset: str, reps: int, samples: int, tokens: int,
+            transport: str) -> None:  # fmt: skip
+    """One version `reps + 1` times from process 0 (trainer) to process 1 (sampler) over `transport`
+    (each version waits at a barrier first, so the sampler's seconds run from the same start as the
+    trainer's publish); with "transfer" also a numpy copy of the same bytes and the rollouts' latency."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
@@ -78,7 +84,8 @@ def _worker(pid: int, port: int, tmp: str, preset: str, reps: int, samples: int,
     if pid == 0:
         params = init_params(cfg, jax.random.key(0), t_mesh, TRAINER_RULES)
         nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
-        pub = TransferPublisher(cluster, cfg, t_mesh, (1, 1), cfg.param_dtype, num_actors=1)
+        pub = TransferPublisher(cluster, cfg, t_mesh, (1, 1), cfg.param_dtype, num_actors=1,
+                                transport=transport)  # fmt: skip
         trainer_s = []
         for v in range(reps + 1):
             cluster.barrier(f"transfer_{v}")
@@ -86,13 +93,25 @@ def _worker(pid: int, port: int, tmp: str, preset: str, reps: int, samples: int,
             pub.publish(v, params)
             trainer_s.append(time.perf_counter() - t0)
             cluster.barrier(f"pulled_{v}")
+        out.update(bytes=nbytes, transfer_trainer_s=trainer_s[1:],
+                   shared_bytes=len(pub.writer.slots) * pub.writer.nbytes if pub.writer else 0)  # fmt: skip
+        pub.close()
+        if transport != "transfer":
+            _dump(out, tmp, transport, pid, cluster)
+            return
         host = jax.tree.map(np.asarray, params)
         copies = []
         for _ in range(reps):
             t0 = time.perf_counter()
             jax.tree.map(np.copy, host)
             copies.append(time.perf_counter() - t0)
-        out.update(bytes=nbytes, transfer_trainer_s=trainer_s[1:], memcpy_s=copies)
+        warm = jax.tree.map(np.copy, host)  # the destination's pages touched once, as a reused slot's are
+        warm_s = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.tree.map(np.copyto, warm, host)
+            warm_s.append(time.perf_counter() - t0)
+        out.update(memcpy_s=copies, warm_memcpy_s=warm_s)
         hub = ZmqTransport(["learner", "hello"], True, "127.0.0.1", 0, secret.load())
         hub.route("actor:0", 1)
         cluster.publish("hub", hub.address)
@@ -109,7 +128,7 @@ def _worker(pid: int, port: int, tmp: str, preset: str, reps: int, samples: int,
         out.update(rollout_s=[t - sent for t, sent, _ in received[1:]], rollout_bytes=received[0][2])
         hub.close()
     else:
-        recv = TransferReceiver(cluster, 0, cfg, t_mesh, s_mesh, cfg.param_dtype)
+        recv = TransferReceiver(cluster, 0, cfg, t_mesh, s_mesh, cfg.param_dtype, transport=transport)
         from jaxrl_async.runtime.messages import NewWeights
 
         pulled = []
@@ -124,8 +143,12 @@ def _worker(pid: int, port: int, tmp: str, preset: str, reps: int, samples: int,
         gc.collect()  # the device's live buffers: the last version received (`last`) and nothing else
         live = {(a.unsafe_buffer_pointer(), a.nbytes) for x in jax.live_arrays() for a in
                 (s.data for s in x.addressable_shards) if a.device == devices[1]}  # fmt: skip
-        out.update(transfer_sampler_s=pulled[1:], receiver_bytes=sum(n for _, n in live))
+        out.update(transfer_sampler_s=pulled[1:], receiver_bytes=sum(n for _, n in live),
+                   path="shm" if recv.readers else "transfer")  # fmt: skip
         del last
+        if transport != "transfer":
+            _dump(out, tmp, transport, pid, cluster)
+            return
         batch = _rollout_batch(samples, tokens)
         batch[0][0].metadata.update(sent=0.0, bytes=0)
         size = sum(map(len, codec.encode("learner", Rollouts(0, batch, ActorStats.empty()))))
@@ -137,7 +160,11 @@ def _worker(pid: int, port: int, tmp: str, preset: str, reps: int, samples: int,
             actor.send("learner", Rollouts(0, batch, ActorStats.empty()))
         time.sleep(1.0)
         actor.close()
-    with open(f"{tmp}/weight_sync_{pid}.json", "w") as f:
+    _dump(out, tmp, transport, pid, cluster)
+
+
+def _dump(out: dict, tmp: str, transport: str, pid: int, cluster) -> None:
+    with open(f"{tmp}/weight_sync_{transport}_{pid}.json", "w") as f:
         json.dump(out, f)
     cluster.barrier("end")
 
@@ -262,37 +289,47 @@ def main(argv) -> None:
                 json.dump(out, f, indent=2)
         return None
     if _ROLE.value >= 0:
-        return _worker(_ROLE.value, _PORT.value, _TMP.value, preset, reps, samples, tokens)
+        return _worker(_ROLE.value, _PORT.value, _TMP.value, preset, reps, samples, tokens, _TRANSPORT.value)
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        port = _free_port()
         env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
         env.pop("XLA_FLAGS", None)
         env.setdefault("JAXRL_SECRET", secrets.token_hex(32))  # the hub's messages are signed
-        procs = [
-            subprocess.Popen(
-                module_command("bench_transport", f"--role={i}", f"--port={port}", f"--tmp={tmp}",
-                               f"--preset={preset}", f"--reps={reps}", f"--samples={samples}",
-                               f"--tokens={tokens}"),
-                env=env,
-            )  # fmt: skip
-            for i in range(2)
-        ]
-        codes = [proc.wait(timeout=1800) for proc in procs]
-        if any(codes):
-            raise SystemExit(f"worker processes failed: {codes}")
-        trainer = json.load(open(f"{tmp}/weight_sync_0.json"))
-        sampler = json.load(open(f"{tmp}/weight_sync_1.json"))
+        for transport in ("transfer", "auto"):  # a pair of worker processes each
+            port = _free_port()
+            procs = [
+                subprocess.Popen(
+                    module_command("bench_transport", f"--role={i}", f"--port={port}", f"--tmp={tmp}",
+                                   f"--preset={preset}", f"--reps={reps}", f"--samples={samples}",
+                                   f"--tokens={tokens}", f"--transport={transport}"),
+                    env=env,
+                )  # fmt: skip
+                for i in range(2)
+            ]
+            codes = [proc.wait(timeout=1800) for proc in procs]
+            if any(codes):
+                raise SystemExit(f"worker processes ({transport}) failed: {codes}")
+        got = {(t, pid): json.load(open(f"{tmp}/weight_sync_{t}_{pid}.json"))
+               for t in ("transfer", "auto") for pid in (0, 1)}  # fmt: skip
+    trainer, sampler = got[("transfer", 0)], got[("transfer", 1)]
+    shm_trainer, shm_sampler = got[("auto", 0)], got[("auto", 1)]
+    if shm_sampler["path"] != "shm":
+        raise SystemExit("weight_transport='auto' did not take shared memory on this host (no /dev/shm?)")
     med = statistics.median
     gb = trainer["bytes"] / 1e9
     memcpy = med(trainer["memcpy_s"])
     rows = {
         "numpy copy (one process)": (memcpy, None, None),
+        "numpy copy into memory touched before (one process)": (med(trainer["warm_memcpy_s"]), None, None),
         **{f"{k} (one process)": (v["seconds"], v.get("trainer_seconds"), None)
            for k, v in _one_process(preset, reps).items()},
         "transfer pull (two processes)": (
             med(sampler["transfer_sampler_s"]), med(trainer["transfer_trainer_s"]), sampler["receiver_bytes"]
+        ),
+        "shared-memory slots (two processes, one host)": (
+            med(shm_sampler["transfer_sampler_s"]), med(shm_trainer["transfer_trainer_s"]),
+            shm_sampler["receiver_bytes"],
         ),
     }  # fmt: skip
     out = {"preset": preset, "gbytes": gb, "reps": reps, "rows": {}}
@@ -304,6 +341,9 @@ def main(argv) -> None:
                              "receiver_live_bytes": live}  # fmt: skip
         cells = ["" if t is None else f"{t:.4f}", "" if live is None else f"{live / 1e9:.3f}"]
         print(f"| {name} | {s:.4f} | {gb / s:.2f} | {s / memcpy:.2f} | {cells[0]} | {cells[1]} |")
+    out["shared_memory_bytes"] = shm_trainer["shared_bytes"]
+    print(f"\nshared-memory slots in use: {shm_trainer['shared_bytes'] / 1e9:.3f} GB (the receiver's arrays "
+          "are views of one of them: it holds no copy of its own)")  # fmt: skip
     mb = trainer["rollout_bytes"] / 1e6
     roll = med(trainer["rollout_s"])
     out["rollouts"] = {"mbytes": mb, "seconds": roll, "mb_per_s": mb / roll, "samples": samples}

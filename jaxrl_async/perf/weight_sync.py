@@ -6,7 +6,10 @@ loopback are one lane per host pair. The bandwidths are per direction. Where the
 (docs/performance-model.md, "Weight sync"):
 
   loopback  measured on this project's 2-core CPU host: `tools/bench_transport.py`, cross-process
-            transfer-server pull (the figure in docs/benchmarks.md's weight-sync section)
+            transfer-server pull (the figure in docs/benchmarks.md's weight-sync section); what processes
+            on different hosts, or with config.mesh.weight_transport="transfer", pay
+  shm       measured the same way: the shared-memory slots that processes of one CPU host use (one
+            copy per version into a reused slot; the receiver maps it in place)
   pcie      PCIe 5.0 x16: 32 GT/s x 16 lanes, 128b/130b = 63 GB/s per direction (PCI-SIG spec);
             ~80% achieved by large DMA copies
   nvlink    H100/H200 SXM NVLink 4: 900 GB/s bidirectional per GPU = 450 GB/s per direction (NVIDIA
@@ -48,6 +51,7 @@ class Link:
 
 LINKS: dict[str, Link] = {
     "loopback": Link("loopback", 0.61e9, 0.02, False, "measured: tools/bench_transport.py, 2-core CPU host"),
+    "shm": Link("shm", 6.1e9, 2e-3, False, "measured: tools/bench_transport.py, shared-memory slots, 2-core"),
     "pcie": Link("pcie", 0.8 * 63e9, 1e-3, True, "PCIe 5.0 x16 spec, 80% achieved"),
     "nvlink": Link("nvlink", 0.8 * 450e9, 1e-3, True, "NVIDIA H100 SXM datasheet, 80% achieved"),
     "nvlink-h800": Link("nvlink-h800", 0.8 * 200e9, 1e-3, True, "H800: NVLink cut to 400 GB/s bidirectional"),
@@ -57,7 +61,7 @@ LINKS: dict[str, Link] = {
 
 # The link a one-node layout of each hardware preset syncs over (trainer and sampler on one node / slice).
 DEFAULT_LINK = {"h100": "nvlink", "h200": "nvlink", "h800": "nvlink-h800", "tpu-v5e": "ici", "tpu-v5p": "ici",
-                "tpu-v6e": "ici", "this-cpu": "loopback"}  # fmt: skip
+                "tpu-v6e": "ici", "this-cpu": "shm"}  # fmt: skip
 
 
 def get_link(name: str) -> Link:

@@ -410,7 +410,9 @@ def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
         publisher = TransferPublisher(
             cluster, model_cfg, t_mesh, tuple(run.mesh.sampler), sampler_dtype(model_cfg),
             sum(map(len, roles.replicas)), run.verify_weights, targets=_pull_targets(run, cluster),
+            transport=run.mesh.weight_transport,
         )  # fmt: skip
+        proc.closers.append(publisher.close)
         local_weights = None
     else:
         s_mesh = sampler_mesh(run, cluster)
@@ -482,7 +484,8 @@ def _build_actor(proc, run, cluster, transport, tokenizer, model_cfg, scfg, t_me
         weights = local_weights
     else:
         pull = _pull_index(roles, pid)
-        weights = TransferReceiver(cluster, pull, model_cfg, t_mesh, s_mesh, sampler_dtype(model_cfg))
+        weights = TransferReceiver(cluster, pull, model_cfg, t_mesh, s_mesh, sampler_dtype(model_cfg),
+                                   transport=run.mesh.weight_transport)  # fmt: skip
     acfg = ActorConfig(
         index=index, seed=run.seed, schedule=run.schedule, eval=run.eval, reward=run.reward,
         verify_weights=run.verify_weights,
@@ -507,7 +510,8 @@ def _build_member(proc, run, cluster, tokenizer, model_cfg, scfg, t_mesh):
     s_mesh = sampler_mesh(run, cluster)
     engine, eval_engine = build_engines(run, model_cfg, s_mesh, scfg)
     pull = _pull_index(roles, pid)
-    weights = TransferReceiver(cluster, pull, model_cfg, t_mesh, s_mesh, sampler_dtype(model_cfg))
+    weights = TransferReceiver(cluster, pull, model_cfg, t_mesh, s_mesh, sampler_dtype(model_cfg),
+                               transport=run.mesh.weight_transport)  # fmt: skip
     eval_prompts = held_out_prompts(run.data, tokenizer, run.eval.prompts) if index == 0 else []
     proc.member = ReplicaMember(
         cluster, index, engine, eval_engine, eval_prompts, weights, run.verify_weights, proc.key

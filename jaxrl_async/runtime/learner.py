@@ -394,6 +394,9 @@ class Learner:
             "token_staleness_mean": mean("staleness/token_mean"),
             **self.log.length_quantiles(),
             "weight_sync_s_mean": mean("perf/weight_sync_s"),
+            "train_step_s_mean": mean("perf/train_step_s"),
+            # what the trainer pays per version, as a share of a train step (publish / step)
+            "weight_sync_frac": mean("perf/weight_sync_s") / max(mean("perf/train_step_s"), 1e-9),
             "checkpoint_stall_s": self.checkpoint_stall_s,
             "checkpoint_failures": self.core.checkpoints.failures if self.core.checkpoints is not None else 0,
             "preempted": self.preempting,

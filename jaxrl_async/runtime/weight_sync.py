@@ -9,6 +9,9 @@
   sampler dtype in one jitted call per device (a fresh copy: the next train step donates the state) and
   offers them for one pull per actor; the actor pulls each piece straight onto the sampler device whose
   block it belongs to and lays the blocks out there. No device holds more than its own blocks.
+* Processes of one CPU host (`config.mesh.weight_transport="auto"`): the same pieces, written once per
+  version into shared-memory slots and mapped by the receivers in place (`shm_weights`); each receiver
+  says which path it took, and the publisher offers transfer pulls only to the others.
 
 Why the transfer server and not a cross-process `jax.device_put`: `device_put` across processes is a
 collective point (both sides must enter it together, only between same-spec shardings, and a sender that
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import time
 
 import jax
@@ -30,7 +34,7 @@ from jax.sharding import SingleDeviceSharding
 
 from jaxrl_async.model import ModelConfig, abstract_params, param_shardings
 from jaxrl_async.model.config import DTYPES
-from jaxrl_async.runtime import shard_routes
+from jaxrl_async.runtime import shard_routes, shm_weights
 from jaxrl_async.runtime.cluster import PeerFailure
 from jaxrl_async.runtime.messages import NewWeights
 from jaxrl_async.runtime.shard_routes import ShardRoutes
@@ -39,6 +43,15 @@ from jaxrl_async.sharding import SAMPLER_RULES, TRAINER_RULES, Rules, make_mesh
 _MAX_ACTORS = 4096  # pull ids: (version * _MAX_ACTORS + actor) * _MAX_BUCKETS + bucket
 _MAX_BUCKETS = 4096
 BUCKET_BYTES = 64 << 20  # pieces are offered in buckets of about this many bytes (the last may be smaller)
+
+
+# config.mesh.weight_transport -> whether processes of one CPU host use shared memory
+_TRANSPORTS = {"auto": True, "transfer": False}
+
+
+def _shared_memory_ok() -> bool:
+    """Shared-memory slots serve CPU devices only: on an accelerator a host hop would add two copies."""
+    return os.path.isdir(shm_weights.SHM_ROOT) and jax.local_devices()[0].platform == "cpu"
 
 
 def _uuid(version: int, actor: int, bucket: int) -> int:
@@ -240,10 +253,12 @@ class TransferPublisher:
     """
 
     def __init__(self, cluster, model_cfg: ModelConfig, trainer_mesh, sampler_shape, dtype, num_actors: int,
-                 verify=False, bucket_bytes: int = BUCKET_BYTES, targets: dict | None = None):  # fmt: skip
+                 verify=False, bucket_bytes: int = BUCKET_BYTES, targets: dict | None = None,
+                 transport: str = "auto"):  # fmt: skip
         from jax.experimental import transfer
 
         self.pid, self.num_actors, self.verify = cluster.process_id, num_actors, verify
+        self.cluster = cluster
         self.plan = _PiecePlan(model_cfg, trainer_mesh, sampler_shape, dtype)
         self.buckets = self.plan.buckets(self.pid, bucket_bytes)
         # pull -> per bucket, the positions of the pieces it takes (absent: all of them)
@@ -257,6 +272,15 @@ class TransferPublisher:
             jax.local_devices()[0].client, f"{cluster.host}:0", [f"{cluster.host}:0"]
         )
         cluster.publish(f"transfer/{self.pid}", self.server.address())
+        # Readers on this host take the versions from shared memory (config.mesh.weight_transport="auto").
+        self.writer = None
+        if _TRANSPORTS[transport] and _shared_memory_ok():
+            shapes = [o.shape for o in self.plan.offered_by(self.pid)]
+            self.writer = shm_weights.SlotWriter(shapes, self.plan.dtype, num_actors, [],
+                                                 check=cluster.check_peers)  # fmt: skip
+        where = f"{shm_weights.host_key()}|{self.writer.directory}" if self.writer else ""
+        cluster.publish(f"weights_shm/{self.pid}", where)
+        self._shm_pulls: list[int] | None = None  # the pulls that read the slots (they say so: `_paths`)
         # Per bucket, one jitted cut + cast per local trainer device: the cast happens once, on the trainer,
         # only the pieces' bytes are written, and a bucket can be pulled as soon as its own cut is done.
         self._cuts = []
@@ -271,25 +295,33 @@ class TransferPublisher:
         self._cast = jax.jit(
             lambda p: jax.tree.map(lambda x: x.astype(self.plan.dtype), p), out_shardings=shardings
         )
+        bits = jnp.dtype(f"uint{self.plan.dtype.itemsize * 8}")
+        self._bits = jax.jit(lambda p: jax.tree.map(
+            lambda x: jax.lax.bitcast_convert_type(x.astype(self.plan.dtype), bits), p))  # fmt: skip
         self._offered: dict[int, list] = {}  # version -> the arrays offered (kept until two versions on)
         self.last_seconds = 0.0
 
     def publish(self, version: int, params) -> NewWeights:
         """Offers `params` (trainer layout) as `version`; returns the message for the actors."""
         t0 = time.perf_counter()
-        leaves = jax.tree.leaves(params)
+        shm = self._paths()
+        if shm:
+            self._write(version, params)
+        transfer_pulls = [a for a in range(self.num_actors) if a not in shm]
         offered = []
         # Offered as dispatched: a pull of a bucket waits for its cut on the trainer's devices, so the
         # trainer's loop goes on (its next step is ordered after the cuts' reads) while buckets are cut and
         # pulled one after the other.
+        leaves = jax.tree.leaves(params)
         for b, (bucket, cuts) in enumerate(zip(self.buckets, self._cuts, strict=True)):
+            if not transfer_pulls:
+                break
             arrays: list = [None] * len(bucket)
             for dev, idx, cut in cuts:
-                shards = [next(s.data for s in leaves[bucket[i].leaf].addressable_shards if s.device == dev)
-                          for i in idx]  # fmt: skip
+                shards = [_shard(leaves[bucket[i].leaf], dev) for i in idx]
                 for i, a in zip(idx, cut(shards), strict=True):
                     arrays[i] = a
-            for actor in range(self.num_actors):
+            for actor in transfer_pulls:
                 take = self._takes.get(actor)
                 offer = arrays if take is None else [arrays[i] for i in take[b]]
                 if offer:  # a member whose devices hold none of the bucket's blocks does not pull it
@@ -300,6 +332,37 @@ class TransferPublisher:
         total = checksum(self._cast(params)) if self.verify else None
         self.last_seconds = time.perf_counter() - t0
         return NewWeights(version, None, total)
+
+    def _paths(self) -> set[int]:
+        """The pulls that read this process's shared-memory slots (each receiver says which path it
+        took, once: it may not see the slots, e.g. on another host)."""
+        if self._shm_pulls is None:
+            self._shm_pulls = []
+            if self.writer is not None:
+                said = [self.cluster.lookup(f"weights_path/{self.pid}/{a}") for a in range(self.num_actors)]
+                self._shm_pulls = [a for a, path in enumerate(said) if path == "shm"]
+                self.writer.shm_readers = self._shm_pulls
+        return set(self._shm_pulls)
+
+    def _write(self, version: int, params) -> None:
+        """One copy of this process's pieces into a shared-memory slot, cast to the sampler dtype first
+        (once) where the trainer's differs. The copy is made before `publish` returns, so the next train
+        step may donate the state; numpy reads the shards in place (dlpack: no host copy, no cached view)."""
+        leaves = jax.tree.leaves(params)
+        if self.plan.dtype.kind not in "fiu" or any(x.dtype != self.plan.dtype for x in leaves):
+            leaves = jax.tree.leaves(self._bits(params))  # numpy reads bfloat16 only as its bits
+        jax.block_until_ready(leaves)
+        sources = (np.from_dlpack(_shard(leaves[o.leaf], o.device))[o.src_slices]
+                   for o in self.plan.offered_by(self.pid))  # fmt: skip
+        self.writer.write(version, sources)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _shard(x: jax.Array, device) -> jax.Array:
+    return next(s.data for s in x.addressable_shards if s.device == device)
 
 
 class TransferReceiver:
@@ -312,7 +375,8 @@ class TransferReceiver:
     replica receives the whole model."""
 
     def __init__(self, cluster, actor: int, model_cfg: ModelConfig, trainer_mesh, sampler_mesh, dtype,
-                 timeout_s: float = 300.0, bucket_bytes: int = BUCKET_BYTES):  # fmt: skip
+                 timeout_s: float = 300.0, bucket_bytes: int = BUCKET_BYTES,
+                 transport: str = "auto"):  # fmt: skip
         from jax.experimental import transfer
 
         self.actor, self.timeout_s = actor, timeout_s
@@ -330,10 +394,33 @@ class TransferReceiver:
                         for p in self.plan.processes}  # fmt: skip
         local = next(d for d in sampler_mesh.devices.flat if d.process_index == pid)
         self.server = transfer.start_transfer_server(local.client, f"{cluster.host}:0", [f"{cluster.host}:0"])
-        self.conns = {p: self.server.connect(cluster.lookup(f"transfer/{p}"))
-                      for p, buckets in self.buckets.items() if any(buckets)}  # fmt: skip
+        # Per trainer process: its shared-memory slots where this process sees them, else the transfer server.
+        self.readers: dict[int, tuple[shm_weights.SlotReader, list[int]]] = {}
+        self.conns = {}
+        for p, buckets in self.buckets.items():
+            wanted = [i for i, o in enumerate(self.plan.offered_by(p)) if mine(o)]
+            reader = self._reader(cluster, p, pid, dtype) if wanted and _TRANSPORTS[transport] else None
+            if reader is not None:
+                self.readers[p] = (reader, wanted)
+            elif any(buckets):
+                self.conns[p] = self.server.connect(cluster.lookup(f"transfer/{p}"))
+            cluster.publish(f"weights_path/{p}/{actor}", "shm" if reader is not None else "transfer")
         self._place: dict = {}
         self.last_seconds, self.last_bytes = 0.0, 0
+
+    def _reader(self, cluster, p: int, pid: int, dtype):
+        """A reader of process `p`'s slots if they are on this host and this process is on the CPU."""
+        where = cluster.lookup(f"weights_shm/{p}")
+        host, _, directory = where.partition("|")
+        if not where or host != shm_weights.host_key() or not _shared_memory_ok():
+            return None
+        if not os.path.isdir(directory):
+            return None  # same host name, other memory (e.g. another container)
+        if not shm_weights.alive(shm_weights.writer_pid(directory)):
+            return None  # the writer's process is not visible from here: its death could not be seen
+        shapes = [o.shape for o in self.plan.offered_by(p)]
+        return shm_weights.SlotReader(directory, shapes, self.plan.dtype, self.actor,
+                                      timeout_s=self.timeout_s, check=cluster.check_peers)  # fmt: skip
 
     def receive(self, message: NewWeights):
         """The sampler-layout params of `message.version` (blocks until every piece has arrived)."""
@@ -384,16 +471,23 @@ class TransferReceiver:
         parts: dict = {}  # (leaf, device) -> [(dst_slices, array)]
         copies = []  # (leaf, device, slices, array on another holder of the block)
         nbytes = 0
-        pulls = [(proc, b, o) for proc in plan.processes for b, o in enumerate(self.buckets[proc]) if o]
+        got = []  # (offer, the device it lands on, array)
+        for p, (reader, wanted) in self.readers.items():  # in place, from the slots on this host
+            offers = [plan.offered_by(p)[i] for i in wanted]
+            first = [self.holders[o.leaf][o.block][0] for o in offers]
+            views = reader.take(message.version, wanted)
+            got += zip(offers, first, jax.device_put(views, first), strict=True)
+        pulls = [(proc, b, o) for proc in self.conns for b, o in enumerate(self.buckets[proc]) if o]
         for p, b, offered in pulls:
             first = [self.holders[o.leaf][o.block][0] for o in offered]
             specs = [jax.ShapeDtypeStruct(o.shape, plan.dtype, sharding=SingleDeviceSharding(d))
                      for o, d in zip(offered, first, strict=True)]  # fmt: skip
             arrays = self.conns[p].pull(_uuid(message.version, self.actor, b), specs, timeout=deadline)
-            for o, d, a in zip(offered, first, arrays, strict=True):
-                nbytes += a.nbytes
-                parts.setdefault((o.leaf, d), []).append((o.dst_slices, a))
-                copies += [(o.leaf, other, o.dst_slices, a) for other in self.holders[o.leaf][o.block][1:]]
+            got += zip(offered, first, arrays, strict=True)
+        for o, d, a in got:
+            nbytes += a.nbytes
+            parts.setdefault((o.leaf, d), []).append((o.dst_slices, a))
+            copies += [(o.leaf, other, o.dst_slices, a) for other in self.holders[o.leaf][o.block][1:]]
         if copies:  # replicas of a block within the replica: device to device
             moved = jax.device_put([a for *_, a in copies], [d for _, d, _, _ in copies])
             for (leaf, d, sl, _), a in zip(copies, moved, strict=True):
