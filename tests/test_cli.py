@@ -54,6 +54,7 @@ def test_console_scripts_name_a_run_function():
         ("tools/bench_sync_one_process.py", "--json-out"),
         ("tools/bench_train.py", "--tail-seqs"),
         ("tools/bench_transport.py", "--tokens"),
+        ("tools/bench_delta.py", "--lrs"),
         ("tools/bench_replica.py", "--steps-per-call"),
         ("tools/split_sweep.py", "--splits"),
         ("tools/window_check.py", "--max-len"),
