@@ -93,6 +93,9 @@ def _worker(pid: int, port: int, tmp: str, preset: str, reps: int, samples: int,
             pub.publish(v, params)
             trainer_s.append(time.perf_counter() - t0)
             cluster.barrier(f"pulled_{v}")
+        cluster.barrier("extra")  # one more version, untimed: the receiver counts its live buffers
+        pub.publish(reps + 1, params)
+        cluster.barrier("extra_pulled")
         out.update(bytes=nbytes, transfer_trainer_s=trainer_s[1:],
                    shared_bytes=len(pub.writer.slots) * pub.writer.nbytes if pub.writer else 0)  # fmt: skip
         pub.close()
@@ -140,12 +143,23 @@ def _worker(pid: int, port: int, tmp: str, preset: str, reps: int, samples: int,
             cluster.barrier(f"pulled_{v}")
         import gc
 
-        gc.collect()  # the device's live buffers: the last version received (`last`) and nothing else
-        live = {(a.unsafe_buffer_pointer(), a.nbytes) for x in jax.live_arrays() for a in
-                (s.data for s in x.addressable_shards) if a.device == devices[1]}  # fmt: skip
-        out.update(transfer_sampler_s=pulled[1:], receiver_bytes=sum(n for _, n in live),
-                   path="shm" if recv.readers else "transfer")  # fmt: skip
-        del last
+        def device_bytes() -> int:
+            gc.collect()
+            live = {(a.unsafe_buffer_pointer(), a.nbytes) for x in jax.live_arrays() for a in
+                    (s.data for s in x.addressable_shards) if a.device == devices[1]}  # fmt: skip
+            return sum(n for _, n in live)
+
+        held = device_bytes()  # the last version received (`last`) and nothing else
+        cluster.barrier("extra")
+        incoming = recv.start(NewWeights(reps + 1))  # the pieces on their way or landed
+        landed = device_bytes()
+        new = recv.finish(incoming)  # laid out, the pieces still referenced
+        laid = device_bytes()
+        cluster.barrier("extra_pulled")
+        path = "shm" if recv.readers else "transfer"
+        out.update(transfer_sampler_s=pulled[1:], receiver_bytes=held,
+                   peak_extra_bytes=max(landed, laid) - held, path=path)  # fmt: skip
+        del last, incoming, new
         if transport != "transfer":
             _dump(out, tmp, transport, pid, cluster)
             return
@@ -325,22 +339,26 @@ def main(argv) -> None:
         **{f"{k} (one process)": (v["seconds"], v.get("trainer_seconds"), None)
            for k, v in _one_process(preset, reps).items()},
         "transfer pull (two processes)": (
-            med(sampler["transfer_sampler_s"]), med(trainer["transfer_trainer_s"]), sampler["receiver_bytes"]
+            med(sampler["transfer_sampler_s"]), med(trainer["transfer_trainer_s"]),
+            (sampler["receiver_bytes"], sampler["peak_extra_bytes"]),
         ),
         "shared-memory slots (two processes, one host)": (
             med(shm_sampler["transfer_sampler_s"]), med(shm_trainer["transfer_trainer_s"]),
-            shm_sampler["receiver_bytes"],
+            (shm_sampler["receiver_bytes"], shm_sampler["peak_extra_bytes"]),
         ),
     }  # fmt: skip
     out = {"preset": preset, "gbytes": gb, "reps": reps, "rows": {}}
     print(f"\n{preset}: {gb:.3f} GB of parameters, median of {reps}\n")
-    print("| path | seconds (receiver) | GB/s | x memcpy time | trainer stall per version (s) | "
-          "receiver live bytes after (GB) |\n|---|---|---|---|---|---|")  # fmt: skip
-    for name, (s, t, live) in rows.items():
+    print("| path | seconds (receiver) | GB/s | x memcpy time | trainer stall per version (s) | receiver "
+          "live after (GB) | receiver peak extra during a receive (GB) |")
+    print("|---|---|---|---|---|---|---|")
+    for name, (s, t, mem) in rows.items():
+        live, peak = mem if mem is not None else (None, None)
         out["rows"][name] = {"seconds": s, "gb_per_s": gb / s, "x_memcpy": s / memcpy, "trainer_seconds": t,
-                             "receiver_live_bytes": live}  # fmt: skip
-        cells = ["" if t is None else f"{t:.4f}", "" if live is None else f"{live / 1e9:.3f}"]
-        print(f"| {name} | {s:.4f} | {gb / s:.2f} | {s / memcpy:.2f} | {cells[0]} | {cells[1]} |")
+                             "receiver_live_bytes": live, "receiver_peak_extra_bytes": peak}  # fmt: skip
+        cells = ["" if t is None else f"{t:.4f}"]
+        cells += ["" if v is None else f"{v / 1e9:.3f}" for v in (live, peak)]
+        print(f"| {name} | {s:.4f} | {gb / s:.2f} | {s / memcpy:.2f} | {' | '.join(cells)} |")
     out["shared_memory_bytes"] = shm_trainer["shared_bytes"]
     print(f"\nshared-memory slots in use: {shm_trainer['shared_bytes'] / 1e9:.3f} GB (the receiver's arrays "
           "are views of one of them: it holds no copy of its own)")  # fmt: skip
