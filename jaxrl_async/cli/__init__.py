@@ -21,6 +21,7 @@ no checkout on `sys.path` either.
 """
 
 import os
+import subprocess
 import sys
 from collections.abc import Callable
 
@@ -50,6 +51,33 @@ def module_command(module: str, *args: str, python: str = sys.executable) -> lis
     from PYTHONPATH or the installation, as for a script, never from a directory the user happens to be in.
     """
     return [python, "-P", "-m", f"jaxrl_async.cli.{module}", *args]
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/ lives here
+
+
+def command_env(force_cpu: bool = False) -> dict[str, str]:
+    """This process's environment for a child command: the checkout first on PYTHONPATH (a tool run from
+    a checkout starts its children on the same code), JAX on the CPU unless JAX_PLATFORMS says otherwise
+    (always, with `force_cpu`)."""
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
+    platforms = "cpu" if force_cpu else os.environ.get("JAX_PLATFORMS", "cpu")
+    return dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS=platforms)
+
+
+def run_logged(cmd: list[str], cores: list[int] | None, log: str) -> None:
+    """Runs `cmd` (on `cores` when given) with its output in `log`.
+
+    Raises:
+      RuntimeError: it failed (with the log's tail).
+    """
+    pre = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+    with open(log, "w") as f:
+        res = subprocess.run(cmd, env=command_env(), stdout=f, stderr=subprocess.STDOUT, preexec_fn=pre)
+    if res.returncode != 0:
+        with open(log) as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f"{' '.join(cmd[:5])} ... failed ({res.returncode}), {log}:\n{tail}")
 
 
 def hf_config_file(path: str, flag: str) -> str:

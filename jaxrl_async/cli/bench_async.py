@@ -26,7 +26,7 @@ import tempfile
 from absl import flags
 
 from jaxrl_async.cli import bench_workload as wl
-from jaxrl_async.cli import module_command, run_command
+from jaxrl_async.cli import module_command, run_command, run_logged
 
 flags.adopt_module_key_flags(wl)
 _PROCESSES = flags.DEFINE_integer("processes", 1, "2: also the two-process run.", 1, 2)
@@ -59,9 +59,9 @@ def run_one(w: wl.Workload, name: str, root: str, pin_cores: bool) -> dict:
     if name == "async_2proc":
         run_flags = wl.config_flags(w, workdir, "async")
         run_flags += ["--config.mesh.trainer_processes=(0,)", "--config.mesh.sampler_processes=(1,)"]
-        wl.run_logged([*wl.cluster_command(2, pin_cores), "--", *run_flags], None, log)
+        run_logged([*wl.cluster_command(2, pin_cores), "--", *run_flags], None, log)
     else:
-        wl.run_logged(module_command("run", *wl.config_flags(w, workdir, name)), None, log)
+        run_logged(module_command("run", *wl.config_flags(w, workdir, name)), None, log)
     with open(os.path.join(workdir, "summary.json")) as f:
         return json.load(f)
 

@@ -27,18 +27,15 @@ from __future__ import annotations
 import ast
 import json
 import os
-import subprocess
 import tempfile
 
 import numpy as np
 from absl import app, flags
 
+from jaxrl_async.cli import REPO, module_command, run_command, run_logged
 from jaxrl_async.cli import learning_study as ls
-from jaxrl_async.cli import module_command, run_command
 
-# The checkout: configs/ is not part of the installed package.
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+# REPO: the checkout (configs/ is not part of the installed package).
 _CONFIG = flags.DEFINE_string("config", os.path.join(REPO, "configs", "letter_range.py"), "The run config.")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds; each runs sync and async (>= 3 for a claim).")
 _STEPS = flags.DEFINE_integer("steps", 150, "Train steps of every run.", lower_bound=1)
@@ -62,19 +59,7 @@ SMOKE_STEPS = 4
 PREDICT_HOST_CORES = 16  # the host the split model is also asked about (the 16-core node)
 
 
-def _env() -> dict[str, str]:
-    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
-    return dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
 
-
-def _run_logged(cmd: list[str], cores: list[int] | None, log: str) -> None:
-    pre = (lambda: os.sched_setaffinity(0, cores)) if cores else None
-    with open(log, "w") as f:
-        res = subprocess.run(cmd, env=_env(), stdout=f, stderr=subprocess.STDOUT, preexec_fn=pre)
-    if res.returncode != 0:
-        with open(log) as f:
-            tail = f.read()[-3000:]
-        raise RuntimeError(f"{' '.join(cmd[:5])} ... failed ({res.returncode}), {log}:\n{tail}")
 
 
 def _overrides(root: str) -> dict[str, str]:
@@ -106,7 +91,7 @@ def run_one(mode: str, seed: int, root: str, steps: int, overrides: dict[str, st
         cmd = module_command("local_cluster", "--num-processes", "2", "--pin-cores", "--", *flags_)
     else:
         cmd = module_command("run", *flags_)
-    _run_logged(cmd, None, log)
+    run_logged(cmd, None, log)
     with open(os.path.join(workdir, "summary.json")) as f:
         return json.load(f)
 
@@ -146,7 +131,7 @@ def predict(root: str, overrides: dict[str, str], lengths: dict[str, float]) -> 
         out = os.path.join(root, f"{name}.json")
         cmd = module_command("bench_roles", *run_flags(os.path.join(root, name), "async", seed, _STEPS.value,
                              overrides), "--batches", "2" if _SMOKE.value else "6", "--out", out)  # fmt: skip
-        _run_logged([*cmd, *(["--decode_curve"] if cores else [])], cores, os.path.join(root, f"{name}.log"))
+        run_logged([*cmd, *(["--decode_curve"] if cores else [])], cores, os.path.join(root, f"{name}.log"))
         benches[name] = out
     every = load_role_bench(benches["roles_every_core"])
     sync = predict_sync(every, every).to_dict()

@@ -34,10 +34,8 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxrl_async.cli import module_command, run_command
+from jaxrl_async.cli import REPO, command_env, module_command, run_command
 from jaxrl_async.cli import peer_bench as pb
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/ lives here
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(REPO, "configs", "tiny_arith.py"), "The task and GRPO settings (configs/*.py)."
@@ -73,10 +71,6 @@ def _user_overrides() -> list[str]:
     values = config_flags.get_override_values(flags.FLAGS["config"])
     return [f"--config.{k}={v}" for k, v in values.items() if k not in _overrides()]
 
-
-def _env() -> dict[str, str]:
-    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
-    return dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu")
 
 
 def _run_pinned(cmd: list[str], log_path: str, cores: tuple[int, ...], env=None) -> None:
@@ -168,7 +162,8 @@ def main(argv):
         print(f"{name}: {steps} steps", flush=True)
         if name in pb.OURS:
             workdir = os.path.join(out, name)
-            _run_pinned(_our_command(name, workdir, user), workdir + ".log", cores, env=_env())
+            cmd = _our_command(name, workdir, user)
+            _run_pinned(cmd, workdir + ".log", cores, env=command_env(force_cpu=True))
             results[name] = pb.read_ours(workdir, name)
         else:
             result = os.path.join(out, f"{name}.json")

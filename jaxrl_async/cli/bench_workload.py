@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 
 from absl import flags
 
-from jaxrl_async.cli import module_command
+from jaxrl_async.cli import REPO, module_command, run_logged
 
 # The checkout: configs/ is not part of the installed package.
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _STEPS = flags.DEFINE_integer("steps", 30, "Train steps of each run.", lower_bound=1)
 _PROMPTS = flags.DEFINE_integer("prompts", 16, "Prompts per train step.", lower_bound=1)
@@ -88,24 +86,7 @@ def cluster_command(num_processes: int, pin_cores: bool) -> list[str]:
     return module_command("local_cluster", "--num-processes", str(num_processes), *pin)
 
 
-def _env() -> dict[str, str]:
-    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
-    return dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
 
-
-def run_logged(cmd: list[str], cores: list[int] | None, log: str) -> None:
-    """Runs `cmd` (on `cores` when given) with its output in `log`.
-
-    Raises:
-      RuntimeError: it failed (with the log's tail).
-    """
-    pre = (lambda: os.sched_setaffinity(0, cores)) if cores else None
-    with open(log, "w") as f:
-        res = subprocess.run(cmd, env=_env(), stdout=f, stderr=subprocess.STDOUT, preexec_fn=pre)
-    if res.returncode != 0:
-        with open(log) as f:
-            tail = f.read()[-3000:]
-        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({res.returncode}), {log}:\n{tail}")
 
 
 def role_bench(w: Workload, root: str, cores: list[int] | None, name: str, decode_curve: bool = False) -> str:

@@ -37,7 +37,7 @@ import time
 
 from absl import flags
 
-from jaxrl_async.cli import module_command, run_command
+from jaxrl_async.cli import REPO, command_env, module_command, run_command
 from jaxrl_async.cli.eta_study import (
     ARMS,
     SYNC,
@@ -51,7 +51,6 @@ from jaxrl_async.cli.eta_study import (
 )
 
 # The checkout: configs/ is not part of the installed package.
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 _OUT = flags.DEFINE_string("out", "runs/eta_sweep", "Directory for the cells' workdirs and the report.")
@@ -86,10 +85,6 @@ def cell_command(cell: dict, workdir: str, steps: int, overrides: list[str], pro
     return module_command("local_cluster", "--num-processes", "2", "--pin-cores", "--", *run_flags)
 
 
-def _env() -> dict[str, str]:
-    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
-    return dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-
 
 def core_block(cpus: list[int], k: int, i: int) -> tuple[int, ...]:
     """The `k` cores of the i-th cell started: consecutive blocks, shifted by one core each time the cores
@@ -119,7 +114,7 @@ def run_cells(todo: list[tuple[list[str], str]], parallel: int, pin: bool, deadl
             started += 1
             pre = (lambda c=core: os.sched_setaffinity(0, c)) if core is not None else None
             f = open(log, "w")  # noqa: SIM115 - closed when the cell ends
-            p = subprocess.Popen(cmd, env=_env(), stdout=f, stderr=subprocess.STDOUT, preexec_fn=pre)
+            p = subprocess.Popen(cmd, env=command_env(), stdout=f, stderr=subprocess.STDOUT, preexec_fn=pre)
             running[p] = (core, f)
             print(f"[{time.monotonic() - t0:6.0f}s] start {os.path.basename(log)} core={core}", flush=True)
             time.sleep(0.2)  # staggered: each cell picks free localhost ports for its processes

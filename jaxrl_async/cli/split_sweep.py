@@ -22,7 +22,7 @@ import tempfile
 from absl import app, flags
 
 from jaxrl_async.cli import bench_workload as wl
-from jaxrl_async.cli import run_command
+from jaxrl_async.cli import run_command, run_logged
 
 wl.set_defaults(prompts=64, slots=128)
 flags.adopt_module_key_flags(wl)
@@ -58,7 +58,7 @@ def run_split(w: wl.Workload, rows: int, s: int, t: int, root: str) -> dict:
         f"--config.trainer.rows_per_micro={rows * t}",
     ]
     cmd = [*wl.cluster_command(s + t, pin_cores=True), "--", *run_flags]
-    wl.run_logged(cmd, None, os.path.join(root, f"split_{s}+{t}.log"))
+    run_logged(cmd, None, os.path.join(root, f"split_{s}+{t}.log"))
     with open(os.path.join(workdir, "summary.json")) as f:
         return json.load(f)
 

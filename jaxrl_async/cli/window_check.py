@@ -22,7 +22,7 @@ import tempfile
 from absl import flags
 
 from jaxrl_async.cli import bench_workload as wl
-from jaxrl_async.cli import run_command
+from jaxrl_async.cli import run_command, run_logged
 
 wl.set_defaults(steps=40, prompts=8, median=12, eta=1)
 flags.adopt_module_key_flags(wl)
@@ -94,7 +94,7 @@ def main(argv):
         run_flags = wl.config_flags(w, workdir, "async")
         run_flags += ["--config.mesh.trainer_processes=(0,)", "--config.mesh.sampler_processes=(1,)"]
         cmd = [*wl.cluster_command(2, pin_cores=True), "--", *run_flags]
-        wl.run_logged(cmd, None, os.path.join(root, "run.log"))
+        run_logged(cmd, None, os.path.join(root, "run.log"))
         with open(os.path.join(workdir, "summary.json")) as f:
             measured = json.load(f)
         train_in_run = in_run_train_step_s(workdir)
