@@ -4,12 +4,14 @@ start the version in it. The two-process path runs in tests/test_weight_sync_pro
 
 import gc
 import os
+import subprocess
 
 import jax
 import numpy as np
 import pytest
 
 from jaxrl_async.runtime import shm_weights
+from jaxrl_async.runtime.cluster import PeerFailure
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(shm_weights.SHM_ROOT), reason="no /dev/shm")
 
@@ -94,3 +96,14 @@ def test_bfloat16_pieces_travel_as_their_bits():
     finally:
         writer.close()
     assert not os.path.exists(writer.directory)
+
+
+def test_a_writer_waiting_on_a_dead_reader_names_it(pair):
+    writer, reader = pair
+    held = [_take(reader, v) for v in range(2) if writer.write(v, _version(v)) is not None]
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    reader.ctrl.pids[0] = dead.pid  # the reader's process, as the writer sees it, is gone
+    with pytest.raises(PeerFailure, match=rf"pulls \[0\] \(OS pids \[{dead.pid}\]\) are gone"):
+        writer.write(2, _version(2))
+    assert len(held) == 2

@@ -13,7 +13,8 @@ Slots are reused, never overwritten under a reader:
 * the writer takes a slot only when every reader has started every version it held (`started`) and holds
   none of its pieces (`held`). A reader that needs a version it was told of always finds it;
 * at most `max_slots` versions sit in shared memory. When every slot is held the writer waits (so memory
-  stays bounded), says who holds them after a few seconds, and fails with their names after `timeout_s`.
+  stays bounded), says who holds them after 5 s and every minute, and fails with their names after
+  `timeout_s` (30 minutes: a long evaluation holds its version; a dead reader fails it at once).
 
 The control block (int64: the version in each slot, then `held` per reader and slot, then `started` per
 reader) is read and written under an flock of its file, which orders one side's checks against the other's
@@ -150,7 +151,7 @@ class SlotWriter:
     """
 
     def __init__(self, shapes: list[tuple], dtype, readers: int, shm_readers: list[int], *,
-                 max_slots: int = MAX_SLOTS, timeout_s: float = 300.0, check=None):  # fmt: skip
+                 max_slots: int = MAX_SLOTS, timeout_s: float = 1800.0, check=None):  # fmt: skip
         self.shapes, self.dtype = [tuple(s) for s in shapes], np.dtype(dtype)
         self.offsets, self.nbytes = layout(self.shapes, self.dtype.itemsize)
         _sweep()
@@ -180,7 +181,7 @@ class SlotWriter:
     def _claim(self, version: int) -> int:
         """A slot no reader holds or still has to start (its stamp set to -1 under the lock)."""
         t0 = time.monotonic()
-        warned = False
+        warn_at = 5.0
         while True:
             with self.ctrl.locked():
                 free = self._free()
@@ -198,10 +199,10 @@ class SlotWriter:
             if waited > self.timeout_s:
                 raise TimeoutError(f"weights: no shared-memory slot for version {version} within "
                                    f"{self.timeout_s:.0f} s: {self._holders()}")  # fmt: skip
-            if waited > 5.0 and not warned:
+            if waited > warn_at:
                 log.warning("weights: version %d waits for a shared-memory slot: %s", version,
                             self._holders())  # fmt: skip
-                warned = True
+                warn_at = waited + 60.0
             time.sleep(0.001)
         self.last_wait_s = time.monotonic() - t0
         if free not in self.slots:
