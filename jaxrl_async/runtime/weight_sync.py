@@ -296,8 +296,10 @@ class TransferPublisher:
             lambda p: jax.tree.map(lambda x: x.astype(self.plan.dtype), p), out_shardings=shardings
         )
         bits = jnp.dtype(f"uint{self.plan.dtype.itemsize * 8}")
+        # in the trainer's shardings: `_write` reads the bits shard by shard, on the trainer's devices
         self._bits = jax.jit(lambda p: jax.tree.map(
-            lambda x: jax.lax.bitcast_convert_type(x.astype(self.plan.dtype), bits), p))  # fmt: skip
+            lambda x: jax.lax.bitcast_convert_type(x.astype(self.plan.dtype), bits), p),
+            out_shardings=shardings)  # fmt: skip
         self._offered: dict[int, list] = {}  # version -> the arrays offered (kept until two versions on)
         self.last_seconds = 0.0
 
