@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import os
 import time
 
@@ -39,6 +40,8 @@ from jaxrl_async.runtime.cluster import PeerFailure
 from jaxrl_async.runtime.messages import NewWeights
 from jaxrl_async.runtime.shard_routes import ShardRoutes
 from jaxrl_async.sharding import SAMPLER_RULES, TRAINER_RULES, Rules, make_mesh
+
+log = logging.getLogger(__name__)
 
 _MAX_ACTORS = 4096  # pull ids: (version * _MAX_ACTORS + actor) * _MAX_BUCKETS + bucket
 _MAX_BUCKETS = 4096
@@ -406,7 +409,10 @@ class TransferReceiver:
                 self.readers[p] = (reader, wanted)
             elif any(buckets):
                 self.conns[p] = self.server.connect(cluster.lookup(f"transfer/{p}"))
-            cluster.publish(f"weights_path/{p}/{actor}", "shm" if reader is not None else "transfer")
+            path = "shm" if reader is not None else "transfer"
+            cluster.publish(f"weights_path/{p}/{actor}", path)
+            log.info("pull %d: weights from trainer process %d through %s", actor, p,
+                     f"shared memory ({reader.directory})" if reader else "the transfer server")  # fmt: skip
         self._place: dict = {}
         self.last_seconds, self.last_bytes = 0.0, 0
 
