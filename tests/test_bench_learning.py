@@ -51,11 +51,18 @@ def test_compare_pairs_seeds_and_splits_the_speedup():
         ls.default_target([{"final_accuracy": None}], 0.01)
 
 
+def test_overlap_bound_is_the_core_count_over_how_well_sync_uses_the_cores():
+    one, every = ls.run_row(_summary([], 0.5, 600.0), 0.5), ls.run_row(_summary([], 0.5, 1000.0), 0.5)
+    b = ls.overlap_bound(one, every, 2)
+    assert b["core_scaling"] == pytest.approx(1000 / 600) and b["bound"] == pytest.approx(1.2)
+    assert ls.overlap_bound(ls.run_row(_summary([], 0.5, None), 0.5), every, 2)["bound"] is None
+
+
 def test_smoke_runs_every_part_of_the_command(tmp_path):
     out = tmp_path / "report.json"
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
     cmd = [sys.executable, os.path.join(REPO, "tools", "bench_learning.py"), "--smoke", "--nopredict",
-           "--out", str(out), "--keep", str(tmp_path / "runs")]  # fmt: skip
+           "--one-core", "--out", str(out), "--keep", str(tmp_path / "runs")]  # fmt: skip
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "task reference completions: median" in res.stdout
@@ -68,3 +75,6 @@ def test_smoke_runs_every_part_of_the_command(tmp_path):
     assert report["rows"]["sync"]["0"]["staleness_max"] == 0
     assert report["rows"]["async"]["0"]["staleness_max"] >= 1
     assert (tmp_path / "runs" / "async_s0.log").exists()  # the pinned two-process run
+    bound = report["overlap_bound"]  # --one-core: sync again on one core
+    assert bound["cores"] == len(os.sched_getaffinity(0)) and bound["one_core_tokens_per_s"] > 0
+    assert (tmp_path / "runs" / "sync_s0_cores1.log").exists() and "overlap alone" in res.stdout

@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 
 from configs import letter_range as letter_range_config
 from jaxrl_async.data import DataConfig, held_out_prompts, make_prompt_iterator, reference_completion
@@ -52,6 +53,19 @@ def test_reference_answers_are_long_tailed_in_tokens():
     held = np.asarray([len(p.answer) + 1 for p in held_out_prompts(cfg, tok, 1000)])
     assert np.percentile(held, 99) / np.percentile(held, 50) >= 4  # held-out follows the same mix
     assert lengths.max() <= len(ALPHABET) + 1
+
+
+def test_span_power_makes_short_ranges_commoner_and_is_validated():
+    def spans(power):
+        cfg = DataConfig(task="letter_range", seed=0, letter_span_power=power)
+        return np.asarray([len(letter_range_example(cfg, "train", i)["answer"]) for i in range(3000)])
+
+    flat, skewed = spans(1.0), spans(1.5)
+    assert np.median(skewed) < np.median(flat) and np.mean(skewed <= 4) > np.mean(flat <= 4) + 0.1
+    for s in (flat, skewed):  # the same support: long ranges still come
+        assert s.min() == 1 and s.max() >= 45
+    with pytest.raises(ValueError, match="letter_span_power"):
+        DataConfig(task="letter_range", letter_span_power=0.0)
 
 
 def test_verifier_right_wrong_and_malformed():

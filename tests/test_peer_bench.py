@@ -94,10 +94,33 @@ def test_spec_carries_our_settings_and_the_drivers_schedule_and_reward_are_ours(
     ours = learning_rate_schedule(run.trainer)
     for step in (0, 1, 4, 5, 6, 100, 999, 1000, 1200):
         assert common.lr_at(loaded, step) == pytest.approx(float(ours(step)), rel=1e-5, abs=1e-12), step
-    for kind in pb.REWARDS:
+    for kind in ("arithmetic", "shift"):  # letter_range: below, from its own prompts' metadata
         grade = get_reward(kind)
         for answer, completion in (("122", "122"), ("122", " 122 "), ("122", "12"), ("51024", "51000")):
             assert common.reward(kind, completion, answer) == grade("", completion, {"answer": answer})
+
+
+def test_letter_range_dump_answers_and_the_drivers_reward_are_ours(tmp_path):
+    """The long-tail task's rows carry the span our verifier rebuilds from the prompt's metadata, and the
+    drivers' exact-match reward grades completions as ours does."""
+    from configs import letter_range
+
+    c = letter_range.get_config()
+    c.workdir, c.eval_prompts = str(tmp_path / "run"), 40
+    run = validate(c, len(jax.devices()))
+    tok = build.build_tokenizer(run)
+    paths = pb.dump_prompts(run, tok, str(tmp_path), steps=1)
+    rows = _rows(paths["train"]) + _rows(paths["heldout"])
+    it = make_prompt_iterator(run.data, tok)
+    ours = [next(it) for _ in range(run.schedule.prompts_per_step)]
+    common, grade = _common(), get_reward("letter_range")
+    assert {r["reward"] for r in rows} == {"letter_range"}
+    for r, p in zip(rows, ours, strict=False):
+        assert r["prompt"] == p.text and r["answer"] == p.answer
+        for completion in (p.answer, f" {p.answer} ", p.answer[:-1] or "?", p.answer + "x"):
+            ours_grade = grade(p.text, completion, p.metadata)
+            assert common.reward("letter_range", completion, r["answer"]) == ours_grade
+    assert max(len(r["answer"]) for r in rows) > 4 * np.median([len(r["answer"]) for r in rows])
 
 
 def test_step0_check_time_to_target_and_table():
@@ -112,7 +135,9 @@ def test_step0_check_time_to_target_and_table():
     rep = pb.report({"trl": trl}, 0.7)
     assert rep["rows"][0]["train_tokens_per_s"] == 50.0 and rep["rows"][0]["final_accuracy"] == 0.8
     assert rep["rows"][0]["steady_s_per_step"] == pytest.approx(11.0 / 20)  # step 20 -> 40
-    assert "| trl 1.16.0 | 40 | 0.300 | 0.800 | 20.0 | 50 | 0.550 |" in pb.table(rep)
+    assert "| trl 1.16.0 | 40 | 0.300 | 0.800 | 20.0 | 50 | 0.550 |  |" in pb.table(rep)
+    timed = pb.report({"trl": {**trl, "process_s": 31.4}}, 0.7)
+    assert "| 0.550 | 31 |" in pb.table(timed)
     assert pb.steady_s_per_step(evals[:2]) is None
     untimed = pb.report({"trl": trl}, None)
     assert untimed["rows"][0]["time_to_target_s"] is None and "| no target |" in pb.table(untimed)

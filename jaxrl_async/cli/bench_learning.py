@@ -20,6 +20,9 @@ evaluation at or above it, seconds since the learner started; default target: sy
 mean of seeds, minus --margin), the step it happened, final accuracy, steady trained tokens/s, sampler
 and trainer idle fractions, realized staleness (mean, max), and p99/median of the run's own completion
 lengths. The paired speedup (sync time / async time) splits into a throughput ratio times a steps ratio.
+With --one-core, sync of the first seed also runs on one core: every-core over one-core steady rate is
+how well sync uses the cores, and the core count over that is the most overlap alone can buy (two roles
+at one core each make at most twice the one-core rate; jaxrl_async.cli.learning_study.overlap_bound).
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ _PROCS = flags.DEFINE_integer("async-processes", 2, "2: async roles pinned in pr
 _TARGET = flags.DEFINE_float("target", None, "Target held-out accuracy (default: sync final - margin).")
 _MARGIN = flags.DEFINE_float("margin", 0.01, "Default target: sync's mean final accuracy minus this.")
 _PREDICT = flags.DEFINE_bool("predict", True, "Time the roles alone first and predict the throughput ratio.")
+_ONE_CORE = flags.DEFINE_bool(
+    "one-core", False, "Also run sync on one core (first seed): the bound on what overlap alone buys."
+)
 _SET = flags.DEFINE_multi_string("set", [], "KEY=VALUE config override for every run (repeatable).")
 _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny runs (4 steps, small batches, 1 seed unless --seeds).")
 _KEEP = flags.DEFINE_string("keep", "", "Keep workdirs and logs here (default: a temporary directory).")
@@ -82,8 +88,9 @@ def run_flags(workdir: str, mode: str, seed: int, steps: int, overrides: dict[st
     return [f"--config={_CONFIG.value}", *(f"--config.{k}={v}" for k, v in values.items())]
 
 
-def run_one(mode: str, seed: int, root: str, steps: int, overrides: dict[str, str]) -> dict:
-    name = f"{mode}_s{seed}"
+def run_one(mode: str, seed: int, root: str, steps: int, overrides: dict[str, str],
+            cores: list[int] | None = None) -> dict:  # fmt: skip
+    name = f"{mode}_s{seed}" + (f"_cores{len(cores)}" if cores else "")
     workdir, log = os.path.join(root, name), os.path.join(root, f"{name}.log")
     flags_ = run_flags(workdir, mode, seed, steps, overrides)
     if mode == "async" and _PROCS.value == 2:
@@ -91,7 +98,7 @@ def run_one(mode: str, seed: int, root: str, steps: int, overrides: dict[str, st
         cmd = module_command("local_cluster", "--num-processes", "2", "--pin-cores", "--", *flags_)
     else:
         cmd = module_command("run", *flags_)
-    run_logged(cmd, None, log)
+    run_logged(cmd, cores, log)
     with open(os.path.join(workdir, "summary.json")) as f:
         return json.load(f)
 
@@ -200,11 +207,18 @@ def main(argv):
                 summaries[mode][seed] = run_one(mode, seed, root, steps, overrides)
                 print(f"{mode} seed {seed}: final accuracy {summaries[mode][seed]['final_accuracy']}, "
                       f"{summaries[mode][seed]['wall_s']:.0f} s", flush=True)  # fmt: skip
+        one_core = None
+        if _ONE_CORE.value:
+            cores = sorted(os.sched_getaffinity(0))
+            one_core = run_one("sync", seeds[0], root, steps, overrides, cores=cores[:1])
     target = _TARGET.value
     if target is None:
         target = ls.default_target(list(summaries["sync"].values()), _MARGIN.value)
     rows = {m: {s: ls.run_row(summ, target) for s, summ in by.items()} for m, by in summaries.items()}
     report = ls.compare(rows)
+    if one_core is not None:
+        report["overlap_bound"] = ls.overlap_bound(ls.run_row(one_core, target), rows["sync"][seeds[0]],
+                                                   len(os.sched_getaffinity(0)))  # fmt: skip
     settings = {"config": _CONFIG.value, "seeds": seeds, "steps": steps, "eta": _ETA.value,
                 "async_processes": _PROCS.value, "target": target, "margin": _MARGIN.value,
                 "set": _SET.value, "smoke": _SMOKE.value,
@@ -217,6 +231,11 @@ def main(argv):
             f"\nthroughput async / sync: predicted {predicted['ratio']:.2f}, "
             f"measured {report['throughput_ratio_mean'] or float('nan'):.2f} (mean of seeds)"
         )
+    if report.get("overlap_bound"):
+        b = report["overlap_bound"]
+        print(f"sync seed {seeds[0]}: {b['one_core_tokens_per_s']:.0f} trained tokens/s on one core, "
+              f"{b['every_core_tokens_per_s']:.0f} on {b['cores']} ({b['core_scaling']:.2f}x): overlap alone "
+              f"can buy at most {b['bound']:.2f}x sync")  # fmt: skip
     if _OUT.value:
         with open(_OUT.value, "w") as f:
             json.dump(out, f, indent=2, default=str)

@@ -17,11 +17,14 @@
    `jaxrl-run` with the config in sync mode and in async mode (--async-processes 2: the learner and the
    sampler in pinned processes of their own, as `jaxrl-local-cluster --pin-cores` runs them).
 5. Writes OUT/bench_peers.json and prints a table: step-0 and final accuracy, seconds to the target
-   accuracy (--target-accuracy; 0: ours_sync's final accuracy minus one point) and trained tokens/s.
+   accuracy (--target-accuracy; 0: ours_sync's final accuracy minus one point), trained tokens/s, steady
+   seconds per step and each framework's whole process time (start to exit: loading, compilation and
+   evaluations included).
 
 Timing: a peer's driver blocks its loop to evaluate, so its clock leaves the evaluations out; ours
-evaluate beside training, so our times include them. The patches a peer needed are listed in its result
-(Tunix: see peer_drivers/tunix_grpo.py).
+evaluate beside training, and an evaluation's time is when its version was trained, so neither counts
+evaluations. Our clock starts with the learner (compilation included), a peer's after loading. The
+patches a peer needed are listed in its result (Tunix: see peer_drivers/tunix_grpo.py).
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ def _user_overrides() -> list[str]:
 
 
 
-def _run_pinned(cmd: list[str], log_path: str, cores: tuple[int, ...], env=None) -> None:
+def _run_pinned(cmd: list[str], log_path: str, cores: tuple[int, ...], env=None) -> float:
+    """Runs `cmd` on `cores`; returns its wall seconds, start to exit (loading and compilation included)."""
     # taskset, not a preexec_fn: this process runs JAX (threads), where fork-then-Python is unsafe.
     cmd = ["taskset", "-c", ",".join(map(str, cores)), *cmd]
     print(f"  $ {' '.join(cmd)}   (log {log_path})", flush=True)
@@ -86,6 +90,7 @@ def _run_pinned(cmd: list[str], log_path: str, cores: tuple[int, ...], env=None)
             tail = f.read()[-3000:]
         took = time.monotonic() - t0
         raise RuntimeError(f"{' '.join(cmd[3:5])} exited {rc} after {took:.0f} s; log {log_path}:\n{tail}")
+    return time.monotonic() - t0
 
 
 def _prepare(out: str, steps: int):
@@ -163,13 +168,13 @@ def main(argv):
         if name in pb.OURS:
             workdir = os.path.join(out, name)
             cmd = _our_command(name, workdir, user)
-            _run_pinned(cmd, workdir + ".log", cores, env=command_env(force_cpu=True))
-            results[name] = pb.read_ours(workdir, name)
+            took = _run_pinned(cmd, workdir + ".log", cores, env=command_env(force_cpu=True))
+            results[name] = {**pb.read_ours(workdir, name), "process_s": took}
         else:
             result = os.path.join(out, f"{name}.json")
             cmd = pb.driver_command(pythons[name], name, out, spec_path, result, step0=False)
-            _run_pinned(cmd, os.path.join(out, f"{name}.log"), cores)
-            results[name] = pb.read_peer(result)
+            took = _run_pinned(cmd, os.path.join(out, f"{name}.log"), cores)
+            results[name] = {**pb.read_peer(result), "process_s": took}
     target = _TARGET.value or None  # None: no target (no --target-accuracy and no ours_sync run)
     if target is None and "ours_sync" in results:
         target = results["ours_sync"]["evals"][-1]["accuracy"] - 0.01

@@ -110,6 +110,20 @@ def compare(rows: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
+def overlap_bound(one_core: dict[str, Any], every_core: dict[str, Any], cores: int) -> dict[str, Any]:
+    """What overlap alone can buy when each of the two roles gets `cores` / 2 cores: sync's steady trained
+    tokens/s on one core (`one_core`, a run_row) times `cores`, over sync's on every core (`every_core`).
+
+    Two roles, each running at one core's speed and never waiting, make at most twice the one-core sync
+    rate per two cores (the period is the larger of the two role times, at least half their sum). That
+    holds while the pinned sampler does the same work per batch as sync's; what continuous batching
+    saves on sync's tail (the last wave of a step, with few sequences left) comes on top of it."""
+    one, every = one_core.get("steady_train_tokens_per_s"), every_core.get("steady_train_tokens_per_s")
+    scaling = _ratio(every, one)
+    return {"one_core_tokens_per_s": one, "every_core_tokens_per_s": every, "cores": cores,
+            "core_scaling": scaling, "bound": _ratio(cores, scaling)}  # fmt: skip
+
+
 def table(report: dict[str, Any]) -> str:
     """Markdown: one line per mode (means over seeds), then the paired ratios."""
     f = lambda v, p=3: "" if v is None else f"{v:.{p}g}"

@@ -35,7 +35,8 @@ DRIVERS = {"trl": "trl_grpo.py", "tunix": "tunix_grpo.py"}
 STEP0_ONLY: dict[str, str] = {}
 _DRIVER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_drivers")
 _MARKER = "jaxrl-bench-requirements.json"
-REWARDS = ("arithmetic", "shift")  # the verifiers the drivers reimplement (peer_drivers/common.py)
+# The verifiers the drivers reimplement (peer_drivers/common.py).
+REWARDS = ("arithmetic", "letter_range", "shift")
 
 
 def parse_frameworks(text: str) -> list[str]:
@@ -199,11 +200,14 @@ def read_peer(path: str) -> dict:
 
 
 def read_ours(workdir: str, name: str) -> dict:
-    """Our run's summary.json in the drivers' result form (evaluations run beside training: elapsed_s is
-    the run's wall time at the evaluation, evaluations included)."""
+    """Our run's summary.json in the drivers' result form. Evaluations run beside training, so elapsed_s
+    is when the evaluated version's train step ended (trained_s, seconds since the learner started), not
+    when its evaluation finished: the drivers' clocks leave their evaluations out too."""
     with open(os.path.join(workdir, "summary.json")) as f:
         s = json.load(f)
-    evals = [{"step": e["step"], "accuracy": e["accuracy"], "elapsed_s": e["elapsed_s"]} for e in s["evals"]]
+    evals = [{"step": e["step"], "accuracy": e["accuracy"],
+              "elapsed_s": e["trained_s"] if e.get("trained_s") is not None else e["elapsed_s"]}
+             for e in s["evals"]]  # fmt: skip
     procs = s.get("processes", 1)
     where = f"(eta {s['max_staleness']}, {procs} process{'es' if procs > 1 else ''})"
     return {"framework": name, "version": where if s["max_staleness"] else "", "evals": evals,
@@ -256,19 +260,22 @@ def report(results: dict[str, dict], target: float | None) -> dict:
                      else 0, "step0_accuracy": step0(r), "final_accuracy": evals[-1]["accuracy"] if evals
                      else None, "time_to_target_s": None if target is None else time_to_target(evals, target),
                      "steady_s_per_step": steady_s_per_step(evals),
-                     "train_tokens_per_s": rate, "patches": r.get("patches", [])})  # fmt: skip
+                     "train_tokens_per_s": rate, "process_s": r.get("process_s"),
+                     "patches": r.get("patches", [])})  # fmt: skip
     return {"target_accuracy": target, "rows": rows}
 
 
 def table(rep: dict) -> str:
     f = lambda v, p: "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{p}f}"
     goal = "no target" if rep["target_accuracy"] is None else f"s to {rep['target_accuracy']:.2f}"
-    lines = [f"| framework | steps | step-0 acc | final acc | {goal} | "
-             "trained tok/s | s/step (steady) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    heads = ("framework", "steps", "step-0 acc", "final acc", goal, "trained tok/s", "s/step (steady)",
+             "process s")  # fmt: skip
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for r in rep["rows"]:
         name = f"{r['framework']} {r['version']}".strip()
         ttt = f(r["time_to_target_s"], 1) or ("not reached" if rep["target_accuracy"] is not None else "")
         cols = [name, str(r["steps"]), f(r["step0_accuracy"], 3), f(r["final_accuracy"], 3), ttt,
-                f(r["train_tokens_per_s"], 0), f(r["steady_s_per_step"], 3)]  # fmt: skip
+                f(r["train_tokens_per_s"], 0), f(r["steady_s_per_step"], 3),
+                f(r["process_s"], 0)]  # fmt: skip
         lines.append("| " + " | ".join(cols) + " |")
     return "\n".join(lines)

@@ -2,13 +2,14 @@
 
 Prompt "range d-k:", completion every letter from the first to the last in the order of `ALPHABET`
 ("defghijk"); a range may also run down ("range k-d:" -> "kjihgfed") and across the case boundary
-("range x-C:" -> "xyzABC"). Its span, the answer's length in letters (1 to 52), is drawn log-uniform,
-so short answers are common and long ones rare but present: the reference answers' p99/median is about
-7 in tokens (stop token included), a tail the sampler meets because of the problems themselves, not
-because a length cap was drawn. Each answer letter follows from the previous one (the next or the
-previous letter of the alphabet) and the stop from a comparison with the prompt's last letter, so a
-tiny character model learns it from a short supervised warm start; its errors grow with the span, which
-leaves RL work on the long tail.
+("range x-C:" -> "xyzABC"). Its span, the answer's length in letters (1 to 52), is exp(u^p ln 53) for
+u uniform on [0, 1) and p = DataConfig.letter_span_power: p = 1 is log-uniform, so short answers are
+common and long ones rare but present (the reference answers' median is 8 tokens, stop token included,
+and their p99 51); p = 1.5 nearly halves the median (5) and keeps the p99 (50). That is a tail the
+sampler meets because of the problems themselves, not because a length cap was drawn. Each answer letter
+follows from the previous one (the next or the previous letter of the alphabet) and the stop from a
+comparison with the prompt's last letter, so a tiny character model learns it from a short supervised
+warm start; its errors grow with the span, which leaves RL work on the long tail.
 
 The problem space is small (52 x 52 ranges), so the held-out split (a stable hash of the range) is drawn
 with repetition, as the training stream is: held-out accuracy estimates accuracy over the task's own
@@ -54,9 +55,10 @@ def parse_letter_range(prompt: str) -> tuple[str, str] | None:
     return m[-1] if m else None
 
 
-def _draw(rng: random.Random) -> tuple[str, str]:
+def _draw(rng: random.Random, power: float) -> tuple[str, str]:
     n = len(ALPHABET)
-    span = min(n, int(math.exp(rng.random() * math.log(n + 1))))  # log-uniform on 1..n
+    # power 1: log-uniform on 1..n; above 1 more short spans, the longest as likely to be reached.
+    span = min(n, int(math.exp(rng.random() ** power * math.log(n + 1))))
     start = rng.randrange(n - span + 1)
     lo, hi = ALPHABET[start], ALPHABET[start + span - 1]
     return (hi, lo) if rng.random() < 0.5 else (lo, hi)
@@ -67,7 +69,7 @@ def letter_range_example(cfg: DataConfig, split: str, index: int) -> dict[str, A
     index); a range is in exactly one split."""
     rng = random.Random(f"letter_range:{cfg.seed}:{split}:{index}")
     while True:
-        first, last = _draw(rng)
+        first, last = _draw(rng, cfg.letter_span_power)
         if is_heldout(f"{first}-{last}", cfg.heldout_fraction) == (split == "test"):
             prompt, answer = letter_range_problem(first, last)
             uid, meta = f"letter_range:{split}:{index}", {"first": first, "last": last}

@@ -70,6 +70,8 @@ class DataConfig:
       num_train: synthetic examples per epoch.
       num_eval: size of a synthetic task's "test" split iterator.
       countdown_numbers, countdown_max_number, countdown_max_target: countdown puzzle sizes.
+      letter_span_power: letter-range spans are exp(u^p ln 53), u uniform: 1 is log-uniform on 1..52,
+        larger values make short ranges commoner (jaxrl_async.data.letter_range).
     """
 
     task: str = "arithmetic"
@@ -95,6 +97,7 @@ class DataConfig:
     countdown_numbers: int = 3
     countdown_max_number: int = 20
     countdown_max_target: int = 100
+    letter_span_power: float = 1.0
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -128,6 +131,10 @@ class DataConfig:
             raise ValueError(f"DataConfig: countdown_numbers must be in [2, 6], got {self.countdown_numbers}")
         if self.countdown_max_number < 2 or self.countdown_max_target < 1:
             raise ValueError("DataConfig: countdown_max_number must be >= 2 and countdown_max_target >= 1")
+        if not 0.25 <= self.letter_span_power <= 4.0:
+            raise ValueError(
+                f"DataConfig: letter_span_power must be in [0.25, 4], got {self.letter_span_power}"
+            )
         if self.task in SYNTHETIC_TASKS and self.heldout_fraction <= 0.0:
             raise ValueError("DataConfig: synthetic tasks need heldout_fraction > 0 for their held-out split")
 

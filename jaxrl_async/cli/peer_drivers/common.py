@@ -22,10 +22,10 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def reward(kind: str, completion: str, answer: str) -> float:
-    """The task's verifier, as jaxrl_async.rewards.synthetic defines it (arithmetic: exact stripped
-    answer; shift: the share of answer positions right)."""
+    """The task's verifier, as jaxrl_async.rewards.synthetic defines it (arithmetic and letter_range: the
+    exact stripped answer; shift: the share of answer positions right)."""
     got = completion.strip()
-    if kind == "arithmetic":
+    if kind in ("arithmetic", "letter_range"):
         return 1.0 if got == answer else 0.0
     if kind == "shift":
         return sum(a == b for a, b in zip(answer, got, strict=False)) / max(len(answer), len(got), 1)
