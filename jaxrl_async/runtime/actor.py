@@ -113,9 +113,13 @@ class Actor:
         self.transport, self.weights, self.max_new_tokens_fn = transport, weights, max_new_tokens_fn
         self.endpoint = f"actor:{cfg.index}"
         self.loop = SamplerLoop(engine)
-        # Prompts to keep queued beyond the free slots: a quarter of the engine, so slots freed by one
-        # generate call refill in the next without waiting for the coordinator's answer.
-        self.lookahead = max(1, math.ceil(engine.cfg.num_slots / cfg.schedule.samples_per_prompt / 4))
+        # Prompts to keep queued beyond the free slots: two engines' worth. The coordinator answers from
+        # the learner's loop, which can be busy for a whole train step (XLA:CPU runs it on that loop's
+        # core), so the queue must outlast a step: with a quarter of the engine, the pinned letter_range
+        # run's trainer waited 31% of the time and trained 11,362 tokens/s; with one engine 23% and
+        # 13,017; with two 15% and 13,491 (seed 0, docs/benchmarks.md). The η bound still caps what is
+        # granted, so this changes when prompts start, never how stale they can be.
+        self.lookahead = max(1, math.ceil(2 * engine.cfg.num_slots / cfg.schedule.samples_per_prompt))
         self.version: int | None = None  # the policy version in use (None until the first arrives)
         self.granted = 0  # prompts granted so far
         self.asked = 0  # prompts asked for and not yet granted
