@@ -57,7 +57,7 @@ def parse_letter_range(prompt: str) -> tuple[str, str] | None:
 
 def _draw(rng: random.Random, power: float) -> tuple[str, str]:
     n = len(ALPHABET)
-    # power 1: log-uniform on 1..n; above 1 more short spans, the longest as likely to be reached.
+    # power 1: log-uniform on 1..n; above 1, more short spans and fewer long ones (all stay possible).
     span = min(n, int(math.exp(rng.random() ** power * math.log(n + 1))))
     start = rng.randrange(n - span + 1)
     lo, hi = ALPHABET[start], ALPHABET[start + span - 1]

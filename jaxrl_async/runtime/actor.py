@@ -114,11 +114,11 @@ class Actor:
         self.endpoint = f"actor:{cfg.index}"
         self.loop = SamplerLoop(engine)
         # Prompts to keep queued beyond the free slots: two engines' worth. The coordinator answers from
-        # the learner's loop, which can be busy for a whole train step (XLA:CPU runs it on that loop's
-        # core), so the queue must outlast a step: with a quarter of the engine, the pinned letter_range
-        # run's trainer waited 31% of the time and trained 11,362 tokens/s; with one engine 23% and
-        # 13,017; with two 15% and 13,491 (seed 0, docs/benchmarks.md). The η bound still caps what is
-        # granted, so this changes when prompts start, never how stale they can be.
+        # the learner's process, which in a pinned run shares its one core with the train step, so an
+        # answer can come a step late and the queue must outlast that. A quarter of an engine left the
+        # pinned letter_range run's trainer idle 31% of the time, two engines 15% (docs/benchmarks.md).
+        # The η bound still caps what is granted: this changes when prompts start, not how stale they
+        # may be.
         self.lookahead = max(1, math.ceil(2 * engine.cfg.num_slots / cfg.schedule.samples_per_prompt))
         self.version: int | None = None  # the policy version in use (None until the first arrives)
         self.granted = 0  # prompts granted so far
