@@ -160,3 +160,12 @@ def test_drivers_import_nothing_of_this_package():
         assert "jaxrl_async" not in roots and "configs" not in roots, name
         if name == "common.py":
             assert roots <= set(sys.stdlib_module_names) | {"__future__"}, roots
+
+
+def test_the_stop_token_goes_back_on_completions_that_ended_on_it():
+    """Tunix's sampler cuts the stop token; its driver puts it back on every completion shorter than the
+    new-token limit (those ended on the stop), so the loss covers the stop decision; a completion at the
+    limit was cut there and gets none."""
+    common = _common()
+    cut = [np.asarray([5, 6], np.int32), np.asarray([], np.int32), np.asarray([7, 8, 9], np.int32)]
+    assert common.with_stop_token(cut, 3, 2) == [[5, 6, 2], [2], [7, 8, 9]]

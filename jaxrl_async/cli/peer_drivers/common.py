@@ -32,6 +32,14 @@ def reward(kind: str, completion: str, answer: str) -> float:
     raise ValueError(f"spec.reward: unknown reward {kind!r}")
 
 
+def with_stop_token(completions: list, max_new: int, eos_id: int) -> list[list[int]]:
+    """Sampled completions with their stop token put back: a sampler that cuts each completion before
+    its first stop token (Tunix's) leaves the stop out of the loss, so no sample is rewarded for stopping
+    where it did. A completion shorter than the new-token limit ended on the stop; one at the limit was
+    cut there and gets none."""
+    return [[*map(int, c), eos_id] if len(c) < max_new else [*map(int, c)] for c in completions]
+
+
 def lr_at(spec: dict, step: int) -> float:
     """The rate of train step `step` (0-based): linear warmup from 0, then cosine to lr * end_lr_ratio at
     schedule_steps (optax.warmup_cosine_decay_schedule, as jaxrl_async.trainer.optimizer builds it)."""

@@ -1,6 +1,6 @@
 """Tunix's own GRPO loop (`GRPOLearner`, 0.1.7, its vanilla sampler) on the benchmark's spec.
 
-  python tunix_grpo.py SPEC.json RESULT.json [--step0]
+  python tunix_grpo.py SPEC.json RESULT.json [--step0] [--as-shipped]
 
 Runs in the Tunix venv that tools/bench_peers.py builds. Settings from the spec: the warm start, the
 prompts in our order (batches of prompts_per_step, no shuffle), the reward, samples per prompt, new
@@ -8,6 +8,7 @@ tokens, temperature, AdamW with our schedule (optax's warmup-cosine, as ours) af
 the clip range (Tunix's GRPO clip is symmetric: epsilon = eps_low), no KL (beta 0), one update per batch,
 token-level loss aggregation ("token-mean"). Held-out evaluations run between steps with a fresh vanilla
 sampler on the actor's current weights, off the clock. --step0: only the step-0 evaluation.
+--as-shipped: train without the stop-token patch below (what Tunix's loop does on its own).
 What Tunix needs to match transformers' logits on our export, each listed in the result's "patches":
   - its Llama-3 attention calls `apply_rope` without the config's rope_theta (always its default 1e6):
     the driver wraps the module's `apply_rope` to pass the exported rope_theta (a patch of Tunix, in this
@@ -15,6 +16,11 @@ What Tunix needs to match transformers' logits on our export, each listed in the
   - its KV-cache update fails on jax's default explicit mesh axes: the mesh is built with AxisType.Auto;
   - its sampler prepends BOS when the tokenizer reports one: the tokenizer is loaded with bos_token=None
     (our prompts carry no BOS).
+What its GRPO loop needs to learn a task whose answer ends where the model stops (letter_range):
+  - its sampler cuts each completion before its first stop token, and the learner's completion mask is
+    "not pad", so the stop token is never in the loss: no sample is rewarded for stopping where it did.
+    The driver appends the stop token to every completion that ended on one (shorter than the new-token
+    limit), as TRL and ours train it.
 """
 
 from __future__ import annotations
@@ -25,13 +31,35 @@ import os
 import sys
 
 # common.py lies beside this copy: a script's own directory is on its sys.path.
-from common import Clock, load_spec, read_jsonl, reward, write_result
+from common import Clock, load_spec, read_jsonl, reward, with_stop_token, write_result
 
 PATCHES = [
     "llama3.model.apply_rope wrapped to use the exported rope_theta (Tunix always uses 1e6)",
     "mesh axes AxisType.Auto (the KV-cache update fails on explicit axes)",
     "tokenizer loaded with bos_token=None (the sampler prepends BOS when the tokenizer has one)",
 ]
+STOP_PATCH = "the stop token appended to sampled completions that ended on it (Tunix cuts it: never trained)"
+
+
+def train_the_stop_token(max_new: int, eos_id: int) -> None:
+    """Wraps the vanilla rollout's generate (this process only): a completion shorter than the new-token
+    limit ended on the stop token, which Tunix's sampler cut; it is put back, so the learner's "not pad"
+    mask covers it and the stop decision gets its advantage like every other token."""
+    import dataclasses
+
+    import numpy as np
+    from tunix.rl.rollout import vanilla_rollout
+
+    generate = vanilla_rollout.VanillaRollout.generate
+
+    def with_stop(self, prompts, rollout_config, **kwargs):
+        out = generate(self, prompts, rollout_config, **kwargs)
+        cut = out.tokens
+        put_back = with_stop_token(cut, max_new, eos_id)
+        tokens = [np.asarray(t, c.dtype) for t, c in zip(put_back, cut, strict=True)]
+        return dataclasses.replace(out, tokens=tokens)
+
+    vanilla_rollout.VanillaRollout.generate = with_stop
 
 
 def load_model(model_dir: str):
@@ -96,11 +124,14 @@ def main(argv: list[str]) -> None:
     with jax.set_mesh(mesh):
         clock.evaluate(0, lambda: evaluate(model))
         if "--step0" not in argv:
+            if "--as-shipped" not in argv:
+                train_the_stop_token(spec["max_new_tokens"], spec["eos_id"])
             train(spec, model, tok, mesh, clock, evaluate)
     import importlib.metadata as md
 
     version = md.version("google-tunix")
-    write_result(argv[2], "tunix", version, clock, PATCHES, versions={"jax": jax.__version__})
+    patches = PATCHES + ([STOP_PATCH] if "--step0" not in argv and "--as-shipped" not in argv else [])
+    write_result(argv[2], "tunix", version, clock, patches, versions={"jax": jax.__version__})
 
 
 def train(spec: dict, model, tok, mesh, clock: Clock, evaluate) -> None:
