@@ -5,6 +5,21 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+# One persistent XLA compilation cache for the whole run, the subprocesses included (they inherit the
+# environment): the suite compiles the same tiny-model programs again in dozens of processes (a run of
+# tests/test_rehearsal.py took 66 s with a cold cache, 51 s with a warm one). Every compile is kept,
+# however short; the folder is the run's own and goes when the run ends.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _xla_cache = tempfile.mkdtemp(prefix="jaxrl_async_tests_xla_cache_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _xla_cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
+
 import sys  # noqa: E402
 
 # configs/ is a directory of config files at the repository root, not an installed package.
