@@ -79,25 +79,30 @@ class Projections:
     down: Callable
 
 
+def project(x, w, contract: int = 1):
+    """x [..., *C] times w [*C, *O] -> [..., *O], as one 2-D matmul over the rows of x (C: the last
+    `contract` dims of x, the first of w).
+
+    Why not an einsum over [B, T, D]: its weight gradient contracts over two row dims (b, t), and XLA:CPU
+    then writes the activation gradient out transposed, element by element, before the matmul. Measured
+    on the tiny 3-layer model's train micro-batch (64 x 72 rows, idle 2-core Intel Xeon): the transposes
+    took about 40% of the step. Flattening the rows first is free on every backend (a bitcast) and keeps
+    the batch sharding, which lives on the leading, major dim.
+    """
+    c = math.prod(x.shape[x.ndim - contract :])
+    y = jnp.dot(x.reshape(-1, c), w.astype(x.dtype).reshape(c, -1))
+    return y.reshape(*x.shape[: x.ndim - contract], *w.shape[contract:])
+
+
 def _einsum_qkv(cfg: ModelConfig, lp: dict, h_BxTxD):
-    dt = h_BxTxD.dtype
-    q = jnp.einsum("btd,dhk->bthk", h_BxTxD, lp["q"].astype(dt))
-    k = jnp.einsum("btd,dgk->btgk", h_BxTxD, lp["k"].astype(dt))
-    v = jnp.einsum("btd,dgk->btgk", h_BxTxD, lp["v"].astype(dt))
-    return q, k, v
-
-
-def _einsum_gate_up(lp: dict, h_BxTxD):
-    dt = h_BxTxD.dtype
-    gate = jnp.einsum("btd,df->btf", h_BxTxD, lp["gate"].astype(dt))
-    return gate, jnp.einsum("btd,df->btf", h_BxTxD, lp["up"].astype(dt))
+    return project(h_BxTxD, lp["q"]), project(h_BxTxD, lp["k"]), project(h_BxTxD, lp["v"])
 
 
 EINSUM = Projections(
     qkv=_einsum_qkv,
-    out=lambda lp, a_BxTxHxK: jnp.einsum("bthk,hkd->btd", a_BxTxHxK, lp["o"].astype(a_BxTxHxK.dtype)),
-    gate_up=_einsum_gate_up,
-    down=lambda lp, a_BxTxF: jnp.einsum("btf,fd->btd", a_BxTxF, lp["down"].astype(a_BxTxF.dtype)),
+    out=lambda lp, a_BxTxHxK: project(a_BxTxHxK, lp["o"], contract=2),
+    gate_up=lambda lp, h_BxTxD: (project(h_BxTxD, lp["gate"]), project(h_BxTxD, lp["up"])),
+    down=lambda lp, a_BxTxF: project(a_BxTxF, lp["down"]),
 )
 
 
