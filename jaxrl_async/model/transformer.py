@@ -178,6 +178,7 @@ def forward(
     remat: bool = False,
     return_hidden: bool = False,
     mesh=None,
+    unroll: bool = False,
 ):
     """Runs the model over whole (packed) rows: training, scoring and `forward_logits` (the sampler decodes
     with the same `layer` over its own layout, `jaxrl_async.sampler.decode`).
@@ -192,6 +193,7 @@ def forward(
       remat: rematerialize each layer in the backward pass.
       return_hidden: return the final normed hidden states [B, T, D] instead of logits.
       mesh: the mesh the call is sharded on (a kernel such as splash attention runs per device on it).
+      unroll: unroll the layers instead of scanning them (TrainConfig.unroll_layers says when it pays).
 
     Returns:
       logits [B, T, V] float32 (or the hidden states [B, T, D] with `return_hidden`).
@@ -211,7 +213,7 @@ def forward(
 
     if remat:
         body = jax.checkpoint(body, prevent_cse=False)
-    x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, params["layers"])
+    x_BxTxD, _ = jax.lax.scan(body, x_BxTxD, params["layers"], unroll=unroll)
     x_BxTxD = final_norm(cfg, params, x_BxTxD)
     if return_hidden:
         return x_BxTxD

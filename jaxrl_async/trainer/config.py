@@ -64,6 +64,10 @@ class TrainConfig:
       temperature: sampling temperature; trainer logprobs use the same one as the sampler.
       kl_coef, kl_estimator: KL penalty to the reference parameters (0 = off, no reference forward).
       remat: rematerialize layers in the backward pass.
+      unroll_layers: run the layers unrolled instead of as one `lax.scan` (same math). The scan keeps
+        compile time flat in depth; unrolled, XLA:CPU saves the scan's stacked residuals and their
+        dynamic slices: the tiny 3-layer model's train micro-batch (64 x 72 rows, idle 2-core Intel Xeon)
+        took 0.235 s unrolled against 0.29 s scanned. For shallow models on CPU; deep models keep the scan.
       staleness_bins: size of the per-token staleness histogram (last bin = that many or more).
       skip_zero_advantage: leave sequences whose advantage is 0 (groups whose rewards are all equal)
         out of the packed batch. Their policy-gradient term is 0, so only the token-mean's denominator
@@ -112,6 +116,7 @@ class TrainConfig:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     remat: bool = False
+    unroll_layers: bool = False
     staleness_bins: int = 16
     skip_zero_advantage: bool = False
     dynamic_sampling: bool = False

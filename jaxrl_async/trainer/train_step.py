@@ -211,6 +211,7 @@ def _model_logprobs(cfg: TrainConfig, model_cfg: ModelConfig, params, mb, remat:
         remat=remat,
         return_hidden=True,
         mesh=mesh,
+        unroll=cfg.unroll_layers,
     )
     return chunked_token_logprobs(
         model_cfg, params, hidden_BxTxD, mb["targets"], cfg.temperature, cfg.logits_chunk
