@@ -4,6 +4,7 @@ import dataclasses
 import gc
 
 import jax
+import numpy as np
 import pytest
 
 from jaxrl_async.model import init_params, presets
@@ -74,3 +75,24 @@ def test_weights_from_rejects_another_layout():
         Engine(TINY.replace(n_layers=1), None, MESH, CFG, weights_from=main)
     with pytest.raises(ValueError, match="weights_from"):
         Engine(TINY, _params(1), MESH, CFG, weights_from=main)
+
+
+def test_evaluation_accuracy_weighs_each_prompt_by_its_weight():
+    from jaxrl_async.data.prompt import Prompt
+    from jaxrl_async.runtime.evaluation import Evaluation
+
+    def prompt(uid, tokens, weight):
+        return Prompt(uid, "", np.asarray(tokens, np.int32), "", {}, weight=weight)
+
+    prompts = [prompt("a", [1, 2, 3], 0.7), prompt("b", [4, 5], 0.2), prompt("c", [6, 7, 8, 9], 0.1)]
+    ev = Evaluation(Engine(TINY, _params(0), MESH, eval_sampler_config(CFG, 2, 2)), None, None, prompts,
+                    None, 5)  # fmt: skip
+    done = []
+    while not ev.loop.idle:
+        done += ev.decode()
+    assert sorted(c.uid for c in done) == ["a", "b", "c"]
+    for uid, reward in (("a", 1.0), ("b", 0.0), ("c", 1.0)):  # two of three right, most of the weight
+        assert ev.owns(("eval", 5, uid))
+        ev.take(("eval", 5, uid), reward)
+    assert ev.done and ev.correct == 2
+    assert ev.accuracy == pytest.approx(0.8)  # 0.7 + 0.1, not 2/3

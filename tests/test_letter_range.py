@@ -1,12 +1,22 @@
 """The letter-range task: deterministic generation, a long tail of its own, its verifier and its config."""
 
+import collections
+import random
+
 import jax
 import numpy as np
 import pytest
 
 from configs import letter_range as letter_range_config
 from jaxrl_async.data import DataConfig, held_out_prompts, make_prompt_iterator, reference_completion
-from jaxrl_async.data.letter_range import ALPHABET, letter_range, letter_range_example
+from jaxrl_async.data.letter_range import (
+    ALPHABET,
+    _draw,
+    letter_range,
+    letter_range_example,
+    range_probabilities,
+)
+from jaxrl_async.data.prompt import is_heldout
 from jaxrl_async.rewards import synthetic as reward_synthetic
 from jaxrl_async.rewards.registry import get_reward
 from jaxrl_async.rewards.service import RewardConfig, grade_one
@@ -27,9 +37,37 @@ def test_generation_is_a_function_of_seed_split_and_index():
     for r in a:
         assert r["prompt"] == f"range {r['metadata']['first']}-{r['metadata']['last']}:"
         assert reference_completion(r["prompt"]) == r["answer"] == letter_range(**r["metadata"])
-    held = held_out_prompts(cfg, tok, 300)
+    held = held_out_prompts(cfg, tok, 1000)
     train = {r["prompt"] for r in (letter_range_example(cfg, "train", i) for i in range(3000))}
-    assert len(held) == 300 and not {p.text for p in held} & train  # a range is in one split only
+    assert not {p.text for p in held} & train  # a range is in one split only
+
+
+def test_held_out_set_is_every_held_out_range_once_weighted_by_its_probability():
+    tok = CharTokenizer()
+    cfg = DataConfig(task="letter_range", seed=3)
+    held = held_out_prompts(cfg, tok, 1000)
+    pairs = {(p.metadata["first"], p.metadata["last"]) for p in held}
+    every = {(a, b) for a in ALPHABET for b in ALPHABET if is_heldout(f"{a}-{b}", cfg.heldout_fraction)}
+    assert pairs == every and len(held) == len(every) == 275  # distinct, and all of them
+    assert sum(p.weight for p in held) == pytest.approx(1.0)
+    # The weights are what the held-out draws of the task's own stream would give, span by span.
+    probs = range_probabilities(1.0)
+    assert sum(probs.values()) == pytest.approx(1.0)
+    rng = random.Random(0)
+    counts = collections.Counter(_draw(rng, 1.0) for _ in range(40_000))
+    def share(d, lo, hi):
+        return sum(v for (a, b), v in d.items() if lo <= len(letter_range(a, b)) <= hi)
+
+    for lo, hi in ((1, 2), (3, 5), (6, 12), (13, 25), (26, 52)):
+        assert share(counts, lo, hi) / 40_000 == pytest.approx(share(probs, lo, hi), abs=0.01), (lo, hi)
+    # Fewer: a random subset (fixed per seed), still weighted; the order differs between seeds.
+    some = held_out_prompts(cfg, tok, 50)
+    assert [p.uid for p in some] == [p.uid for p in held[:50]]
+    other_seed = held_out_prompts(DataConfig(task="letter_range"), tok, 50)
+    assert [p.uid for p in some] != [p.uid for p in other_seed]
+    # Short ranges carry most of the weight: the exact accuracy weighs them as the stream does.
+    short = sum(p.weight for p in held if len(p.answer) <= 8)
+    assert short > 0.5 > sum(len(p.answer) <= 8 for p in held) / len(held)
 
 
 def test_answers_run_both_ways_and_across_the_case_boundary():
@@ -50,8 +88,11 @@ def test_reference_answers_are_long_tailed_in_tokens():
     lengths = np.asarray([len(tok.encode(reference_completion(next(it).text))) + 1 for _ in range(3000)])
     p50, p99 = np.percentile(lengths, [50, 99])
     assert p99 / p50 >= 4, (p50, p99)
-    held = np.asarray([len(p.answer) + 1 for p in held_out_prompts(cfg, tok, 1000)])
-    assert np.percentile(held, 99) / np.percentile(held, 50) >= 4  # held-out follows the same mix
+    # Held-out follows the same mix: weighted percentiles of its answers' lengths.
+    held = sorted((len(p.answer) + 1, p.weight) for p in held_out_prompts(cfg, tok, 1000))
+    cum = np.cumsum([w for _, w in held])
+    p50, p99 = (held[int(np.searchsorted(cum, q))][0] for q in (0.5, 0.99))
+    assert p99 / p50 >= 4, (p50, p99)
     assert lengths.max() <= len(ALPHABET) + 1
 
 

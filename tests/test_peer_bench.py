@@ -57,7 +57,7 @@ def test_prompt_dump_is_our_pipeline_in_our_order_with_disjoint_splits(tmp_path)
     assert [r["prompt"] for r in held] == [p.text for p in held_out_prompts(run.data, tok, 50)]
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
     for r in train + held:
-        assert r["prompt_ids"] == tok.encode(r["prompt"]) and r["reward"] == "arithmetic"
+        assert r["prompt_ids"] == tok.encode(r["prompt"]) and r["reward"] == "arithmetic" and r["weight"] == 1
         assert str(eval(r["prompt"][:-1])) == r["answer"]  # "37+85=" -> "122"
 
 
@@ -121,6 +121,10 @@ def test_letter_range_dump_answers_and_the_drivers_reward_are_ours(tmp_path):
             ours_grade = grade(p.text, completion, p.metadata)
             assert common.reward("letter_range", completion, r["answer"]) == ours_grade
     assert max(len(r["answer"]) for r in rows) > 4 * np.median([len(r["answer"]) for r in rows])
+    # The held-out rows carry our weights: a driver's weighted accuracy is the number our runs log.
+    held = _rows(paths["heldout"])
+    assert [r["weight"] for r in held] == [p.weight for p in held_out_prompts(run.data, tok, 40)]
+    assert len({r["weight"] for r in held}) > 1
 
 
 def test_step0_check_time_to_target_and_table():

@@ -82,9 +82,9 @@ def ensure_venv(venvs: str, peer: str, log_path: str) -> str:
 
 def prompt_rows(prompts, reward: str) -> list[dict]:
     """JSONL rows of Prompts: the rendered text (what our sampler decodes from), our token ids of it, the
-    answer the reward compares with, and the reward's name."""
+    answer the reward compares with, the reward's name and the prompt's weight in a held-out accuracy."""
     return [{"uid": p.uid, "prompt": p.text, "prompt_ids": [int(t) for t in p.tokens], "answer": p.answer,
-             "reward": reward} for p in prompts]  # fmt: skip
+             "reward": reward, "weight": float(p.weight)} for p in prompts]  # fmt: skip
 
 
 def write_jsonl(rows: list[dict], path: str) -> None:

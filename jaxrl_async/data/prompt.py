@@ -34,6 +34,8 @@ class Prompt:
         the row names its own reward: it overrides the run's, config.reward.reward).
       key: this draw of the example in the training stream, "<epoch>:<row>" (row: its index in one
         epoch of the source, before shuffling); the coordinator's ledger and trained_uids.jsonl use it.
+      weight: the prompt's weight in a held-out accuracy (a weighted mean): 1 except where a task's
+        held-out set lists distinct prompts with their probabilities (letter_range).
     """
 
     uid: str
@@ -42,6 +44,7 @@ class Prompt:
     answer: str
     metadata: Mapping[str, Any]
     key: str = ""
+    weight: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)

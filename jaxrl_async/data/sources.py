@@ -129,7 +129,8 @@ def to_prompt(cfg: DataConfig, tokenizer, record: dict[str, Any]) -> Prompt:
     meta = {**record["metadata"], "answer": record["answer"], "task": cfg.task}
     key = f"{record.get('epoch', 0)}:{record['row']}" if "row" in record else ""
     answer = record["answer"]
-    return Prompt(uid=record["uid"], text=text, tokens=tokens, answer=answer, metadata=meta, key=key)
+    weight = float(record.get("weight", 1.0))
+    return Prompt(record["uid"], text, tokens, answer, meta, key=key, weight=weight)
 
 
 # ---- datasets -----------------------------------------------------------------------------------------
@@ -196,8 +197,9 @@ def prompt_at(cfg: DataConfig, tokenizer, key: str) -> Prompt:
 
 
 def held_out_prompts(cfg: DataConfig, tokenizer, n: int) -> list[Prompt]:
-    """The first `n` held-out prompts (distinct, fixed order; fewer if the split is smaller). The letter-range
-    task's are drawn with repetition (jaxrl_async.data.letter_range says why)."""
+    """The first `n` held-out prompts (distinct, fixed order; fewer if the split is smaller). The
+    letter-range task's carry weights: its held-out accuracy is a weighted mean (jaxrl_async.data.letter_range
+    says why)."""
     if cfg.task in SYNTHETIC_TASKS:
         records = synthetic_heldout(cfg, n)
     else:

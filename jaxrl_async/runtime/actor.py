@@ -343,7 +343,7 @@ class Actor:
         g = self.cfg.schedule.samples_per_prompt
         for res in self.rewards.poll():
             if self._eval is not None and self._eval.owns(res.request_id):
-                self._eval.take(res.reward)
+                self._eval.take(res.request_id, res.reward)
                 if self._eval.done:
                     self._eval_finished()
                 continue

@@ -198,7 +198,8 @@ IDS = _Seq("l", INT)
 
 # Every type that may cross, with a spec for each of its fields (in the order they travel).
 SCHEMAS: dict[type, dict[str, _Spec]] = {
-    Prompt: {"uid": STR, "text": STR, "tokens": _Array("iu", 1), "answer": STR, "metadata": DICT, "key": STR},
+    Prompt: {"uid": STR, "text": STR, "tokens": _Array("iu", 1), "answer": STR, "metadata": DICT, "key": STR,
+             "weight": FLOAT},
     Rollout: {"uid": STR, "group_id": INT, "sample_index": INT, "prompt_tokens": _Array("iu", 1),
               "completion_tokens": _Array("iu", 1), "behav_logprobs": _Array("f", 1),
               "versions": _Array("iu", 1), "reward": FLOAT, "finish_reason": STR, "metadata": DICT},

@@ -38,7 +38,7 @@ class Evaluation:
       engine: a greedy engine (temperature 0) on the sampler mesh with weights of its own.
       rewards: the RewardService; its results for this evaluation carry keys ("eval", version, uid).
       tokenizer: decodes completions.
-      prompts: jaxrl_async.data.Prompt records.
+      prompts: jaxrl_async.data.Prompt records; `accuracy` weighs each by its `weight`.
       params: the version's weights in the sampler layout (None: the engine's current weights).
       version: their policy version.
     """
@@ -52,7 +52,10 @@ class Evaluation:
             tokens = tuple(int(t) for t in p.tokens)
             self.loop.add_request(Request(uid=p.uid, prompt_tokens=tokens, metadata=p))
         self.total = len(prompts)
+        self.weights = {p.uid: float(p.weight) for p in prompts}
+        self.total_weight = sum(self.weights.values())
         self.correct = 0
+        self.correct_weight = 0.0
         self.graded = 0
         self.started = time.perf_counter()
         self.calls = 0
@@ -75,10 +78,11 @@ class Evaluation:
         self.calls += 1
         return self.loop.step()
 
-    def take(self, reward: float) -> None:
-        """One graded completion."""
+    def take(self, request_id, reward: float) -> None:
+        """One graded completion (`request_id`: the reward service's ("eval", version, uid))."""
         self.graded += 1
         self.correct += reward >= 1.0
+        self.correct_weight += self.weights[request_id[2]] * (reward >= 1.0)
 
     @property
     def done(self) -> bool:
@@ -86,14 +90,15 @@ class Evaluation:
 
     @property
     def accuracy(self) -> float:
-        return self.correct / self.total if self.total else 0.0
+        """The weighted fraction of prompts right (the plain fraction when every weight is 1)."""
+        return self.correct_weight / self.total_weight if self.total_weight else 0.0
 
 
 def evaluate_accuracy(
     engine: Engine, rewards, tokenizer, prompts, sampler_params, version: int | None = None
 ) -> float:
-    """The fraction of `prompts` whose greedy completion gets reward >= 1, all at once (blocking: for tools
-    outside the event loop; the actor uses `Evaluation`).
+    """The fraction of `prompts` (weighted by `Prompt.weight`) whose greedy completion gets reward >= 1, all
+    at once (blocking: for tools outside the event loop; the actor uses `Evaluation`).
 
     Args:
       engine: a greedy engine (temperature 0) on the sampler mesh.
@@ -120,7 +125,8 @@ def evaluate_accuracy(
     completions = loop.run(admit)
     items = [(c.metadata.text, tokenizer.decode(c.tokens), dict(c.metadata.metadata)) for c in completions]
     scores = rewards.grade_batch(items)
-    return float(np.mean([r >= 1.0 for r in scores])) if scores else 0.0
+    weights = [float(c.metadata.weight) for c in completions]
+    return float(np.average([r >= 1.0 for r in scores], weights=weights)) if scores else 0.0
 
 
 def trainer_idle_during(eval_spans, step_spans) -> dict:

@@ -21,14 +21,15 @@ from common import Clock, batches, load_spec, lr_factor, read_jsonl, reward, wri
 
 
 def greedy_accuracy(model, tok, rows: list[dict], spec: dict) -> float:
-    """Held-out greedy exact match: prompts grouped by length (no padding, positions from 0, as our
-    engine decodes them), up to max_new_tokens, the completion cut at eos."""
+    """Held-out greedy exact match, weighted by each row's "weight": prompts grouped by length (no
+    padding, positions from 0, as our engine decodes them), up to max_new_tokens, the completion cut at
+    eos."""
     import torch
 
     by_len: dict[int, list[dict]] = {}
     for r in rows:
         by_len.setdefault(len(r["prompt_ids"]), []).append(r)
-    right = 0
+    right = 0.0
     with torch.no_grad():
         for n, group in by_len.items():
             ids = torch.tensor([r["prompt_ids"] for r in group])
@@ -38,8 +39,8 @@ def greedy_accuracy(model, tok, rows: list[dict], spec: dict) -> float:
             for r, seq in zip(group, out[:, n:].tolist(), strict=True):
                 seq = seq[: seq.index(spec["eos_id"])] if spec["eos_id"] in seq else seq
                 text = tok.decode(seq, skip_special_tokens=True)
-                right += reward(spec["reward"], text, r["answer"]) >= 1.0
-    return right / len(rows)
+                right += r["weight"] * (reward(spec["reward"], text, r["answer"]) >= 1.0)
+    return right / sum(r["weight"] for r in rows)
 
 
 def main(argv: list[str]) -> None:

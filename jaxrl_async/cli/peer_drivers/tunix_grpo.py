@@ -87,17 +87,18 @@ def load_model(model_dir: str):
 
 
 def greedy_accuracy(sampler, rows: list[dict], spec: dict) -> float:
-    """Held-out greedy exact match, prompts grouped by length (no padding)."""
+    """Held-out greedy exact match (weighted by each row's "weight"), prompts grouped by length (no
+    padding)."""
     by_len: dict[int, list[dict]] = {}
     for r in rows:
         by_len.setdefault(len(r["prompt_ids"]), []).append(r)
-    right = 0
+    right = 0.0
     for n, group in by_len.items():
         out = sampler([r["prompt"] for r in group], max_generation_steps=spec["max_new_tokens"],
                       max_prompt_length=n, eos_tokens=[spec["eos_id"]], temperature=0.0)  # fmt: skip
         for r, text in zip(group, out.text, strict=True):
-            right += reward(spec["reward"], text, r["answer"]) >= 1.0
-    return right / len(rows)
+            right += r["weight"] * (reward(spec["reward"], text, r["answer"]) >= 1.0)
+    return right / sum(r["weight"] for r in rows)
 
 
 def main(argv: list[str]) -> None:
