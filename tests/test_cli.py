@@ -39,6 +39,7 @@ def test_console_scripts_name_a_run_function():
     "shim, flag",
     [
         ("tools/generate.py", "--max-new-tokens"),
+        ("tools/evaluate.py", "--steps"),
         ("tools/export_hf.py", "--out"),
         ("tools/perf_model.py", "--roles-bench"),
         ("tools/plan_check.py", "--hf-config"),

@@ -1,0 +1,82 @@
+"""Held-out greedy accuracy of a run's checkpoints, on the held-out set its config defines.
+
+  python tools/evaluate.py --config=configs/letter_range.py --checkpoint RUN [--steps 50,100]
+
+RUN: one of our runs (its workdir, its checkpoints/ directory or a step in it). `--config` is the run's
+config with the run's overrides (the data seed and `eval_prompts` name the held-out prompts); the
+prompts, their weights (letter_range's exact accuracy weighs each range by its probability), the greedy
+eval engine's settings and the reward are the run's own. So a version's figure here is the one the run
+logged for it when the run evaluated with its own eval engine (config.eval_weights="own"), and any
+saved version can be scored again, with a larger held-out set (`--config.eval_prompts`) included. Prints
+one line per version, `version V: held-out accuracy A (N prompts)`, and with --out writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from jaxrl_async.cli import run_command
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "The run's config file.", lock_config=True)
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A run's workdir, checkpoints/ or a step in it.")
+_STEPS = flags.DEFINE_list("steps", None, "Versions to evaluate (default: the newest or the given step).")
+_OUT = flags.DEFINE_string("out", "", "Also write {version: accuracy} here as JSON.")
+flags.mark_flags_as_required(["config", "checkpoint"])
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    from jaxrl_async.runtime.cluster import prepare_devices
+
+    prepare_devices(_CONFIG.value)  # before JAX picks a backend
+    import jax
+
+    from jaxrl_async.data import held_out_prompts
+    from jaxrl_async.rewards import RewardService
+    from jaxrl_async.run_config import ConfigError, validate
+    from jaxrl_async.runtime.build import build_tokenizer, sampler_config
+    from jaxrl_async.runtime.checkpoint import find_checkpoints, load_policy
+    from jaxrl_async.runtime.evaluation import eval_sampler_config, evaluate_accuracy
+    from jaxrl_async.sampler import Engine
+    from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
+
+    try:
+        run = validate(_CONFIG.value, len(jax.devices()))
+    except ConfigError as e:
+        raise app.UsageError(f"invalid config: {e}") from None
+    try:
+        steps = [int(s) for s in _STEPS.value] if _STEPS.value else [None]
+    except ValueError:
+        raise app.UsageError(f"--steps: comma-separated integers, got {','.join(_STEPS.value)!r}") from None
+    if find_checkpoints(_CHECKPOINT.value) is None:
+        raise app.UsageError(f"--checkpoint {_CHECKPOINT.value}: not a run of ours (no model.json found)")
+    tokenizer = build_tokenizer(run)
+    prompts = held_out_prompts(run.data, tokenizer, run.eval.prompts)
+    mesh = make_mesh((1, 1), ("data", "tensor"), jax.devices()[:1])
+    rewards = RewardService(run.reward)
+    results = {}
+    try:
+        for step in steps:
+            model_cfg, params, _, version = load_policy(_CHECKPOINT.value, mesh, SAMPLER_RULES, step)
+            cfg = eval_sampler_config(sampler_config(run, tokenizer), 1, run.eval.slots)
+            engine = Engine(model_cfg.compute_copy(), params, mesh, cfg)
+            results[version] = evaluate_accuracy(engine, rewards, tokenizer, prompts, None)
+            print(f"version {version}: held-out accuracy {results[version]:.4f} ({len(prompts)} prompts)",
+                  flush=True)  # fmt: skip
+    finally:
+        rewards.close()
+    if _OUT.value:
+        with open(_OUT.value, "w") as f:
+            json.dump({str(v): a for v, a in results.items()}, f, indent=1)
+
+
+def run() -> None:
+    run_command(main, __name__)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,56 @@
+"""tools/evaluate.py scores a run's saved versions as the run itself scored them (same prompts, weights,
+greedy engine and reward)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxrl_async.runtime.metrics import read_scalars
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# letter_range's weighted held-out set on a random model; the format reward gives it some right answers.
+CONFIG = """
+from configs import letter_range
+
+
+def get_config():
+    c = letter_range.get_config()
+    c.total_steps, c.prompts_per_step, c.samples_per_prompt = 2, 4, 4
+    c.eval_every, c.eval_prompts, c.checkpoint_every = 1, 24, 1
+    c.sampler.num_slots, c.sampler.max_new_tokens = 8, 8
+    c.trainer.token_budget, c.trainer.rows_per_micro = 24, 4
+    c.warm_start.enabled = False
+    c.reward.reward = "format"
+    c.reward.defaults = {"format_regex": "^[a-m]"}
+    return c
+"""
+
+
+def _python(*args, timeout=600):
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    res = subprocess.run([sys.executable, *args], env=env, text=True, capture_output=True, timeout=timeout)
+    return res.returncode, res.stdout + res.stderr
+
+
+def test_evaluate_gives_the_accuracies_the_run_logged(tmp_path):
+    config = tmp_path / "config.py"
+    config.write_text(CONFIG)
+    work = tmp_path / "run"
+    run_py, evaluate = os.path.join(REPO, "launch", "run.py"), os.path.join(REPO, "tools", "evaluate.py")
+    rc, out = _python(run_py, f"--config={config}", f"--config.workdir={work}")
+    assert rc == 0, out[-3000:]
+    logged = dict(read_scalars(str(work / "tb"))["eval/accuracy"])
+    assert {1, 2} <= set(logged) and any(0 < a < 1 for a in logged.values()), logged  # not 0 == 0
+    report = tmp_path / "eval.json"
+    flags = [f"--config={config}", f"--checkpoint={work}", "--steps=1,2", f"--out={report}"]
+    rc, out = _python(evaluate, *flags)
+    assert rc == 0, out[-3000:]
+    got = {int(v): a for v, a in json.loads(report.read_text()).items()}
+    assert got == pytest.approx({v: logged[v] for v in (1, 2)}, abs=1e-6), (got, logged)
+    assert "version 2: held-out accuracy" in out and "(24 prompts)" in out
+    rc, out = _python(evaluate, f"--config={config}", f"--checkpoint={tmp_path / 'nowhere'}")
+    assert rc != 0 and "--checkpoint" in out and "not a run of ours" in out
