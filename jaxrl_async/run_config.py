@@ -453,6 +453,26 @@ CROSS_CHECKS = (
 )
 
 
+def clip_note(run: RunConfig) -> str | None:
+    """What a proximal-policy loss does with one optimizer update a step on stale samples, or None.
+
+    With trainer.minibatches = 1 the proximal policy is pi_theta itself, so a loss that clips against it
+    (decoupled PPO, GSPO, M2PO) never clips: stale tokens are corrected by the behaviour weight alone.
+    On letter_range that ended 7 points below sync at eta = 2, and naive PPO (which clips against the
+    behaviour policy) level with it (docs/benchmarks.md). Logged, not refused: tiny_arith runs it so.
+    """
+    from jaxrl_async.trainer.losses import reads_prox
+
+    stale = run.schedule.eta > 0 or run.trainer.controlled_lag > 0
+    if not stale or run.trainer.minibatches != 1 or not reads_prox(run.trainer.loss):
+        return None
+    return (
+        f"config.trainer.loss={run.trainer.loss!r} with trainer.minibatches=1: pi_prox is pi_theta, so its "
+        "clip never binds and stale tokens keep their full behaviour weight (loss='ppo' clips against the "
+        "behaviour policy; minibatches > 1 gives pi_prox a step to bound)"
+    )
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> RunConfig:
     """Builds the RunConfig, section by section (each validates itself), then runs the named cross-checks
     (CROSS_CHECKS); raises ConfigError naming the first bad field.

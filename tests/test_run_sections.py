@@ -56,3 +56,24 @@ def test_sync_mode_admits_nothing_ahead_and_the_eval_schedule_is_one_predicate()
 def test_the_cross_checks_are_named():
     names = [c.__name__ for c in CROSS_CHECKS]
     assert all(n.startswith("_check_") for n in names) and len(set(names)) == len(names)
+
+
+def test_clip_note_names_a_proximal_clip_that_cannot_bind():
+    from configs import letter_range, tiny_arith
+    from jaxrl_async.run_config import clip_note, validate
+
+    def note(cfg, **kw):
+        c = cfg.get_config()
+        c.workdir = "/tmp/unused"
+        for key, value in kw.items():
+            section, _, field = key.rpartition(".")
+            setattr(c[section] if section else c, field, value)
+        return clip_note(validate(c))
+
+    assert "trainer.minibatches=1" in note(tiny_arith)  # async, decoupled PPO, one update a step
+    assert note(tiny_arith, mode="sync") is None  # pi_behav = pi_theta: nothing stale to clip
+    lagged = {"trainer.controlled_lag": 2, "checkpoint_every": 0, "checkpoint_minutes": 0}
+    assert "pi_prox is pi_theta" in note(tiny_arith, mode="sync", **lagged)
+    assert note(tiny_arith, **{"trainer.minibatches": 2}) is None  # pi_prox is the step's start
+    assert note(letter_range) is None  # naive PPO clips against the behaviour policy
+    assert "'gspo'" in note(letter_range, **{"trainer.loss": "gspo"})

@@ -11,12 +11,12 @@ follows from the previous one (the next or the previous letter of the alphabet) 
 comparison with the prompt's last letter, so a tiny character model learns it from a short supervised
 warm start; its errors grow with the span, which leaves RL work on the long tail.
 
-The problem space is small (52 x 52 ranges; a stable hash of the range puts 275 of them in the held-out
+The problem space is small (52 x 52 ranges; at heldout_fraction 0.1 a stable hash puts 275 in the held-out
 split), so the held-out set is every held-out range once, each with its probability under the span
 distribution as its weight (`Prompt.weight`): the weighted accuracy over all of them is the exact
 accuracy over the task's own mix, with no sampling noise. Unweighted, long ranges, which are most of the
-distinct ones, would dominate; drawn with repetition (as this set was before), 200 draws left a standard
-error of about 0.03 near 0.5, as large as the differences between runs it was meant to show. Fewer than
+distinct ones, would dominate; drawn with repetition, 200 draws leave a standard error of about 0.03
+near 0.5, as large as the differences between runs an evaluation is meant to show. Fewer than
 all of them are a random subset (fixed order per seed) whose weighted accuracy estimates the same number.
 Metadata carries "first" and "last"; the verifier ("letter_range", jaxrl_async.rewards.synthetic) rebuilds
 the answer from them.

@@ -24,7 +24,7 @@ from jaxrl_async.data.length_caps import length_cap_fn
 from jaxrl_async.data.prompt import SYNTHETIC_TASKS
 from jaxrl_async.model import ModelConfig, from_hf_config, init_params, load_hf, param_shardings, presets
 from jaxrl_async.rewards import RewardService
-from jaxrl_async.run_config import ConfigError, RunConfig, validate
+from jaxrl_async.run_config import ConfigError, RunConfig, clip_note, validate
 from jaxrl_async.runtime.actor import Actor, ActorConfig
 from jaxrl_async.runtime.checkpoint import RunCheckpoints, write_model_info
 from jaxrl_async.runtime.cluster import (
@@ -387,6 +387,8 @@ def _pull_targets(run, cluster) -> dict:
 
 def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
     roles, lead = cluster.roles, cluster.is_lead
+    if lead and (note := clip_note(run)):
+        log.warning(note)
     if run.warm_start.enabled:
         if lead:
             params, proc.warm_start_info = warm_started_params(
