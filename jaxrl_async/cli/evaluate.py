@@ -58,13 +58,14 @@ def main(argv) -> None:
     prompts = held_out_prompts(run.data, tokenizer, run.eval.prompts)
     mesh = make_mesh((1, 1), ("data", "tensor"), jax.devices()[:1])
     rewards = RewardService(run.reward)
-    results = {}
+    results, engine = {}, None
     try:
         for step in steps:
             model_cfg, params, _, version = load_policy(_CHECKPOINT.value, mesh, SAMPLER_RULES, step)
-            cfg = eval_sampler_config(sampler_config(run, tokenizer), 1, run.eval.slots)
-            engine = Engine(model_cfg.compute_copy(), params, mesh, cfg)
-            results[version] = evaluate_accuracy(engine, rewards, tokenizer, prompts, None)
+            if engine is None:  # one engine (one compilation) for every version: they share the model
+                cfg = eval_sampler_config(sampler_config(run, tokenizer), 1, run.eval.slots)
+                engine = Engine(model_cfg.compute_copy(), None, mesh, cfg)
+            results[version] = evaluate_accuracy(engine, rewards, tokenizer, prompts, params, version)
             print(f"version {version}: held-out accuracy {results[version]:.4f} ({len(prompts)} prompts)",
                   flush=True)  # fmt: skip
     finally:
