@@ -96,3 +96,24 @@ def test_evaluation_accuracy_weighs_each_prompt_by_its_weight():
         ev.take(("eval", 5, uid), reward)
     assert ev.done and ev.correct == 2
     assert ev.accuracy == pytest.approx(0.8)  # 0.7 + 0.1, not 2/3
+
+
+def test_accuracy_by_answer_length_bands_the_weighted_accuracy():
+    from jaxrl_async.data.prompt import Prompt
+    from jaxrl_async.runtime.evaluation import accuracy_by_length, weighted_accuracy
+    from jaxrl_async.tokenizer import CharTokenizer
+
+    def graded(answer, weight, reward):
+        return Prompt(answer, "", np.zeros(1, np.int32), answer, {}, weight=weight), reward
+
+    rows = [graded("a", 0.4, 0.0), graded("b", 0.1, 1.0), graded("abc", 0.2, 1.0), graded("abcd", 0.1, 0.0),
+            graded("abcdefghij", 0.2, 1.0)]  # fmt: skip
+    bands = accuracy_by_length(rows, CharTokenizer())
+    assert list(bands) == ["1", "2-3", "4-7", "8-15"]
+    assert bands["1"] == pytest.approx({"accuracy": 0.2, "weight": 0.4 + 0.1, "prompts": 2})
+    assert bands["2-3"]["accuracy"] == 1.0 and bands["4-7"]["accuracy"] == 0.0
+    # The bands add up to the whole: their weight shares sum to 1 and weigh back to the overall accuracy.
+    assert sum(b["weight"] for b in bands.values()) == pytest.approx(1.0)
+    whole = sum(b["weight"] * b["accuracy"] for b in bands.values())
+    assert whole == pytest.approx(weighted_accuracy(rows)) and weighted_accuracy(rows) == pytest.approx(0.5)
+    assert weighted_accuracy([]) == 0.0 and accuracy_by_length([], CharTokenizer()) == {}

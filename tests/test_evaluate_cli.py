@@ -52,5 +52,16 @@ def test_evaluate_gives_the_accuracies_the_run_logged(tmp_path):
     got = {int(v): a for v, a in json.loads(report.read_text()).items()}
     assert got == pytest.approx({v: logged[v] for v in (1, 2)}, abs=1e-6), (got, logged)
     assert "version 2: held-out accuracy" in out and "(24 prompts)" in out
+    # The training split, per band of answer length: the bands weigh back to the version's accuracy.
+    report = tmp_path / "train.json"
+    flags = [f"--config={config}", f"--checkpoint={work}", "--split=train", "--by_length", f"--out={report}"]
+    rc, out = _python(evaluate, *flags)
+    assert rc == 0, out[-3000:]
+    (version, got), = json.loads(report.read_text()).items()
+    assert version == "2" and f"version 2: train-split accuracy {got['accuracy']:.4f} (24 prompts)" in out
+    bands = got["by_length"]
+    assert len(bands) >= 3 and sum(b["prompts"] for b in bands.values()) == 24
+    assert sum(b["weight"] * b["accuracy"] for b in bands.values()) == pytest.approx(got["accuracy"])
+    assert all(f"  answer {band} tokens: accuracy" in out for band in bands)
     rc, out = _python(evaluate, f"--config={config}", f"--checkpoint={tmp_path / 'nowhere'}")
     assert rc != 0 and "--checkpoint" in out and "not a run of ours" in out

@@ -70,6 +70,26 @@ def test_held_out_set_is_every_held_out_range_once_weighted_by_its_probability()
     assert short > 0.5 > sum(len(p.answer) <= 8 for p in held) / len(held)
 
 
+def test_the_training_split_is_scored_the_same_way():
+    tok = CharTokenizer()
+    cfg = DataConfig(task="letter_range", seed=3)
+    held, train = held_out_prompts(cfg, tok, 5000), held_out_prompts(cfg, tok, 5000, "train")
+    pairs = {(p.metadata["first"], p.metadata["last"]) for p in train}
+    assert len(pairs) == len(train) == 52 * 52 - len(held) == 2429  # distinct, and all of them
+    assert not pairs & {(p.metadata["first"], p.metadata["last"]) for p in held}
+    assert sum(p.weight for p in train) == pytest.approx(1.0)
+    probs = range_probabilities(1.0)  # renormalized over the split, in the same proportions
+    (fa, la), (fb, lb) = ((p.metadata["first"], p.metadata["last"]) for p in train[:2])
+    assert train[0].weight / train[1].weight == pytest.approx(probs[(fa, la)] / probs[(fb, lb)])
+    # What training draws: every range of the stream is one of these.
+    stream = {r["prompt"] for r in (letter_range_example(cfg, "train", i) for i in range(2000))}
+    assert stream <= {p.text for p in train}
+    again = held_out_prompts(cfg, tok, 5000, "test")
+    assert [(p.uid, p.weight) for p in again] == [(p.uid, p.weight) for p in held]
+    with pytest.raises(ValueError, match="split"):
+        held_out_prompts(cfg, tok, 5, "dev")
+
+
 def test_answers_run_both_ways_and_across_the_case_boundary():
     assert letter_range("d", "k") == "defghijk" and letter_range("k", "d") == "kjihgfed"
     assert letter_range("x", "C") == "xyzABC" and letter_range("c", "a") == "cba"

@@ -9,14 +9,17 @@ and their p99 51); p = 1.5 nearly halves the median (5) and keeps the p99 (50). 
 sampler meets because of the problems themselves, not because a length cap was drawn. Each answer letter
 follows from the previous one (the next or the previous letter of the alphabet) and the stop from a
 comparison with the prompt's last letter, so a tiny character model learns it from a short supervised
-warm start; its errors grow with the span, which leaves RL work on the long tail.
+warm start. Its misses are mostly on short ranges (it runs past the stop; `tools/evaluate.py --by_length`
+shows where), which is also why its own completions are less skewed than the references.
 
 The problem space is small (52 x 52 ranges; at heldout_fraction 0.1 a stable hash puts 275 in the held-out
 split), so the held-out set is every held-out range once, each with its probability under the span
 distribution as its weight (`Prompt.weight`): the weighted accuracy over all of them is the exact
 accuracy over the task's own mix, with no sampling noise. Unweighted, long ranges, which are most of the
 distinct ones, would dominate; drawn with repetition, 200 draws leave a standard error of about 0.03
-near 0.5, as large as the differences between runs an evaluation is meant to show. Fewer than
+near 0.5, as large as the differences between runs an evaluation is meant to show. Exact is not fine-
+grained, though: the held-out split holds 6 one-letter ranges, 19% of its weight at power 1 (33% at 1.5),
+so one of them answered differently moves the accuracy by 3 (5.5) points. Fewer than
 all of them are a random subset (fixed order per seed) whose weighted accuracy estimates the same number.
 Metadata carries "first" and "last"; the verifier ("letter_range", jaxrl_async.rewards.synthetic) rebuilds
 the answer from them.
@@ -96,19 +99,21 @@ def range_probabilities(power: float) -> dict[tuple[str, str], float]:
     return probs
 
 
-def letter_range_heldout(cfg: DataConfig, n: int) -> list[dict[str, Any]]:
-    """Up to `n` distinct held-out ranges in a fixed random order (by cfg.seed), each record's "weight" its
-    probability under the task's span distribution, renormalized over the held-out split (see the module
-    docstring): all of them (n >= 275 at heldout_fraction 0.1) give the exact held-out accuracy."""
+def letter_range_distinct(cfg: DataConfig, n: int, split: str = "test") -> list[dict[str, Any]]:
+    """Up to `n` distinct ranges of `split` in a fixed random order (by cfg.seed), each record's "weight" its
+    probability under the task's span distribution, renormalized over the split (see the module
+    docstring): all of the held-out ones (n >= 275 at heldout_fraction 0.1) give the exact held-out
+    accuracy; all of the training ones (2,429) the exact accuracy on what RL trains on."""
     probs = range_probabilities(cfg.letter_span_power)
-    held = {pair: w for pair, w in probs.items() if is_heldout(f"{pair[0]}-{pair[1]}", cfg.heldout_fraction)}
+    test = split == "test"
+    held = {p: w for p, w in probs.items() if is_heldout(f"{p[0]}-{p[1]}", cfg.heldout_fraction) == test}
     total = sum(held.values())
     order = sorted(held)
-    random.Random(f"letter_range:{cfg.seed}:heldout").shuffle(order)
+    random.Random(f"letter_range:{cfg.seed}:{'heldout' if test else split}").shuffle(order)
     out = []
     for first, last in order[:n]:
         prompt, answer = letter_range_problem(first, last)
         meta, weight = {"first": first, "last": last}, held[(first, last)] / total
-        uid = f"letter_range:test:{first}-{last}"
+        uid = f"letter_range:{split}:{first}-{last}"
         out.append({"uid": uid, "prompt": prompt, "answer": answer, "metadata": meta, "weight": weight})
     return out

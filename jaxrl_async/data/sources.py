@@ -19,7 +19,7 @@ import grain
 import numpy as np
 
 from jaxrl_async.data.prompt import SYNTHETIC_TASKS, DataConfig, Prompt, is_heldout
-from jaxrl_async.data.synthetic import synthetic_example, synthetic_heldout
+from jaxrl_async.data.synthetic import synthetic_distinct, synthetic_example
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def raw_dataset(cfg: DataConfig, split: str = "train") -> grain.MapDataset:
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     if cfg.task in SYNTHETIC_TASKS:
         if split == "test":
-            return grain.MapDataset.source(synthetic_heldout(cfg, cfg.num_eval))
+            return grain.MapDataset.source(synthetic_distinct(cfg, cfg.num_eval))
         return grain.MapDataset.range(cfg.num_train).map(lambda i: synthetic_example(cfg, "train", i))
     return grain.MapDataset.source(_file_records(cfg, split))
 
@@ -196,12 +196,15 @@ def prompt_at(cfg: DataConfig, tokenizer, key: str) -> Prompt:
     return to_prompt(cfg, tokenizer, {**raw_dataset(cfg, "train")[row], "row": row, "epoch": epoch})
 
 
-def held_out_prompts(cfg: DataConfig, tokenizer, n: int) -> list[Prompt]:
+def held_out_prompts(cfg: DataConfig, tokenizer, n: int, split: str = "test") -> list[Prompt]:
     """The first `n` held-out prompts (distinct, fixed order; fewer if the split is smaller). The
     letter-range task's carry weights: its held-out accuracy is a weighted mean (jaxrl_async.data.letter_range
-    says why)."""
+    says why). split="train" gives the training split's prompts the same way (distinct, weighted): scored
+    beside the held-out ones they show how much of what RL learned carries over to unseen problems."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     if cfg.task in SYNTHETIC_TASKS:
-        records = synthetic_heldout(cfg, n)
+        records = synthetic_distinct(cfg, n, split)
     else:
-        records = _file_records(cfg, "test")[:n]
+        records = _file_records(cfg, split)[:n]
     return [to_prompt(cfg, tokenizer, r) for r in records]

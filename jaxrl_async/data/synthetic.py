@@ -25,8 +25,8 @@ from fractions import Fraction
 from typing import Any
 
 from jaxrl_async.data.letter_range import (
+    letter_range_distinct,
     letter_range_example,
-    letter_range_heldout,
     letter_range_problem,
     parse_letter_range,
 )
@@ -63,20 +63,21 @@ def arithmetic_example(cfg: DataConfig, split: str, index: int) -> dict[str, Any
     return {"uid": f"arithmetic:{split}:{index}", "prompt": prompt, "answer": answer, "metadata": {}}
 
 
-def _arithmetic_heldout(cfg: DataConfig, n: int) -> list[dict[str, Any]]:
+def _arithmetic_distinct(cfg: DataConfig, n: int, split: str) -> list[dict[str, Any]]:
     hi = 10**cfg.digits
     if hi * hi * len(cfg.operators) > _ENUMERATE_LIMIT:
-        return _sample_unique(lambda i: arithmetic_example(cfg, "test", i), n)
+        return _sample_unique(lambda i: arithmetic_example(cfg, split, i), n)
     keys = [
         (a, op, b)
         for a, op, b in itertools.product(range(hi), cfg.operators, range(hi))
-        if is_heldout(f"{a}{op}{b}", cfg.heldout_fraction)
+        if is_heldout(f"{a}{op}{b}", cfg.heldout_fraction) == (split == "test")
     ]
     keys.sort(key=lambda k: unit_hash(f"order:{cfg.seed}:{k}"))
     out = []
     for a, op, b in keys[:n]:
         prompt, answer = arithmetic_problem(a, op, b)
-        out.append({"uid": f"arithmetic:test:{a}{op}{b}", "prompt": prompt, "answer": answer, "metadata": {}})
+        uid = f"arithmetic:{split}:{a}{op}{b}"
+        out.append({"uid": uid, "prompt": prompt, "answer": answer, "metadata": {}})
     return out
 
 
@@ -204,13 +205,14 @@ def synthetic_example(cfg: DataConfig, split: str, index: int) -> dict[str, Any]
     return fn(cfg, split, index)
 
 
-def synthetic_heldout(cfg: DataConfig, n: int) -> list[dict[str, Any]]:
-    """`n` distinct held-out records (fewer if the held-out space is smaller), in a fixed order."""
+def synthetic_distinct(cfg: DataConfig, n: int, split: str = "test") -> list[dict[str, Any]]:
+    """`n` distinct records of `split` (fewer if its space is smaller), in a fixed order: the held-out set
+    ("test"), or the training split's problems scored the same way ("train")."""
     if cfg.task == "arithmetic":
-        return _arithmetic_heldout(cfg, n)
+        return _arithmetic_distinct(cfg, n, split)
     if cfg.task == "letter_range":
-        return letter_range_heldout(cfg, n)
-    return _sample_unique(lambda i: synthetic_example(cfg, "test", i), n)
+        return letter_range_distinct(cfg, n, split)
+    return _sample_unique(lambda i: synthetic_example(cfg, split, i), n)
 
 
 def _sample_unique(draw, n: int) -> list[dict[str, Any]]:

@@ -98,7 +98,13 @@ def evaluate_accuracy(
     engine: Engine, rewards, tokenizer, prompts, sampler_params, version: int | None = None
 ) -> float:
     """The fraction of `prompts` (weighted by `Prompt.weight`) whose greedy completion gets reward >= 1, all
-    at once (blocking: for tools outside the event loop; the actor uses `Evaluation`).
+    at once (blocking: for tools outside the event loop; the actor uses `Evaluation`). Arguments as for
+    `grade_greedy`."""
+    return weighted_accuracy(grade_greedy(engine, rewards, tokenizer, prompts, sampler_params, version))
+
+
+def grade_greedy(engine: Engine, rewards, tokenizer, prompts, sampler_params, version: int | None = None):
+    """[(prompt, reward)] of every prompt's greedy completion, in the order they finished.
 
     Args:
       engine: a greedy engine (temperature 0) on the sampler mesh.
@@ -124,9 +130,33 @@ def evaluate_accuracy(
 
     completions = loop.run(admit)
     items = [(c.metadata.text, tokenizer.decode(c.tokens), dict(c.metadata.metadata)) for c in completions]
-    scores = rewards.grade_batch(items)
-    weights = [float(c.metadata.weight) for c in completions]
-    return float(np.average([r >= 1.0 for r in scores], weights=weights)) if scores else 0.0
+    return list(zip([c.metadata for c in completions], rewards.grade_batch(items), strict=True))
+
+
+def weighted_accuracy(graded) -> float:
+    """The `Prompt.weight`-weighted fraction of [(prompt, reward)] with reward >= 1 (0 when empty)."""
+    if not graded:
+        return 0.0
+    return float(np.average([r >= 1.0 for _, r in graded], weights=[float(p.weight) for p, _ in graded]))
+
+
+def accuracy_by_length(graded, tokenizer) -> dict[str, dict]:
+    """`weighted_accuracy` per band of the reference answer's length in tokens (1, 2-3, 4-7, 8-15, ...:
+    powers of two, where a long-tailed task's difficulty usually sits), each with its share of the total
+    weight and its number of prompts; keys are the bands as "lo-hi" (or "lo" for one length)."""
+    bands: dict[int, list] = {}
+    for prompt, reward in graded:
+        n = max(1, len(tokenizer.encode(prompt.answer)))
+        bands.setdefault(n.bit_length(), []).append((prompt, reward))
+    total = sum(float(p.weight) for p, _ in graded) or 1.0
+    out = {}
+    for b in sorted(bands):
+        lo, hi = 2 ** (b - 1), 2**b - 1
+        rows = bands[b]
+        key = str(lo) if lo == hi else f"{lo}-{hi}"
+        share = sum(float(p.weight) for p, _ in rows) / total
+        out[key] = {"accuracy": weighted_accuracy(rows), "weight": share, "prompts": len(rows)}
+    return out
 
 
 def trainer_idle_during(eval_spans, step_spans) -> dict:
