@@ -67,6 +67,11 @@ def test_smoke_runs_every_part_of_the_command(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "task reference completions: median" in res.stdout
     report = json.loads(out.read_text())
+    # The held-out set's coarseness: 8 weighted ranges (--smoke), the heaviest above the mean share.
+    resolution = report["settings"]["eval_resolution"]
+    assert resolution["prompts"] == 8 and 1 / 8 < resolution["heaviest"] < 1
+    assert f"held-out set: 8 prompts; one of them answered differently moves the accuracy by up to " \
+           f"{resolution['heaviest']:.3f}" in res.stdout
     assert report["settings"]["smoke"] and report["settings"]["seeds"] == [0] and report["prediction"] is None
     for mode in ("sync", "async"):
         row = report["rows"][mode]["0"]

@@ -103,10 +103,9 @@ def run_one(mode: str, seed: int, root: str, steps: int, overrides: dict[str, st
         return json.load(f)
 
 
-def reference_lengths(overrides: dict[str, str], n: int = 2000) -> dict[str, float]:
-    """Median, p99 and max of the task's reference completions in tokens (stop token included): the
-    length mix the prediction assumes, measured from the task itself (no model)."""
-    from jaxrl_async.data import DataConfig, make_prompt_iterator, reference_completion
+def _data_and_tokenizer(overrides: dict[str, str]):
+    """The runs' DataConfig (the config file's, with the data.* overrides) and their char tokenizer."""
+    from jaxrl_async.data import DataConfig
     from jaxrl_async.tokenizer import CharTokenizer
 
     c = _base_config()
@@ -118,12 +117,33 @@ def reference_lengths(overrides: dict[str, str], n: int = 2000) -> dict[str, flo
             except (ValueError, SyntaxError):
                 data[k[5:]] = v
     if c.tokenizer != "char":
-        raise app.UsageError(f"--config: reference lengths need config.tokenizer='char', got {c.tokenizer!r}")
-    tok = CharTokenizer()
-    it = make_prompt_iterator(DataConfig(**data), tok)
+        raise app.UsageError(f"--config: the task figures need config.tokenizer='char', got {c.tokenizer!r}")
+    return DataConfig(**data), CharTokenizer()
+
+
+def reference_lengths(overrides: dict[str, str], n: int = 2000) -> dict[str, float]:
+    """Median, p99 and max of the task's reference completions in tokens (stop token included): the
+    length mix the prediction assumes, measured from the task itself (no model)."""
+    from jaxrl_async.data import make_prompt_iterator, reference_completion
+
+    data, tok = _data_and_tokenizer(overrides)
+    it = make_prompt_iterator(data, tok)
     lengths = [len(tok.encode(reference_completion(next(it).text))) + 1 for _ in range(n)]
     p50, p99 = np.percentile(lengths, [50, 99])
     return {"median": float(p50), "p99": float(p99), "max": int(max(lengths))}
+
+
+def eval_resolution(overrides: dict[str, str]) -> dict:
+    """The held-out set the runs evaluate (its size) and its heaviest prompt's share of the weight: the
+    most one prompt answered differently moves the accuracy, so gaps between runs below it may be one
+    prompt (letter_range: a one-letter range, 0.032 at the default span power)."""
+    from jaxrl_async.data import held_out_prompts
+
+    data, tok = _data_and_tokenizer(overrides)
+    n = int(overrides["eval_prompts"]) if "eval_prompts" in overrides else int(_base_config().eval_prompts)
+    weights = np.asarray([p.weight for p in held_out_prompts(data, tok, n)], np.float64)
+    heaviest = float(weights.max() / weights.sum()) if len(weights) else 0.0
+    return {"prompts": len(weights), "heaviest": heaviest}
 
 
 def predict(root: str, overrides: dict[str, str], lengths: dict[str, float]) -> dict:
@@ -196,6 +216,9 @@ def main(argv):
         tail = lengths["p99"] / lengths["median"]
         print(f"task reference completions: median {lengths['median']:g}, p99 {lengths['p99']:g} tokens "
               f"(p99/median {tail:.2f}), longest {lengths['max']}", flush=True)  # fmt: skip
+        resolution = eval_resolution(overrides)
+        print(f"held-out set: {resolution['prompts']} prompts; one of them answered differently moves the "
+              f"accuracy by up to {resolution['heaviest']:.3f}", flush=True)  # fmt: skip
         predicted = predict(root, overrides, lengths) if _PREDICT.value else None
         if predicted:
             print(f"predicted throughput async / sync: {predicted['ratio']:.2f} "
@@ -221,7 +244,7 @@ def main(argv):
                                                    len(os.sched_getaffinity(0)))  # fmt: skip
     settings = {"config": _CONFIG.value, "seeds": seeds, "steps": steps, "eta": _ETA.value,
                 "async_processes": _PROCS.value, "target": target, "margin": _MARGIN.value,
-                "set": _SET.value, "smoke": _SMOKE.value,
+                "set": _SET.value, "smoke": _SMOKE.value, "eval_resolution": resolution,
                 "cpus": sorted(os.sched_getaffinity(0))}  # fmt: skip
     out = {"settings": settings, "prediction": predicted, "rows": rows, **report}
     print(json.dumps(out, indent=2, default=str))
