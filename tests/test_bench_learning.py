@@ -83,3 +83,45 @@ def test_smoke_runs_every_part_of_the_command(tmp_path):
     bound = report["overlap_bound"]  # --one-core: sync again on one core
     assert bound["cores"] == len(os.sched_getaffinity(0)) and bound["one_core_tokens_per_s"] > 0
     assert (tmp_path / "runs" / "sync_s0_cores1.log").exists() and "overlap alone" in res.stdout
+
+
+# A role bench as tools/bench_roles.py writes it (figures of a letter_range run on one core).
+_DECODE = {
+    "slots": 128,
+    "busy_of_run_engine": [[1, 0.0038], [4, 0.0036], [16, 0.0026], [64, 0.0026], [128, 0.0025]],
+    "engine_of_b_slots": [[1, 0.00019], [4, 0.00017], [16, 0.00033], [64, 0.00125], [128, 0.0032]],
+}
+_BENCH = {"sampler_devices": 1, "trainer_devices": 1, "cores": 1, "num_slots": 128, "steps_per_call": 4,
+          "samples_per_batch": 512, "tokens_per_batch": 13930.0, "completion_length_mean": 17.3,
+          "sample_batch_s": 0.47, "sample_batch_cpu_s": 0.45, "sample_stream_s": 0.47,
+          "sample_stream_cpu_s": 0.45, "train_step_s": 0.965, "train_step_cpu_s": 0.965, "update_s": 0.001,
+          "decode": _DECODE}  # fmt: skip
+
+
+def test_the_realized_prediction_puts_the_runs_own_train_steps_and_lengths_in_the_model():
+    from jaxrl_async.cli import bench_learning as bl
+
+    setup = bl.Setup(eta=2, processes=2, prompts=64, samples=8)
+    benches = {"every": {**_BENCH, "cores": 2, "train_step_s": 0.705}, "one": _BENCH}
+    lengths = {"median": 8.0, "p99": 51.0, "max": 53}
+
+    def rows(sync_step, async_step, p50=8.0, p99=51.0):
+        def row(step):
+            return {"train_step_s_mean": step, "completion_length_p50": p50, "completion_length_p99": p99}
+
+        return {"sync": {0: row(sync_step)}, "async": {0: row(async_step), 1: row(async_step)}}
+
+    before = bl.predict(benches, setup, lengths)
+    same = bl.predict_realized(benches, setup, lengths, rows(0.705, 0.965))
+    assert same["ratio"] == pytest.approx(before["ratio"])  # what the role benches showed: no change
+    assert same["train_step_s"] == {"sync": 0.705, "async": 0.965, "role_bench_every_core": 0.705,
+                                    "role_bench_one_core": 0.965}  # fmt: skip
+    # The trainer's work shrank in the runs (more groups skipped as the policy learned): sync, whose
+    # step is sampling then training, gains more than trainer-bound async, so the ratio falls.
+    drift = bl.predict_realized(benches, setup, lengths, rows(0.47, 0.90))
+    assert drift["sync"]["tokens_per_s"] == pytest.approx(13930.0 / (0.47 + 0.001 + 0.47))
+    assert drift["async"]["tokens_per_s"] > before["async"]["tokens_per_s"]
+    assert drift["ratio"] < before["ratio"]
+    longer = bl.predict_realized(benches, setup, lengths, rows(0.47, 0.90, 20.0, 52.0))
+    assert longer["lengths"]["median"] == 20.0 and longer["lengths"]["p99"] == 52.0
+    assert bl.predict_realized(benches, setup, lengths, rows(None, 0.9)) is None  # a run without the figure

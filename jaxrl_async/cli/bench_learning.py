@@ -13,7 +13,11 @@ Before the runs, the roles are timed alone (jaxrl-bench-roles, on every core and
 decode curve) and the performance model predicts the async / sync throughput ratio: the shared-host
 model for sync and one-process async, the split model (calibrated, lognormal lengths with the task's own
 reference-answer median and p99) for the pinned two-process run, and its best split of a 16-core host.
-The prediction is printed before any run starts and again beside the measurement.
+The prediction is printed before any run starts and again beside the measurement, with a second one
+after the runs: the same model given what the runs realized (each mode's own mean train step, the async
+runs' own completion lengths). The role benches time the warm start's batches, and the trainer's work
+shrinks as the policy learns (groups all right or all wrong are skipped), so the two tell the model's
+error from the workload's drift.
 
 Reported per mode (means over seeds) and per seed: wall seconds to the target (the first held-out
 evaluation at or above it, seconds since the learner started; default target: sync's final accuracy,
@@ -28,6 +32,7 @@ at one core each make at most twice the one-core rate; jaxrl_async.cli.learning_
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 import tempfile
@@ -146,36 +151,50 @@ def eval_resolution(overrides: dict[str, str]) -> dict:
     return {"prompts": len(weights), "heaviest": heaviest}
 
 
-def predict(root: str, overrides: dict[str, str], lengths: dict[str, float]) -> dict:
-    """Times the roles alone (seed 0's warm start, cached for the runs) and predicts both modes."""
-    from jaxrl_async.perf import model as pm
-    from jaxrl_async.perf.calibrated import calibrated_system, engine_lag_s, trained_tokens_per_s
-    from jaxrl_async.perf.shared_host import load_role_bench, predict_async, predict_sync
-
+def time_roles(root: str, overrides: dict[str, str]) -> dict[str, dict]:
+    """Times the roles alone (seed 0's warm start, cached for the runs), on every core and on one:
+    {"every": role bench, "one": role bench with its decode curve}."""
     seed = int(_SEEDS.value[0])
     benches = {}
-    for name, cores in (("roles_every_core", None), ("roles_one_core", sorted(os.sched_getaffinity(0))[:1])):
-        out = os.path.join(root, f"{name}.json")
-        cmd = module_command("bench_roles", *run_flags(os.path.join(root, name), "async", seed, _STEPS.value,
-                             overrides), "--batches", "2" if _SMOKE.value else "6", "--out", out)  # fmt: skip
-        run_logged([*cmd, *(["--decode_curve"] if cores else [])], cores, os.path.join(root, f"{name}.log"))
-        benches[name] = out
-    every = load_role_bench(benches["roles_every_core"])
+    for name, cores in (("every", None), ("one", sorted(os.sched_getaffinity(0))[:1])):
+        work = os.path.join(root, f"roles_{name}_core")
+        out, flags_ = work + ".json", run_flags(work, "async", seed, _STEPS.value, overrides)
+        cmd = module_command("bench_roles", *flags_, "--batches", "2" if _SMOKE.value else "6", "--out", out)
+        run_logged([*cmd, *(["--decode_curve"] if cores else [])], cores, work + ".log")
+        with open(out) as f:
+            benches[name] = json.load(f)
+    return benches
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What the split model needs of the runs besides the role benches and the lengths."""
+
+    eta: int  # the async runs' staleness bound
+    processes: int  # async roles in 1 process (sharing every core) or 2 (pinned to a core each)
+    prompts: int  # prompts_per_step
+    samples: int  # samples_per_prompt
+
+
+def predict(benches: dict[str, dict], setup: Setup, lengths: dict[str, float]) -> dict:
+    """The split model's throughput of both modes from the role benches (`time_roles`) and the lengths."""
+    from jaxrl_async.perf import model as pm
+    from jaxrl_async.perf.calibrated import calibrated_system, engine_lag_s, trained_tokens_per_s
+    from jaxrl_async.perf.shared_host import predict_async, predict_sync, role_bench
+
+    every = role_bench(benches["every"])
     sync = predict_sync(every, every).to_dict()
-    if _PROCS.value == 1:
-        async_ = predict_async(every, every, _ETA.value, cores=len(os.sched_getaffinity(0))).to_dict()
+    if setup.processes == 1:
+        async_ = predict_async(every, every, setup.eta, cores=len(os.sched_getaffinity(0))).to_dict()
         best16 = None
     else:
-        with open(benches["roles_one_core"]) as f:
-            one = json.load(f)
-        prompts = _config_int("prompts_per_step", overrides)
-        samples = _config_int("samples_per_prompt", overrides)
+        one = benches["one"]
 
         def system(s: int, t: int):
             return calibrated_system(
-                one, prompts=prompts, samples=samples, median=lengths["median"], p99=lengths["p99"],
-                max_len=lengths["max"], eta=_ETA.value, static_batch=True, admit_lag_s=engine_lag_s(one),
-                sampler_devices=s, trainer_devices=t,
+                one, prompts=setup.prompts, samples=setup.samples, median=lengths["median"],
+                p99=lengths["p99"], max_len=lengths["max"], eta=setup.eta, static_batch=True,
+                admit_lag_s=engine_lag_s(one), sampler_devices=s, trainer_devices=t,
             )  # fmt: skip
 
         r = pm.analyze_split(system(1, 1), 1, 1)
@@ -188,6 +207,28 @@ def predict(root: str, overrides: dict[str, str], lengths: dict[str, float]) -> 
                       "tokens_per_s": trained_tokens_per_s(big, best.tokens_per_s)}  # fmt: skip
     ratio = async_["tokens_per_s"] / sync["tokens_per_s"]
     return {"sync": sync, "async": async_, "ratio": ratio, "best_split_16_cores": best16, "lengths": lengths}
+
+
+def predict_realized(benches: dict[str, dict], setup: Setup, lengths: dict[str, float],
+                     rows: dict[str, dict[int, dict]]) -> dict | None:  # fmt: skip
+    """The same model with what the runs realized in place of what the warm start showed: each mode's
+    own mean train step (the trainer's work shrinks as the policy learns: groups that are all right or all
+    wrong are skipped) and the async runs' own completion lengths. Beside the prediction it tells the
+    model's error from the workload's drift. None when a run lacks the figures."""
+    mean = lambda mode, key: ls.mean_of([r.get(key) for r in rows[mode].values()])  # noqa: E731
+    sync_step, async_step = mean("sync", "train_step_s_mean"), mean("async", "train_step_s_mean")
+    p50, p99 = mean("async", "completion_length_p50"), mean("async", "completion_length_p99")
+    if None in (sync_step, async_step, p50, p99):
+        return None
+    realized = {"every": {**benches["every"], "train_step_s": sync_step},
+                "one": {**benches["one"], "train_step_s": async_step}}  # fmt: skip
+    if setup.processes == 1:
+        realized["every"]["train_step_s"] = async_step  # one process: both modes on every core
+    out = predict(realized, setup, {**lengths, "median": p50, "p99": p99})
+    out["train_step_s"] = {"sync": sync_step, "async": async_step,
+                           "role_bench_every_core": benches["every"]["train_step_s"],
+                           "role_bench_one_core": benches["one"]["train_step_s"]}  # fmt: skip
+    return out
 
 
 def _base_config():
@@ -219,7 +260,10 @@ def main(argv):
         resolution = eval_resolution(overrides)
         print(f"held-out set: {resolution['prompts']} prompts; one of them answered differently moves the "
               f"accuracy by up to {resolution['heaviest']:.3f}", flush=True)  # fmt: skip
-        predicted = predict(root, overrides, lengths) if _PREDICT.value else None
+        benches = time_roles(root, overrides) if _PREDICT.value else None
+        setup = Setup(_ETA.value, _PROCS.value, _config_int("prompts_per_step", overrides),
+                      _config_int("samples_per_prompt", overrides))  # fmt: skip
+        predicted = predict(benches, setup, lengths) if benches else None
         if predicted:
             print(f"predicted throughput async / sync: {predicted['ratio']:.2f} "
                   f"({predicted['async']['tokens_per_s']:.0f} / {predicted['sync']['tokens_per_s']:.0f} "
@@ -246,7 +290,9 @@ def main(argv):
                 "async_processes": _PROCS.value, "target": target, "margin": _MARGIN.value,
                 "set": _SET.value, "smoke": _SMOKE.value, "eval_resolution": resolution,
                 "cpus": sorted(os.sched_getaffinity(0))}  # fmt: skip
-    out = {"settings": settings, "prediction": predicted, "rows": rows, **report}
+    realized = predict_realized(benches, setup, lengths, rows) if benches else None
+    out = {"settings": settings, "prediction": predicted, "prediction_realized": realized, "rows": rows,
+           **report}  # fmt: skip
     print(json.dumps(out, indent=2, default=str))
     print(f"\ntarget held-out accuracy {target:.3f}\n" + ls.table(report))
     if predicted:
@@ -254,6 +300,12 @@ def main(argv):
             f"\nthroughput async / sync: predicted {predicted['ratio']:.2f}, "
             f"measured {report['throughput_ratio_mean'] or float('nan'):.2f} (mean of seeds)"
         )
+    if realized:
+        t = realized["train_step_s"]
+        print(f"with the runs' own train steps (sync {t['sync']:.3f} s against the role bench's "
+              f"{t['role_bench_every_core']:.3f}, async {t['async']:.3f} against "
+              f"{t['role_bench_one_core']:.3f}) and completion lengths: "
+              f"predicted {realized['ratio']:.2f}")  # fmt: skip
     if report.get("overlap_bound"):
         b = report["overlap_bound"]
         print(f"sync seed {seeds[0]}: {b['one_core_tokens_per_s']:.0f} trained tokens/s on one core, "

@@ -30,6 +30,7 @@ RUN_KEYS = (
     "token_staleness_mean",
     "completion_length_p50",
     "completion_length_p99",
+    "train_step_s_mean",
     "wall_s",
 )
 
@@ -66,7 +67,8 @@ def default_target(sync_summaries: list[dict[str, Any]], margin: float) -> float
     return float(np.mean(finals)) - margin
 
 
-def _mean(xs) -> float | None:
+def mean_of(xs) -> float | None:
+    """The mean of the finite values among `xs` (None when there are none)."""
     xs = [x for x in xs if x is not None and math.isfinite(x)]
     return float(np.mean(xs)) if xs else None
 
@@ -91,7 +93,7 @@ def compare(rows: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
     modes = {}
     for mode, by_seed in rows.items():
         keys = [*RUN_KEYS, "time_to_target_s", "step_to_target", "length_p99_over_median"]
-        modes[mode] = {k: _mean([r.get(k) for r in by_seed.values()]) for k in keys}
+        modes[mode] = {k: mean_of([r.get(k) for r in by_seed.values()]) for k in keys}
         modes[mode]["seeds"] = len(by_seed)
         modes[mode]["reached_target"] = sum(r["time_to_target_s"] is not None for r in by_seed.values())
     paired = {}
@@ -106,7 +108,7 @@ def compare(rows: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
         }  # fmt: skip
     out = {"modes": modes, "paired": paired}
     for k in ("speedup", "throughput_ratio", "steps_ratio", "final_gap"):
-        out[f"{k}_mean"] = _mean([p[k] for p in paired.values()])
+        out[f"{k}_mean"] = mean_of([p[k] for p in paired.values()])
     return out
 
 

@@ -71,10 +71,14 @@ class RoleBench:
 def load_role_bench(path: str) -> RoleBench:
     """Reads a role-bench JSON file; a missing field is named."""
     with open(path) as f:
-        d = json.load(f)
+        return role_bench(json.load(f), path)
+
+
+def role_bench(d: dict[str, Any], source: str = "role bench") -> RoleBench:
+    """A RoleBench from a role-bench dict (extra keys ignored); a missing field is named."""
     missing = [k for k in _FIELDS if k not in d]
     if missing:
-        raise ValueError(f"{path}: role bench lacks {missing}")
+        raise ValueError(f"{source}: role bench lacks {missing}")
     return RoleBench(**{k: d[k] for k in _FIELDS})
 
 
