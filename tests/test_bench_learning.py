@@ -99,9 +99,7 @@ _BENCH = {"sampler_devices": 1, "trainer_devices": 1, "cores": 1, "num_slots": 1
 
 
 def test_the_realized_prediction_puts_the_runs_own_train_steps_and_lengths_in_the_model():
-    from jaxrl_async.cli import bench_learning as bl
-
-    setup = bl.Setup(eta=2, processes=2, prompts=64, samples=8)
+    setup = ls.Setup(eta=2, processes=2, prompts=64, samples=8)
     benches = {"every": {**_BENCH, "cores": 2, "train_step_s": 0.705}, "one": _BENCH}
     lengths = {"median": 8.0, "p99": 51.0, "max": 53}
 
@@ -111,17 +109,17 @@ def test_the_realized_prediction_puts_the_runs_own_train_steps_and_lengths_in_th
 
         return {"sync": {0: row(sync_step)}, "async": {0: row(async_step), 1: row(async_step)}}
 
-    before = bl.predict(benches, setup, lengths)
-    same = bl.predict_realized(benches, setup, lengths, rows(0.705, 0.965))
+    before = ls.predict(benches, setup, lengths)
+    same = ls.predict_realized(benches, setup, lengths, rows(0.705, 0.965))
     assert same["ratio"] == pytest.approx(before["ratio"])  # what the role benches showed: no change
     assert same["train_step_s"] == {"sync": 0.705, "async": 0.965, "role_bench_every_core": 0.705,
                                     "role_bench_one_core": 0.965}  # fmt: skip
     # The trainer's work shrank in the runs (more groups skipped as the policy learned): sync, whose
     # step is sampling then training, gains more than trainer-bound async, so the ratio falls.
-    drift = bl.predict_realized(benches, setup, lengths, rows(0.47, 0.90))
+    drift = ls.predict_realized(benches, setup, lengths, rows(0.47, 0.90))
     assert drift["sync"]["tokens_per_s"] == pytest.approx(13930.0 / (0.47 + 0.001 + 0.47))
     assert drift["async"]["tokens_per_s"] > before["async"]["tokens_per_s"]
     assert drift["ratio"] < before["ratio"]
-    longer = bl.predict_realized(benches, setup, lengths, rows(0.47, 0.90, 20.0, 52.0))
+    longer = ls.predict_realized(benches, setup, lengths, rows(0.47, 0.90, 20.0, 52.0))
     assert longer["lengths"]["median"] == 20.0 and longer["lengths"]["p99"] == 52.0
-    assert bl.predict_realized(benches, setup, lengths, rows(None, 0.9)) is None  # a run without the figure
+    assert ls.predict_realized(benches, setup, lengths, rows(None, 0.9)) is None  # a run without the figure

@@ -1,5 +1,6 @@
-"""Time to accuracy, sync vs async: the statistics of `tools/bench_learning.py`, shared with its tests (a
-module here that is no command, so importing it defines no flags).
+"""Time to accuracy, sync vs async: the statistics and the split model's predictions of
+`tools/bench_learning.py`, shared with its tests (a module here that is no command, so importing it
+defines no flags).
 
 A run is one `summary.json` (jaxrl_async.runtime.orchestrator): its held-out evaluations (step, accuracy,
 and `trained_s`: when that version's train step ended, in seconds since the learner started), its steady
@@ -10,7 +11,9 @@ and splits the wall-time speedup into a throughput ratio times a steps-to-target
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -144,3 +147,72 @@ def table(report: dict[str, Any]) -> str:
     means = [f(report[f"{k}_mean"]) for k in ("speedup", "throughput_ratio", "steps_ratio", "final_gap")]
     lines.append("| mean | " + " | ".join(means) + " |")
     return "\n".join(lines)
+
+
+PREDICT_HOST_CORES = 16  # the host the split model is also asked about (the issue's 16-core node)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What the split model needs of the runs besides the role benches and the lengths."""
+
+    eta: int  # the async runs' staleness bound
+    processes: int  # async roles in 1 process (sharing every core) or 2 (pinned to a core each)
+    prompts: int  # prompts_per_step
+    samples: int  # samples_per_prompt
+
+
+def predict(benches: dict[str, dict], setup: Setup, lengths: dict[str, float]) -> dict:
+    """The split model's throughput of both modes from the role benches ({"every": on every core, "one": on
+    one core with its decode curve}; `tools/bench_learning.py` times them) and the completion lengths."""
+    from jaxrl_async.perf import model as pm
+    from jaxrl_async.perf.calibrated import calibrated_system, engine_lag_s, trained_tokens_per_s
+    from jaxrl_async.perf.shared_host import predict_async, predict_sync, role_bench
+
+    every = role_bench(benches["every"])
+    sync = predict_sync(every, every).to_dict()
+    if setup.processes == 1:
+        async_ = predict_async(every, every, setup.eta, cores=len(os.sched_getaffinity(0))).to_dict()
+        best16 = None
+    else:
+        one = benches["one"]
+
+        def system(s: int, t: int):
+            return calibrated_system(
+                one, prompts=setup.prompts, samples=setup.samples, median=lengths["median"],
+                p99=lengths["p99"], max_len=lengths["max"], eta=setup.eta, static_batch=True,
+                admit_lag_s=engine_lag_s(one), sampler_devices=s, trainer_devices=t,
+            )  # fmt: skip
+
+        r = pm.analyze_split(system(1, 1), 1, 1)
+        async_ = {**r.to_dict(), "tokens_per_s": trained_tokens_per_s(system(1, 1), r.tokens_per_s)}
+        big = system(PREDICT_HOST_CORES // 2, PREDICT_HOST_CORES // 2)
+        best = pm.best_split(pm.sweep(big), ignore_balance=True)
+        best16 = None
+        if best is not None:
+            best16 = {**best.to_dict(), "cores": PREDICT_HOST_CORES,
+                      "tokens_per_s": trained_tokens_per_s(big, best.tokens_per_s)}  # fmt: skip
+    ratio = async_["tokens_per_s"] / sync["tokens_per_s"]
+    return {"sync": sync, "async": async_, "ratio": ratio, "best_split_16_cores": best16, "lengths": lengths}
+
+
+def predict_realized(benches: dict[str, dict], setup: Setup, lengths: dict[str, float],
+                     rows: dict[str, dict[int, dict]]) -> dict | None:  # fmt: skip
+    """The same model with what the runs realized in place of what the warm start showed: each mode's
+    own mean train step (the trainer's work shrinks as the policy learns: groups that are all right or all
+    wrong are skipped) and the async runs' own completion lengths. Beside the prediction it tells the
+    model's error from the workload's drift. None when a run lacks the figures."""
+    mean = lambda mode, key: mean_of([r.get(key) for r in rows[mode].values()])  # noqa: E731
+    sync_step, async_step = mean("sync", "train_step_s_mean"), mean("async", "train_step_s_mean")
+    p50, p99 = mean("async", "completion_length_p50"), mean("async", "completion_length_p99")
+    if None in (sync_step, async_step, p50, p99):
+        return None
+    realized = {"every": {**benches["every"], "train_step_s": sync_step},
+                "one": {**benches["one"], "train_step_s": async_step}}  # fmt: skip
+    if setup.processes == 1:
+        realized["every"]["train_step_s"] = async_step  # one process: both modes on every core
+    out = predict(realized, setup, {**lengths, "median": p50, "p99": p99})
+    out["train_step_s"] = {"sync": sync_step, "async": async_step,
+                           "role_bench_every_core": benches["every"]["train_step_s"],
+                           "role_bench_one_core": benches["one"]["train_step_s"]}  # fmt: skip
+    return out
