@@ -123,3 +123,9 @@ def test_the_realized_prediction_puts_the_runs_own_train_steps_and_lengths_in_th
     longer = ls.predict_realized(benches, setup, lengths, rows(0.47, 0.90, 20.0, 52.0))
     assert longer["lengths"]["median"] == 20.0 and longer["lengths"]["p99"] == 52.0
     assert ls.predict_realized(benches, setup, lengths, rows(None, 0.9)) is None  # a run without the figure
+    # One process: both modes ran on every core, and each takes its own runs' step there.
+    one = ls.Setup(eta=2, processes=1, prompts=64, samples=8)
+    shared = ls.predict_realized(benches, one, lengths, rows(0.47, 0.60))
+    assert shared["sync"]["tokens_per_s"] == pytest.approx(13930.0 / (0.47 + 0.001 + 0.47))
+    assert shared["async"] == ls.predict({**benches, "every": {**benches["every"], "train_step_s": 0.60}},
+                                         one, lengths)["async"]  # fmt: skip

@@ -143,7 +143,7 @@ def eval_resolution(overrides: dict[str, str]) -> dict:
     from jaxrl_async.data import held_out_prompts
 
     data, tok = _data_and_tokenizer(overrides)
-    n = int(overrides["eval_prompts"]) if "eval_prompts" in overrides else int(_base_config().eval_prompts)
+    n = _config_int("eval_prompts", overrides)
     weights = np.asarray([p.weight for p in held_out_prompts(data, tok, n)], np.float64)
     heaviest = float(weights.max() / weights.sum()) if len(weights) else 0.0
     return {"prompts": len(weights), "heaviest": heaviest}

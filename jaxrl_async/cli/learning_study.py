@@ -207,11 +207,14 @@ def predict_realized(benches: dict[str, dict], setup: Setup, lengths: dict[str, 
     p50, p99 = mean("async", "completion_length_p50"), mean("async", "completion_length_p99")
     if None in (sync_step, async_step, p50, p99):
         return None
+    realized_lengths = {**lengths, "median": p50, "p99": p99}
     realized = {"every": {**benches["every"], "train_step_s": sync_step},
                 "one": {**benches["one"], "train_step_s": async_step}}  # fmt: skip
-    if setup.processes == 1:
-        realized["every"]["train_step_s"] = async_step  # one process: both modes on every core
-    out = predict(realized, setup, {**lengths, "median": p50, "p99": p99})
+    out = predict(realized, setup, realized_lengths)
+    if setup.processes == 1:  # async also ran on every core: its prediction takes the async runs' step
+        every_async = {**realized, "every": {**benches["every"], "train_step_s": async_step}}
+        out["async"] = predict(every_async, setup, realized_lengths)["async"]
+        out["ratio"] = out["async"]["tokens_per_s"] / out["sync"]["tokens_per_s"]
     out["train_step_s"] = {"sync": sync_step, "async": async_step,
                            "role_bench_every_core": benches["every"]["train_step_s"],
                            "role_bench_one_core": benches["one"]["train_step_s"]}  # fmt: skip

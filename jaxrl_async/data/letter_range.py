@@ -106,14 +106,14 @@ def letter_range_distinct(cfg: DataConfig, n: int, split: str = "test") -> list[
     accuracy; all of the training ones (2,429) the exact accuracy on what RL trains on."""
     probs = range_probabilities(cfg.letter_span_power)
     test = split == "test"
-    held = {p: w for p, w in probs.items() if is_heldout(f"{p[0]}-{p[1]}", cfg.heldout_fraction) == test}
-    total = sum(held.values())
-    order = sorted(held)
+    in_split = {p: w for p, w in probs.items() if is_heldout(f"{p[0]}-{p[1]}", cfg.heldout_fraction) == test}
+    total = sum(in_split.values())
+    order = sorted(in_split)
     random.Random(f"letter_range:{cfg.seed}:{'heldout' if test else split}").shuffle(order)
     out = []
     for first, last in order[:n]:
         prompt, answer = letter_range_problem(first, last)
-        meta, weight = {"first": first, "last": last}, held[(first, last)] / total
+        meta, weight = {"first": first, "last": last}, in_split[(first, last)] / total
         uid = f"letter_range:{split}:{first}-{last}"
         out.append({"uid": uid, "prompt": prompt, "answer": answer, "metadata": meta, "weight": weight})
     return out
