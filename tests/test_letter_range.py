@@ -90,6 +90,29 @@ def test_the_training_split_is_scored_the_same_way():
         held_out_prompts(cfg, tok, 5, "dev")
 
 
+def test_short_ranges_can_be_kept_out_of_the_held_out_split():
+    tok = CharTokenizer()
+    cfg = DataConfig(task="letter_range", seed=3, letter_heldout_min_span=2)
+    held, train = held_out_prompts(cfg, tok, 5000), held_out_prompts(cfg, tok, 5000, "train")
+    held_pairs = {(p.metadata["first"], p.metadata["last"]) for p in held}
+    train_pairs = {(p.metadata["first"], p.metadata["last"]) for p in train}
+    assert min(len(p.answer) for p in held) == 2  # no one-letter range is held out ...
+    assert {(a, a) for a in ALPHABET} <= train_pairs  # ... all 52 of them train
+    assert len(held_pairs | train_pairs) == len(held) + len(train) == 52 * 52 and not held_pairs & train_pairs
+    assert sum(p.weight for p in held) == pytest.approx(1.0) == sum(p.weight for p in train)
+    # Longer ranges are split as before, so the held-out set is the default's without its one-letter ranges.
+    default = held_out_prompts(DataConfig(task="letter_range", seed=3), tok, 5000)
+    assert held_pairs == {(p.metadata["first"], p.metadata["last"]) for p in default if len(p.answer) > 1}
+    # The stream agrees with the distinct sets: its held-out draws are never one letter long.
+    assert all(len(letter_range_example(cfg, "test", i)["answer"]) > 1 for i in range(500))
+    stream = {r["prompt"] for r in (letter_range_example(cfg, "train", i) for i in range(2000))}
+    assert stream <= {p.text for p in train}
+    # The heaviest held-out prompt moves the exact accuracy by less than a third of what it did.
+    assert max(p.weight for p in held) < max(p.weight for p in default) / 2.5
+    with pytest.raises(ValueError, match="letter_heldout_min_span"):
+        DataConfig(task="letter_range", letter_heldout_min_span=0)
+
+
 def test_answers_run_both_ways_and_across_the_case_boundary():
     assert letter_range("d", "k") == "defghijk" and letter_range("k", "d") == "kjihgfed"
     assert letter_range("x", "C") == "xyzABC" and letter_range("c", "a") == "cba"
@@ -158,3 +181,12 @@ def test_config_validates_and_fits_the_longest_answer(tmp_path):
     longest = len(CharTokenizer().encode(f"range a-Z:{ALPHABET}")) + 1
     assert run.warm_start.seq_len + 1 >= longest
     assert run.sampler.max_new_tokens >= len(ALPHABET) + 1
+    # The config's own mix keeps the long tail, and its held-out set is every held-out range once.
+    tok = CharTokenizer()
+    it = make_prompt_iterator(run.data, tok)
+    lengths = [len(reference_completion(next(it).text)) + 1 for _ in range(2000)]
+    p50, p99 = np.percentile(lengths, [50, 99])
+    assert p99 / p50 >= 4, (p50, p99)
+    held = held_out_prompts(run.data, tok, 10_000)
+    assert len(held) == run.eval.prompts
+    assert min(len(p.answer) for p in held) >= run.data.letter_heldout_min_span

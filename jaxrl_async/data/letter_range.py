@@ -71,13 +71,20 @@ def _draw(rng: random.Random, power: float) -> tuple[str, str]:
     return (hi, lo) if rng.random() < 0.5 else (lo, hi)
 
 
+def _held_out(cfg: DataConfig, first: str, last: str) -> bool:
+    """Whether the range (first, last) is in the held-out split: by stable hash, unless its span is below
+    cfg.letter_heldout_min_span."""
+    span = abs(ALPHABET.index(first) - ALPHABET.index(last)) + 1
+    return span >= cfg.letter_heldout_min_span and is_heldout(f"{first}-{last}", cfg.heldout_fraction)
+
+
 def letter_range_example(cfg: DataConfig, split: str, index: int) -> dict[str, Any]:
     """The `index`-th record of `split` ("train" or "test"): a deterministic function of (seed, split,
     index); a range is in exactly one split."""
     rng = random.Random(f"letter_range:{cfg.seed}:{split}:{index}")
     while True:
         first, last = _draw(rng, cfg.letter_span_power)
-        if is_heldout(f"{first}-{last}", cfg.heldout_fraction) == (split == "test"):
+        if _held_out(cfg, first, last) == (split == "test"):
             prompt, answer = letter_range_problem(first, last)
             uid, meta = f"letter_range:{split}:{index}", {"first": first, "last": last}
             return {"uid": uid, "prompt": prompt, "answer": answer, "metadata": meta}
@@ -106,7 +113,7 @@ def letter_range_distinct(cfg: DataConfig, n: int, split: str = "test") -> list[
     accuracy; all of the training ones (2,429) the exact accuracy on what RL trains on."""
     probs = range_probabilities(cfg.letter_span_power)
     test = split == "test"
-    in_split = {p: w for p, w in probs.items() if is_heldout(f"{p[0]}-{p[1]}", cfg.heldout_fraction) == test}
+    in_split = {p: w for p, w in probs.items() if _held_out(cfg, *p) == test}
     total = sum(in_split.values())
     order = sorted(in_split)
     random.Random(f"letter_range:{cfg.seed}:{'heldout' if test else split}").shuffle(order)

@@ -75,6 +75,8 @@ class DataConfig:
       countdown_numbers, countdown_max_number, countdown_max_target: countdown puzzle sizes.
       letter_span_power: letter-range spans are exp(u^p ln 53), u uniform: 1 is log-uniform on 1..52,
         larger values make short ranges commoner (jaxrl_async.data.letter_range).
+      letter_heldout_min_span: letter ranges shorter than this many letters are never held out (all of
+        them train); 1 holds out every span alike.
     """
 
     task: str = "arithmetic"
@@ -101,6 +103,7 @@ class DataConfig:
     countdown_max_number: int = 20
     countdown_max_target: int = 100
     letter_span_power: float = 1.0
+    letter_heldout_min_span: int = 1
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -137,6 +140,10 @@ class DataConfig:
         if not 0.25 <= self.letter_span_power <= 4.0:
             raise ValueError(
                 f"DataConfig: letter_span_power must be in [0.25, 4], got {self.letter_span_power}"
+            )
+        if not 1 <= self.letter_heldout_min_span <= 52:
+            raise ValueError(
+                f"DataConfig: letter_heldout_min_span must be in [1, 52], got {self.letter_heldout_min_span}"
             )
         if self.task in SYNTHETIC_TASKS and self.heldout_fraction <= 0.0:
             raise ValueError("DataConfig: synthetic tasks need heldout_fraction > 0 for their held-out split")
