@@ -1,16 +1,17 @@
 """The letter-range task: answers whose length is long-tailed because the task's own input sizes are.
 
 Prompt "range d-k:", completion every letter from the first to the last in the order of `ALPHABET`
-("defghijk"); a range may also run down ("range k-d:" -> "kjihgfed") and across the case boundary
-("range x-C:" -> "xyzABC"). Its span, the answer's length in letters (1 to 52), is exp(u^p ln 53) for
-u uniform on [0, 1) and p = DataConfig.letter_span_power: p = 1 is log-uniform, so short answers are
-common and long ones rare but present (the reference answers' median is 8 tokens, stop token included,
-and their p99 51); p = 1.5 nearly halves the median (5) and keeps the p99 (50). That is a tail the
-sampler meets because of the problems themselves, not because a length cap was drawn. Each answer letter
-follows from the previous one (the next or the previous letter of the alphabet) and the stop from a
-comparison with the prompt's last letter, so a tiny character model learns it from a short supervised
-warm start. Its misses are mostly on short ranges (it runs past the stop; `tools/evaluate.py --by_length`
-shows where), which is also why its own completions are less skewed than the references.
+("defghijk"); a range may also run down ("range k-d:" -> "kjihgfed") and across the case boundary ("range
+x-C:" -> "xyzABC"). Its span, the answer's length in letters (1 to 52), is exp(u^p ln 53) for u uniform on
+[0, 1) and p = DataConfig.letter_span_power: p = 1 is log-uniform, so short answers are common and long ones
+rare but present (the reference answers' median is 8 tokens, stop token included, and their p99 51); p = 1.5
+(configs/letter_range.py) halves the median (4) and keeps the p99 (50). That is a tail the sampler meets
+because of the problems themselves, not because a length cap was drawn. Each answer letter follows from the
+previous one (the next or the previous letter of the alphabet) and the stop from a comparison with the
+prompt's last letter, so a tiny character model learns it from a short supervised warm start. Its misses are
+mostly on short ranges (it runs past the stop; `tools/evaluate.py --by_length` shows where), which is also
+why its own completions are less skewed than the references (at p = 1 their p99/median was 2.7-3.0; at 1.5,
+7.3-8.7).
 
 The problem space is small (52 x 52 ranges; at heldout_fraction 0.1 a stable hash puts 275 in the held-out
 split), so the held-out set is every held-out range once, each with its probability under the span
@@ -18,8 +19,11 @@ distribution as its weight (`Prompt.weight`): the weighted accuracy over all of 
 accuracy over the task's own mix, with no sampling noise. Unweighted, long ranges, which are most of the
 distinct ones, would dominate; drawn with repetition, 200 draws leave a standard error of about 0.03
 near 0.5, as large as the differences between runs an evaluation is meant to show. Exact is not fine-
-grained, though: the held-out split holds 6 one-letter ranges, 19% of its weight at power 1 (33% at 1.5),
-so one of them answered differently moves the accuracy by 3 (5.5) points. Fewer than
+grained, though: the split holds 6 of the 52 one-letter ranges, 19% of its weight at power 1 (33% at 1.5),
+so one of them answered differently moves the accuracy by 3 (5.5) points, and a tiny model memorizes the
+trained ones rather than inferring the others. DataConfig.letter_heldout_min_span = 2 keeps them all in
+training: the held-out split is then the 269 other held-out ranges, and its heaviest prompt moves the
+accuracy by 1.2 (1.5) points. Fewer than
 all of them are a random subset (fixed order per seed) whose weighted accuracy estimates the same number.
 Metadata carries "first" and "last"; the verifier ("letter_range", jaxrl_async.rewards.synthetic) rebuilds
 the answer from them.
@@ -109,8 +113,9 @@ def range_probabilities(power: float) -> dict[tuple[str, str], float]:
 def letter_range_distinct(cfg: DataConfig, n: int, split: str = "test") -> list[dict[str, Any]]:
     """Up to `n` distinct ranges of `split` in a fixed random order (by cfg.seed), each record's "weight" its
     probability under the task's span distribution, renormalized over the split (see the module
-    docstring): all of the held-out ones (n >= 275 at heldout_fraction 0.1) give the exact held-out
-    accuracy; all of the training ones (2,429) the exact accuracy on what RL trains on."""
+    docstring): all of the held-out ones (n >= 275 at heldout_fraction 0.1; 269 with letter_heldout_min_span
+    2) give the exact held-out accuracy; all of the training ones (2,429; 2,435) the exact accuracy on
+    what RL trains on."""
     probs = range_probabilities(cfg.letter_span_power)
     test = split == "test"
     in_split = {p: w for p, w in probs.items() if _held_out(cfg, *p) == test}
