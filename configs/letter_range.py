@@ -10,18 +10,18 @@ rare but present. The reference completions (stop token included) have median 4 
 7.3-8.7 in six 100-step runs (docs/benchmarks.md). Every answer letter follows from the one before and the
 stop from the prompt's last letter, so a tiny character model learns the task from a short supervised
 warm start; RL then raised held-out accuracy from 0.30 to 0.39-0.50 in 100 steps (3 seeds, sync and
-async). Its misses are on short ranges (it runs
-past the stop, often the wrong way; `tools/evaluate.py --by_length`). The verifier (rewards "letter_range")
-rebuilds the answer from the prompt's metadata: 1.0 for the exact answer, else 0.
+async). Its misses are on short ranges (it runs past the stop, often the wrong way;
+`tools/evaluate.py --by_length`). The verifier (rewards "letter_range") rebuilds the answer from the
+prompt's metadata: 1.0 for the exact answer, else 0.
 
 Two settings make the policy's own tail and the held-out figure trustworthy (docs/benchmarks.md, "Time to
 accuracy on a long-tailed task"):
 - span power 1.5, not the log-uniform 1: at 1 a policy that still overshoots the stop writes completions
   with median 16-21 tokens, p99/median 2.7-3.0, under the tail the task is for;
 - one-letter ranges are never held out: the tiny model memorizes the trained ones (0.83 right) and does
-  not infer the unseen ones (0-0.17). There are only 52 of them, so a held-out split of ~5 carried 19-33%
-  of the held-out weight and each one moved the exact accuracy by 3-5.5 points; without them the heaviest
-  held-out prompt moves it by 1.5.
+  not infer the unseen ones (0-0.17). There are only 52 of them, so the 6 in the held-out split carried
+  19-33% of the held-out weight and each one moved the exact accuracy by 3-5.5 points; without them the
+  heaviest held-out prompt moves it by 1.5.
 """
 
 from jaxrl_async.cli.config_file import sibling

@@ -111,6 +111,8 @@ def test_short_ranges_can_be_kept_out_of_the_held_out_split():
     assert max(p.weight for p in held) < max(p.weight for p in default) / 2.5
     with pytest.raises(ValueError, match="letter_heldout_min_span"):
         DataConfig(task="letter_range", letter_heldout_min_span=0)
+    with pytest.raises(ValueError, match="apply to task 'letter_range' only"):
+        DataConfig(task="arithmetic", letter_heldout_min_span=2)  # another task would ignore it
 
 
 def test_answers_run_both_ways_and_across_the_case_boundary():

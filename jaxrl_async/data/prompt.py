@@ -145,6 +145,12 @@ class DataConfig:
             raise ValueError(
                 f"DataConfig: letter_heldout_min_span must be in [1, 52], got {self.letter_heldout_min_span}"
             )
+        letter_knobs = self.letter_span_power != 1.0 or self.letter_heldout_min_span != 1
+        if letter_knobs and self.task != "letter_range":  # only that task reads them: refused, not ignored
+            raise ValueError(
+                "DataConfig: letter_span_power and letter_heldout_min_span apply to task 'letter_range' "
+                f"only, got task {self.task!r}"
+            )
         if self.task in SYNTHETIC_TASKS and self.heldout_fraction <= 0.0:
             raise ValueError("DataConfig: synthetic tasks need heldout_fraction > 0 for their held-out split")
 
