@@ -85,6 +85,18 @@ def test_smoke_runs_every_part_of_the_command(tmp_path):
     assert (tmp_path / "runs" / "sync_s0_cores1.log").exists() and "overlap alone" in res.stdout
 
 
+def test_a_bad_async_cpu_sets_is_refused_before_anything_runs(tmp_path):
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    tool = os.path.join(REPO, "tools", "bench_learning.py")
+    cases = [(["--async-cpu-sets=0"], "--async-cpu-sets=0: 1 core lists for 2 processes"),
+             (["--async-cpu-sets=0:0", "--async-processes=1"], "needs --async-processes 2")]  # fmt: skip
+    for flags_, msg in cases:
+        res = subprocess.run([sys.executable, tool, "--smoke", "--keep", str(tmp_path), *flags_], env=env,
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert res.returncode != 0 and msg in res.stderr, res.stderr[-2000:]
+        assert not os.listdir(tmp_path)  # no role bench, warm start or run began
+
+
 # A role bench as tools/bench_roles.py writes it (figures of a letter_range run on one core).
 _DECODE = {
     "slots": 128,

@@ -1,10 +1,13 @@
-"""The cluster launchers: remote scripts print exactly what they would run (--dry-run); local core blocks."""
+"""The cluster launchers: remote scripts print exactly what they would run (--dry-run); local core sets."""
 
 import os
+import stat
 import subprocess
 import sys
 
-from jaxrl_async.cli.local_cluster import child_env, core_blocks
+import pytest
+
+from jaxrl_async.cli.local_cluster import child_env, core_blocks, parse_cpu_sets
 from jaxrl_async.runtime.cluster import tpu_slice
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,3 +96,42 @@ def test_local_cluster_gives_each_process_its_own_cores_and_devices():
     env = child_env(2)
     assert env["XLA_FLAGS"].count("xla_force_host_platform_device_count") == 1
     assert env["XLA_FLAGS"].endswith("--xla_force_host_platform_device_count=2")
+
+
+def test_cpu_sets_name_each_process_cores_and_may_overlap():
+    assert parse_cpu_sets("0,1:1", 2, [0, 1]) == [[0, 1], [1]]
+    assert parse_cpu_sets("0-3:4-7", 2, list(range(8))) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert parse_cpu_sets("2,0-1", 1, [0, 1, 2]) == [[0, 1, 2]]
+    for text, n, match in [("0:1", 3, "2 core lists for 3 processes"), ("0:5", 2, r"process 1: cores \[5\]"),
+                           ("0:a", 2, "'a' is not a core"), ("0:", 2, "'' is not a core"),
+                           ("1-0:1", 2, "range '1-0' is empty")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            parse_cpu_sets(text, n, [0, 1])
+
+
+def test_local_cluster_starts_each_process_on_its_cpu_set(tmp_path):
+    """A stand-in interpreter (--python) prints the cores each process was started on."""
+    cores = sorted(os.sched_getaffinity(0))
+    first, last = cores[0], cores[-1]
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\nexec {sys.executable} -c "import os, sys; '
+                    f'print(sys.argv[-1], sorted(os.sched_getaffinity(0)))" "$@"\n')  # fmt: skip
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+
+    def launch(*flags: str):
+        cmd = [sys.executable, os.path.join(REPO, "launch", "local_cluster.py"), "--num-processes", "2",
+               f"--python={fake}", *flags, "--", "--config=unused"]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": REPO}
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+
+    res = launch(f"--cpu-sets={first},{last}:{last}")
+    assert res.returncode == 0, res.stderr
+    # The last flag the launcher adds is --heartbeat_timeout_s; what follows it is the process's cores.
+    assert f"[p0] --heartbeat_timeout_s=10 {sorted({first, last})}" in res.stdout
+    assert f"[p1] --heartbeat_timeout_s=10 [{last}]" in res.stdout
+    assert f"process 1 on cores [{last}]" in res.stdout
+    three = f"{first}:{first}:{first}"
+    bad = launch(f"--cpu-sets={three}")
+    assert bad.returncode != 0 and f"--cpu-sets={three}: 3 core lists for 2 processes" in bad.stderr
+    both = launch(f"--cpu-sets={first}:{first}", "--pin-cores")
+    assert both.returncode != 0 and "--cpu-sets names every process's cores: drop --pin-cores" in both.stderr

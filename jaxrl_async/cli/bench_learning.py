@@ -9,6 +9,8 @@ the warm start, the data order and the sampling keys); its summary.json is read 
   sync   one process on every core: sample a batch to its last token, then train it (η = 0);
   async  (--async-processes 2, the default) the learner on process 0 and the sampler on process 1, each
          pinned to a core of its own (jaxrl-local-cluster --pin-cores), η = --eta; with 1, one process.
+         --async-cpu-sets names the two processes' cores instead (jaxrl-local-cluster --cpu-sets): 0,1:1
+         lets the learner use both cores and so the time the sampler leaves idle on core 1.
 Before the runs, the roles are timed alone (jaxrl-bench-roles, on every core and on one core with the
 decode curve) and the performance model predicts the async / sync throughput ratio: the shared-host
 model for sync and one-process async, the split model (calibrated, lognormal lengths with the task's own
@@ -48,6 +50,9 @@ _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds; each runs sync and 
 _STEPS = flags.DEFINE_integer("steps", 150, "Train steps of every run.", lower_bound=1)
 _ETA = flags.DEFINE_integer("eta", 2, "Staleness bound of the async runs.", lower_bound=1)
 _PROCS = flags.DEFINE_integer("async-processes", 2, "2: async roles pinned in processes of their own.", 1, 2)
+_CPU_SETS = flags.DEFINE_string(
+    "async-cpu-sets", "", "Two processes: learner:sampler cores (e.g. 0,1:1); default a core each."
+)
 _TARGET = flags.DEFINE_float("target", None, "Target held-out accuracy (default: sync final - margin).")
 _MARGIN = flags.DEFINE_float("margin", 0.01, "Default target: sync's mean final accuracy minus this.")
 _PREDICT = flags.DEFINE_bool("predict", True, "Time the roles alone first and predict the throughput ratio.")
@@ -98,7 +103,8 @@ def run_one(mode: str, seed: int, root: str, steps: int, overrides: dict[str, st
     flags_ = run_flags(workdir, mode, seed, steps, overrides)
     if mode == "async" and _PROCS.value == 2:
         flags_ += ["--config.mesh.trainer_processes=(0,)", "--config.mesh.sampler_processes=(1,)"]
-        cmd = module_command("local_cluster", "--num-processes", "2", "--pin-cores", "--", *flags_)
+        cores_ = [f"--cpu-sets={_CPU_SETS.value}"] if _CPU_SETS.value else ["--pin-cores"]
+        cmd = module_command("local_cluster", "--num-processes", "2", *cores_, "--", *flags_)
     else:
         cmd = module_command("run", *flags_)
     run_logged(cmd, cores, log)
@@ -176,8 +182,23 @@ def _config_int(key: str, overrides: dict[str, str]) -> int:
     return int(overrides[key]) if key in overrides else int(getattr(_base_config(), key))
 
 
+def _check_cpu_sets() -> None:
+    """Refuses a bad --async-cpu-sets before the role benches and runs, not minutes into them."""
+    if not _CPU_SETS.value:
+        return
+    if _PROCS.value != 2:
+        raise app.UsageError("--async-cpu-sets: the two async processes' cores; needs --async-processes 2")
+    from jaxrl_async.cli.local_cluster import parse_cpu_sets
+
+    try:
+        parse_cpu_sets(_CPU_SETS.value, 2, sorted(os.sched_getaffinity(0)))
+    except ValueError as e:
+        raise app.UsageError(f"--async-cpu-sets={_CPU_SETS.value}: {e}") from None
+
+
 def main(argv):
     del argv
+    _check_cpu_sets()
     seeds = [int(s) for s in _SEEDS.value]
     if _SMOKE.value and _SEEDS.present == 0:
         seeds = seeds[:1]
@@ -201,6 +222,9 @@ def main(argv):
             print(f"predicted throughput async / sync: {predicted['ratio']:.2f} "
                   f"({predicted['async']['tokens_per_s']:.0f} / {predicted['sync']['tokens_per_s']:.0f} "
                   "trained tokens/s), before any run", flush=True)  # fmt: skip
+            if _CPU_SETS.value:
+                print(f"(the split model gives each role a core of its own, not "
+                      f"--async-cpu-sets={_CPU_SETS.value})", flush=True)  # fmt: skip
         summaries: dict[str, dict[int, dict]] = {m: {} for m in ls.MODES}
         for seed in seeds:  # both modes of a seed back to back: a load change hits both alike
             for mode in ls.MODES:
@@ -220,7 +244,8 @@ def main(argv):
         report["overlap_bound"] = ls.overlap_bound(ls.run_row(one_core, target), rows["sync"][seeds[0]],
                                                    len(os.sched_getaffinity(0)))  # fmt: skip
     settings = {"config": _CONFIG.value, "seeds": seeds, "steps": steps, "eta": _ETA.value,
-                "async_processes": _PROCS.value, "target": target, "margin": _MARGIN.value,
+                "async_processes": _PROCS.value, "async_cpu_sets": _CPU_SETS.value or "pinned, a core each",
+                "target": target, "margin": _MARGIN.value,
                 "set": _SET.value, "smoke": _SMOKE.value, "eval_resolution": resolution,
                 "cpus": sorted(os.sched_getaffinity(0))}  # fmt: skip
     realized = ls.predict_realized(benches, setup, lengths, rows) if benches else None

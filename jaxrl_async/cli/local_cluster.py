@@ -7,7 +7,10 @@
 (or `python launch/local_cluster.py ...`). The flags after `--` go to every process's `jaxrl-run`. Every
 process also gets --coordinator_address (a free localhost port), --num_processes and --process_id, and
 `--devices-per-process` fake CPU devices. `--pin-cores` gives each process its own block of cores
-(os.sched_setaffinity), so the roles run in parallel as they would on separate hosts. Output lines are
+(os.sched_setaffinity), so the roles run in parallel as they would on separate hosts. `--cpu-sets` names
+each process's cores instead, and they may overlap: `--cpu-sets=0,1:1` runs process 0 on both cores and
+process 1 on core 1: a learner in process 0 then also uses the time the sampler leaves core 1 idle
+(docs/benchmarks.md, "Time to accuracy"). Output lines are
 prefixed with the process id (and kept in --log-dir when given). Every process gets the run's secret,
 which signs the messages between them, in its environment (JAXRL_SECRET: a fresh one per launch unless
 JAXRL_SECRET or JAXRL_SECRET_FILE is set already); it is on no command line and in no log. When a process
@@ -39,6 +42,9 @@ from jaxrl_async.runtime import secret
 _NUM = flags.DEFINE_integer("num-processes", None, "Processes to start (not with --rehearse).", lower_bound=1)
 _DEVICES = flags.DEFINE_integer("devices-per-process", 1, "Fake CPU devices in each process.", lower_bound=1)
 _PIN = flags.DEFINE_bool("pin-cores", False, "Give each process its own block of cores.")
+_CPU_SETS = flags.DEFINE_string(
+    "cpu-sets", "", "Each process's cores, ':' between processes: 0,1:1 or 0-3:4-7 (not with --pin-cores)."
+)
 _PORT = flags.DEFINE_integer("port", 0, "Coordinator port (0: a free one).")
 _LOG_DIR = flags.DEFINE_string("log-dir", "", "Also write process_<i>.log files here.")
 _GRACE = flags.DEFINE_float("grace-s", 45.0, "After a failure, wait this long for the rest.")
@@ -63,6 +69,34 @@ def core_blocks(num_processes: int, cores: list[int]) -> list[list[int]]:
     """Contiguous blocks of the available cores, one per process (shared round-robin if too few)."""
     per = max(1, len(cores) // num_processes)
     return [[cores[(i * per + j) % len(cores)] for j in range(per)] for i in range(num_processes)]
+
+
+def parse_cpu_sets(text: str, num_processes: int, allowed: list[int]) -> list[list[int]]:
+    """`--cpu-sets`: one core list per process (cpuset syntax, "0,2" or "0-3"), ':' between processes.
+
+    Raises:
+      ValueError: a malformed list, the wrong number of lists, or a core this launcher may not use.
+    """
+    parts = text.split(":")
+    if len(parts) != num_processes:
+        raise ValueError(f"{len(parts)} core lists for {num_processes} processes")
+    sets = []
+    for i, part in enumerate(parts):
+        cores: set[int] = set()
+        for item in part.split(","):
+            lo, dash, hi = item.strip().partition("-")
+            try:
+                first, last = int(lo), int(hi if dash else lo)
+            except ValueError:
+                raise ValueError(f"process {i}: {item!r} is not a core or a range like 0-3") from None
+            if first > last:
+                raise ValueError(f"process {i}: the range {item!r} is empty")
+            cores.update(range(first, last + 1))
+        outside = sorted(cores - set(allowed))
+        if outside:
+            raise ValueError(f"process {i}: cores {outside} are not among this launcher's {allowed}")
+        sets.append(sorted(cores))
+    return sets
 
 
 def child_env(devices: int) -> dict[str, str]:
@@ -113,6 +147,8 @@ def main(argv: list[str]) -> int:
         return _rehearse(run_flags)
     if _NUM.value is None:
         raise app.UsageError("--num-processes: required (or --rehearse CONFIG)")
+    if _CPU_SETS.value and _PIN.value:
+        raise app.UsageError("--cpu-sets names every process's cores: drop --pin-cores")
     return _launch(_NUM.value, _DEVICES.value, run_flags)
 
 
@@ -144,7 +180,13 @@ def _rehearse(run_flags: list[str]) -> int:
 def _launch(n: int, devices: int, run_flags: list[str]) -> int:
     port = _PORT.value or free_port()
     cores = sorted(os.sched_getaffinity(0))
-    blocks = core_blocks(n, cores) if _PIN.value else [None] * n
+    if _CPU_SETS.value:
+        try:
+            blocks = parse_cpu_sets(_CPU_SETS.value, n, cores)
+        except ValueError as e:
+            raise app.UsageError(f"--cpu-sets={_CPU_SETS.value}: {e}") from None
+    else:
+        blocks = core_blocks(n, cores) if _PIN.value else [None] * n
     if _LOG_DIR.value:
         os.makedirs(_LOG_DIR.value, exist_ok=True)
     env = child_env(devices)
