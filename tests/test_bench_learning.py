@@ -141,3 +141,22 @@ def test_the_realized_prediction_puts_the_runs_own_train_steps_and_lengths_in_th
     assert shared["sync"]["tokens_per_s"] == pytest.approx(13930.0 / (0.47 + 0.001 + 0.47))
     assert shared["async"] == ls.predict({**benches, "every": {**benches["every"], "train_step_s": 0.60}},
                                          one, lengths)["async"]  # fmt: skip
+
+
+def test_lending_the_sampler_core_to_the_learner_is_predicted_with_its_own_form():
+    benches = {"every": {**_BENCH, "cores": 2, "train_step_s": 0.705}, "one": _BENCH}
+    lengths = {"median": 8.0, "p99": 51.0, "max": 53}
+    pinned = ls.predict(benches, ls.Setup(eta=2, processes=2, prompts=64, samples=8), lengths)
+    lent = ls.predict(benches, ls.Setup(eta=2, processes=2, prompts=64, samples=8, lent_core=True), lengths)
+    assert lent["sync"] == pinned["sync"] and lent["best_split_16_cores"] == pinned["best_split_16_cores"]
+    # The learner: 0.965 s on one core, 0.705 on both; the sampler keeps its core busy 0.471 s a batch
+    # (its stream, 0.47, and the weight update).
+    v1, v2 = 1 / 0.965, 1 / 0.705
+    step = (1 + 0.471 * (v2 - v1)) / v2
+    assert lent["async"]["trainer_s"] == pytest.approx(step) and 0.705 < step < 0.965
+    assert lent["async"]["tokens_per_s"] == pytest.approx(13930.0 / step)
+    lens = {"completion_length_p50": 8.0, "completion_length_p99": 51.0}
+    rows = {"sync": {0: {"train_step_s_mean": 0.5, **lens}}, "async": {0: {"train_step_s_mean": 0.6, **lens}}}
+    realized = ls.predict_realized(benches, ls.Setup(2, 2, 64, 8, lent_core=True), lengths, rows)
+    assert realized["async"]["period_s"] == pytest.approx(0.6)  # the learner's step as the runs took it
+    assert realized["ratio"] == pytest.approx((13930.0 / 0.6) / realized["sync"]["tokens_per_s"])

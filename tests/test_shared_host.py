@@ -12,6 +12,7 @@ from jaxrl_async.perf.shared_host import (
     RoleBench,
     load_role_bench,
     predict_async,
+    predict_lent_core,
     predict_sync,
     sweep_shared,
 )
@@ -70,6 +71,29 @@ def test_async_partial_contention_between_the_bounds():
     assert p.period_s == pytest.approx(0.8 + 0.2 * ((1.3 + 1.75) / 2 - 1))
     # More cores remove the contention.
     assert predict_async(b, b, 2, cores=4).period_s == pytest.approx(0.8)
+
+
+def test_lent_core_gives_the_learner_what_the_sampler_leaves_idle():
+    # The learner: 0.6 s a step on one core, 0.4 on both; the sampler 0.3 s a batch on its core.
+    one, every = _bench(w_s=0.3, w_t=0.6), _bench(w_s=0.3, w_t=0.4)
+    p = predict_lent_core(one, one, every, 2)
+    v1, v2 = 1 / 0.6, 1 / 0.4
+    v = v1 + (1 - 0.3 * (1 / p.trainer_s)) * (v2 - v1)  # the fixed point: the sampler busy 0.3 / step
+    assert p.trainer_s == pytest.approx(1 / v)
+    assert p.trainer_s == pytest.approx((1 + 0.3 * (v2 - v1)) / v2)
+    assert 0.4 < p.period_s < 0.6 and p.bottleneck == "trainer" and p.max_staleness == 2
+    assert p.tokens_per_s == pytest.approx(1000 / p.period_s)
+    # The bounds: a sampler that never runs lends its whole core; one that never rests lends none.
+    assert predict_lent_core(_bench(w_s=1e-9, w_t=0.6), one, every, 2).period_s == pytest.approx(0.4)
+    busy = predict_lent_core(_bench(w_s=0.6, w_t=0.6), one, every, 2)
+    assert busy.trainer_s == pytest.approx(0.6) and busy.period_s == pytest.approx(0.6)
+    # Sampler-bound: the period is the sampler's, and staleness stays under eta.
+    slow = predict_lent_core(_bench(w_s=0.9, w_t=0.6), one, every, 2)
+    assert slow.period_s == pytest.approx(0.9) and slow.bottleneck == "sampler" and slow.mean_staleness < 2
+    # A learner no faster on both cores gains nothing from the lent one.
+    assert predict_lent_core(one, one, _bench(w_t=0.7), 2).trainer_s == pytest.approx(0.6)
+    with pytest.raises(ValueError, match="eta"):
+        predict_lent_core(one, one, every, 0)
 
 
 def test_sampler_paced_staleness_is_below_eta():

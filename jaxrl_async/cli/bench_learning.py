@@ -14,7 +14,8 @@ the warm start, the data order and the sampling keys); its summary.json is read 
 Before the runs, the roles are timed alone (jaxrl-bench-roles, on every core and on one core with the
 decode curve) and the performance model predicts the async / sync throughput ratio: the shared-host
 model for sync and one-process async, the split model (calibrated, lognormal lengths with the task's own
-reference-answer median and p99) for the pinned two-process run, and its best split of a 16-core host.
+reference-answer median and p99) for the pinned two-process run (with the learner on every core and the
+sampler on one, jaxrl_async.perf.shared_host.predict_lent_core), and its best split of a 16-core host.
 The prediction is printed before any run starts and again beside the measurement, with a second one
 after the runs: the same model given what the runs realized (each mode's own mean train step, the async
 runs' own completion lengths). The role benches time the warm start's batches, and the trainer's work
@@ -182,23 +183,27 @@ def _config_int(key: str, overrides: dict[str, str]) -> int:
     return int(overrides[key]) if key in overrides else int(getattr(_base_config(), key))
 
 
-def _check_cpu_sets() -> None:
-    """Refuses a bad --async-cpu-sets before the role benches and runs, not minutes into them."""
+def _lent_core() -> bool:
+    """Whether --async-cpu-sets lends the sampler's core to the learner: the learner (process 0) on every
+    core, the sampler on one of them, the layout the split model has a form for. Refuses a bad value
+    before the role benches and the runs, not minutes into them."""
     if not _CPU_SETS.value:
-        return
+        return False
     if _PROCS.value != 2:
         raise app.UsageError("--async-cpu-sets: the two async processes' cores; needs --async-processes 2")
     from jaxrl_async.cli.local_cluster import parse_cpu_sets
 
+    cores = sorted(os.sched_getaffinity(0))
     try:
-        parse_cpu_sets(_CPU_SETS.value, 2, sorted(os.sched_getaffinity(0)))
+        learner, sampler = parse_cpu_sets(_CPU_SETS.value, 2, cores)
     except ValueError as e:
         raise app.UsageError(f"--async-cpu-sets={_CPU_SETS.value}: {e}") from None
+    return learner == cores and len(sampler) == 1
 
 
 def main(argv):
     del argv
-    _check_cpu_sets()
+    lent_core = _lent_core()
     seeds = [int(s) for s in _SEEDS.value]
     if _SMOKE.value and _SEEDS.present == 0:
         seeds = seeds[:1]
@@ -216,14 +221,17 @@ def main(argv):
               f"accuracy by up to {resolution['heaviest']:.3f}", flush=True)  # fmt: skip
         benches = time_roles(root, overrides) if _PREDICT.value else None
         setup = ls.Setup(_ETA.value, _PROCS.value, _config_int("prompts_per_step", overrides),
-                      _config_int("samples_per_prompt", overrides))  # fmt: skip
+                      _config_int("samples_per_prompt", overrides), lent_core)  # fmt: skip
         predicted = ls.predict(benches, setup, lengths) if benches else None
         if predicted:
             print(f"predicted throughput async / sync: {predicted['ratio']:.2f} "
                   f"({predicted['async']['tokens_per_s']:.0f} / {predicted['sync']['tokens_per_s']:.0f} "
                   "trained tokens/s), before any run", flush=True)  # fmt: skip
-            if _CPU_SETS.value:
-                print(f"(the split model gives each role a core of its own, not "
+            if lent_core:
+                print("(async: the learner on every core, the sampler's included; the sampler on its own)",
+                      flush=True)  # fmt: skip
+            elif _CPU_SETS.value:
+                print(f"(async: the split model gives each role a core of its own, not "
                       f"--async-cpu-sets={_CPU_SETS.value})", flush=True)  # fmt: skip
         summaries: dict[str, dict[int, dict]] = {m: {} for m in ls.MODES}
         for seed in seeds:  # both modes of a seed back to back: a load change hits both alike

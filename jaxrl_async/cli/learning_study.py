@@ -160,6 +160,8 @@ class Setup:
     processes: int  # async roles in 1 process (sharing every core) or 2 (pinned to a core each)
     prompts: int  # prompts_per_step
     samples: int  # samples_per_prompt
+    # 2 processes: the learner on every core, the sampler pinned to one of them (--async-cpu-sets=0,1:1)
+    lent_core: bool = False
 
 
 def predict(benches: dict[str, dict], setup: Setup, lengths: dict[str, float]) -> dict:
@@ -167,7 +169,7 @@ def predict(benches: dict[str, dict], setup: Setup, lengths: dict[str, float]) -
     one core with its decode curve}; `tools/bench_learning.py` times them) and the completion lengths."""
     from jaxrl_async.perf import model as pm
     from jaxrl_async.perf.calibrated import calibrated_system, engine_lag_s, trained_tokens_per_s
-    from jaxrl_async.perf.shared_host import predict_async, predict_sync, role_bench
+    from jaxrl_async.perf.shared_host import predict_async, predict_lent_core, predict_sync, role_bench
 
     every = role_bench(benches["every"])
     sync = predict_sync(every, every).to_dict()
@@ -184,8 +186,11 @@ def predict(benches: dict[str, dict], setup: Setup, lengths: dict[str, float]) -
                 admit_lag_s=engine_lag_s(one), sampler_devices=s, trainer_devices=t,
             )  # fmt: skip
 
-        r = pm.analyze_split(system(1, 1), 1, 1)
-        async_ = {**r.to_dict(), "tokens_per_s": trained_tokens_per_s(system(1, 1), r.tokens_per_s)}
+        if setup.lent_core:
+            async_ = predict_lent_core(role_bench(one), role_bench(one), every, setup.eta).to_dict()
+        else:
+            r = pm.analyze_split(system(1, 1), 1, 1)
+            async_ = {**r.to_dict(), "tokens_per_s": trained_tokens_per_s(system(1, 1), r.tokens_per_s)}
         big = system(PREDICT_HOST_CORES // 2, PREDICT_HOST_CORES // 2)
         best = pm.best_split(pm.sweep(big), ignore_balance=True)
         best16 = None
@@ -211,6 +216,10 @@ def predict_realized(benches: dict[str, dict], setup: Setup, lengths: dict[str, 
     realized = {"every": {**benches["every"], "train_step_s": sync_step},
                 "one": {**benches["one"], "train_step_s": async_step}}  # fmt: skip
     out = predict(realized, setup, realized_lengths)
+    if setup.lent_core:  # the learner's own step on every core but the sampler's share: it, as it ran
+        ran = {**realized, "every": {**benches["every"], "train_step_s": async_step}}
+        out["async"] = predict(ran, setup, realized_lengths)["async"]
+        out["ratio"] = out["async"]["tokens_per_s"] / out["sync"]["tokens_per_s"]
     if setup.processes == 1:  # async also ran on every core: its prediction takes the async runs' step
         every_async = {**realized, "every": {**benches["every"], "train_step_s": async_step}}
         out["async"] = predict(every_async, setup, realized_lengths)["async"]

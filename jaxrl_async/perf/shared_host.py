@@ -17,6 +17,14 @@ rule; when each role alone fills the cores (f = 2 on two roles) async gains noth
 closed form of `model.py`: when the trainer is the longer role, admission runs the full η ahead (mean η),
 else the sampler-bound estimate.
 A split sweep over fake-device counts takes one role bench per count of each role.
+
+`predict_lent_core` is the layout between the two: the sampler pinned to a core of its own, the learner
+on every core, that one included (`jaxrl-local-cluster --cpu-sets=0,1:1`). The learner then runs at its
+one-core speed v1 = 1/W_t(one core) plus the share of the sampler's core the sampler leaves idle, times
+what that core adds (v2 - v1, v2 = 1/W_t(every core)). Trainer-bound, the sampler keeps its core busy a
+share W_s * v of the time, so v = v1 + (1 - W_s * v)(v2 - v1), that is v = v2 / (1 + W_s (v2 - v1)), and
+the period is max(1/v, W_s). It takes the sampler's speed as unchanged by the learner's thread beside it:
+an upper bound.
 """
 
 from __future__ import annotations
@@ -153,6 +161,36 @@ def predict_async(
         sampler_s=w_s,
         trainer_s=w_t,
         slowdown=slowdown,
+    )
+
+
+def predict_lent_core(sampler_one: RoleBench, trainer_one: RoleBench, trainer_every: RoleBench,
+                      eta: int) -> SharedPrediction:  # fmt: skip
+    """Async RL with the sampler pinned to one core and the learner on every core (see module doc):
+    `sampler_one` and `trainer_one` are benches on one core, `trainer_every` on all of them."""
+    if eta < 1:
+        raise ValueError(f"async needs eta >= 1, got {eta}")
+    w_s = sampler_one.sample_stream_s + sampler_one.update_s
+    v1, v2 = 1.0 / trainer_one.train_step_s, 1.0 / max(trainer_every.train_step_s, 1e-12)
+    v2 = max(v2, v1)  # a learner slower on every core than on one never leaves its own
+    w_t = (1.0 + w_s * (v2 - v1)) / v2
+    sampler_paced = w_s > w_t
+    n = sampler_one.samples_per_batch
+    pace = "sampler" if sampler_paced else "trainer"
+    mean = mean_staleness_estimate(pace, eta, busy_slots=min(sampler_one.num_slots, n), group_ratio=1.0, n=n)
+    period = max(w_s, w_t)
+    return SharedPrediction(
+        mode="async",
+        sampler_devices=sampler_one.sampler_devices,
+        trainer_devices=trainer_every.trainer_devices,
+        period_s=period,
+        tokens_per_s=trainer_every.tokens_per_batch / period,
+        bottleneck=pace,
+        mean_staleness=mean,
+        max_staleness=float(eta) if not sampler_paced else mean,
+        sampler_s=w_s,
+        trainer_s=w_t,
+        slowdown=1.0,  # the sampler is taken as unslowed (an upper bound, see module doc)
     )
 
 
