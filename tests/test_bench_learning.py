@@ -160,3 +160,24 @@ def test_lending_the_sampler_core_to_the_learner_is_predicted_with_its_own_form(
     realized = ls.predict_realized(benches, ls.Setup(2, 2, 64, 8, lent_core=True), lengths, rows)
     assert realized["async"]["period_s"] == pytest.approx(0.6)  # the learner's step as the runs took it
     assert realized["ratio"] == pytest.approx((13930.0 / 0.6) / realized["sync"]["tokens_per_s"])
+
+
+def test_the_16_core_split_is_given_within_eta_and_at_any_eta_with_the_eta_it_needs():
+    benches = {"every": {**_BENCH, "cores": 2, "train_step_s": 0.705}, "one": _BENCH}
+    lengths = {"median": 8.0, "p99": 51.0, "max": 53}
+    p = ls.predict(benches, ls.Setup(eta=2, processes=2, prompts=64, samples=8), lengths)
+    within, anyway = p["best_split_16_cores"], p["best_split_16_cores_any_eta"]
+    assert anyway["cores"] == 16 and anyway["sampler_devices"] + anyway["trainer_devices"] == 16
+    assert anyway["tokens_per_s"] >= (within["tokens_per_s"] if within else 0)
+    assert anyway["eta_needed"] >= 2 and anyway["eta_needed"] >= anyway["max_staleness"] - 1e-9
+    assert anyway["eta_needed"] > 2 and within["sampler_devices"] != anyway["sampler_devices"]  # η binds here
+    line = ls.host_split_line(p, 2)
+    assert line.startswith("split model, a 16-core host: ")
+    assert f"{anyway['sampler_devices']} sampler + {anyway['trainer_devices']} trainer cores" in line
+    # At the η the best split needs, it holds η and the model picks it as the best within η.
+    needed = ls.Setup(eta=anyway["eta_needed"], processes=2, prompts=64, samples=8)
+    eased = ls.predict(benches, needed, lengths)
+    assert eased["best_split_16_cores"]["sampler_devices"] == anyway["sampler_devices"]
+    assert "needs η" not in ls.host_split_line(eased, anyway["eta_needed"])
+    one = ls.predict(benches, ls.Setup(eta=2, processes=1, prompts=64, samples=8), lengths)
+    assert one["best_split_16_cores_any_eta"] is None and ls.host_split_line(one, 2) is None

@@ -14,8 +14,9 @@ the warm start, the data order and the sampling keys); its summary.json is read 
 Before the runs, the roles are timed alone (jaxrl-bench-roles, on every core and on one core with the
 decode curve) and the performance model predicts the async / sync throughput ratio: the shared-host
 model for sync and one-process async, the split model (calibrated, lognormal lengths with the task's own
-reference-answer median and p99) for the pinned two-process run (with the learner on every core and the
-sampler on one, jaxrl_async.perf.shared_host.predict_lent_core), and its best split of a 16-core host.
+reference-answer median and p99) for the pinned two-process run (jaxrl_async.perf.shared_host's
+predict_lent_core when --async-cpu-sets puts the learner on every core and the sampler on one of them),
+and the split model's best split of a 16-core host within η and at any η (with the η that one needs).
 The prediction is printed before any run starts and again beside the measurement, with a second one
 after the runs: the same model given what the runs realized (each mode's own mean train step, the async
 runs' own completion lengths). The role benches time the warm start's batches, and the trainer's work
@@ -230,6 +231,9 @@ def main(argv):
             if lent_core:
                 print("(async: the learner on every core, the sampler's included; the sampler on its own)",
                       flush=True)  # fmt: skip
+            host = ls.host_split_line(predicted, _ETA.value)
+            if host:
+                print(host, flush=True)
             elif _CPU_SETS.value:
                 print(f"(async: the split model gives each role a core of its own, not "
                       f"--async-cpu-sets={_CPU_SETS.value})", flush=True)  # fmt: skip
@@ -272,6 +276,9 @@ def main(argv):
               f"{t['role_bench_every_core']:.3f}, async {t['async']:.3f} against "
               f"{t['role_bench_one_core']:.3f}) and completion lengths: "
               f"predicted {realized['ratio']:.2f}")  # fmt: skip
+        host = ls.host_split_line(realized, _ETA.value)
+        if host:
+            print(f"from the runs' own figures, {host}")
     if report.get("overlap_bound"):
         b = report["overlap_bound"]
         print(f"sync seed {seeds[0]}: {b['one_core_tokens_per_s']:.0f} trained tokens/s on one core, "

@@ -175,7 +175,7 @@ def predict(benches: dict[str, dict], setup: Setup, lengths: dict[str, float]) -
     sync = predict_sync(every, every).to_dict()
     if setup.processes == 1:
         async_ = predict_async(every, every, setup.eta, cores=len(os.sched_getaffinity(0))).to_dict()
-        best16 = None
+        best16 = any16 = None
     else:
         one = benches["one"]
 
@@ -191,14 +191,32 @@ def predict(benches: dict[str, dict], setup: Setup, lengths: dict[str, float]) -
         else:
             r = pm.analyze_split(system(1, 1), 1, 1)
             async_ = {**r.to_dict(), "tokens_per_s": trained_tokens_per_s(system(1, 1), r.tokens_per_s)}
-        big = system(PREDICT_HOST_CORES // 2, PREDICT_HOST_CORES // 2)
-        best = pm.best_split(pm.sweep(big), ignore_balance=True)
-        best16 = None
-        if best is not None:
-            best16 = {**best.to_dict(), "cores": PREDICT_HOST_CORES,
-                      "tokens_per_s": trained_tokens_per_s(big, best.tokens_per_s)}  # fmt: skip
+        half = PREDICT_HOST_CORES // 2
+        best16, any16 = best_splits_of_host(system(half, half), setup.eta)
     ratio = async_["tokens_per_s"] / sync["tokens_per_s"]
-    return {"sync": sync, "async": async_, "ratio": ratio, "best_split_16_cores": best16, "lengths": lengths}
+    return {"sync": sync, "async": async_, "ratio": ratio, "best_split_16_cores": best16,
+            "best_split_16_cores_any_eta": any16, "lengths": lengths}  # fmt: skip
+
+
+def best_splits_of_host(big, eta: int) -> tuple[dict | None, dict | None]:
+    """The split model's best split of `big`'s devices within η (balance not required), and its best at any
+    η with the η that one needs: on a host with many trainer cores the trainer can step faster than the
+    longest completion decodes, and holding η then costs throughput."""
+    from jaxrl_async.perf import model as pm
+    from jaxrl_async.perf.calibrated import trained_tokens_per_s
+
+    results = pm.sweep(big)
+
+    def row(r):
+        if r is None:
+            return None
+        tokens = trained_tokens_per_s(big, r.tokens_per_s)
+        return {**r.to_dict(), "cores": big.total_devices, "tokens_per_s": tokens}
+
+    anyway = row(max((r for r in results if r.fits), key=lambda r: r.tokens_per_s, default=None))
+    if anyway is not None:
+        anyway["eta_needed"] = max(eta, math.ceil(anyway["max_staleness"] - 1e-9))
+    return row(pm.best_split(results, ignore_balance=True)), anyway
 
 
 def predict_realized(benches: dict[str, dict], setup: Setup, lengths: dict[str, float],
@@ -228,3 +246,21 @@ def predict_realized(benches: dict[str, dict], setup: Setup, lengths: dict[str, 
                            "role_bench_every_core": benches["every"]["train_step_s"],
                            "role_bench_one_core": benches["one"]["train_step_s"]}  # fmt: skip
     return out
+
+
+def host_split_line(prediction: dict, eta: int) -> str | None:
+    """One line on the split model's best split of the PREDICT_HOST_CORES-core host (None: no such figure)."""
+    within, anyway = prediction.get("best_split_16_cores"), prediction.get("best_split_16_cores_any_eta")
+    if anyway is None:
+        return None
+
+    def split(r):
+        flag = "" if r["feasible"] else f" [{r['reason']}]"
+        return (f"{r['sampler_devices']} sampler + {r['trainer_devices']} trainer cores, "
+                f"{r['tokens_per_s']:,.0f} trained tokens/s{flag}")  # fmt: skip
+
+    head = f"split model, a {anyway['cores']}-core host: "
+    best = f"best within η = {eta}: {split(within)}" if within else f"no split holds η = {eta}"
+    if within and within["sampler_devices"] == anyway["sampler_devices"]:
+        return head + best
+    return head + f"{best}; best at any η: {split(anyway)}, needs η ≥ {anyway['eta_needed']}"
