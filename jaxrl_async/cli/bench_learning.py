@@ -278,7 +278,7 @@ def main(argv):
               f"predicted {realized['ratio']:.2f}")  # fmt: skip
         host = ls.host_split_line(realized, _ETA.value)
         if host:
-            print(f"from the runs' own figures, {host}")
+            print(f"from the runs' own figures: {host}")
     if report.get("overlap_bound"):
         b = report["overlap_bound"]
         print(f"sync seed {seeds[0]}: {b['one_core_tokens_per_s']:.0f} trained tokens/s on one core, "
