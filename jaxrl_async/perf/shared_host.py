@@ -144,10 +144,15 @@ def predict_async(
     busy = p_s + p_t
     slowdown = max(1.0, busy / cores)
     period = max(w_s, w_t) + min(w_s, w_t) * (slowdown - 1)
+    return _async(sampler, trainer, eta, w_s, w_t, period, slowdown)
+
+
+def _async(sampler: RoleBench, trainer: RoleBench, eta: int, w_s: float, w_t: float, period: float,
+           slowdown: float) -> SharedPrediction:  # fmt: skip
+    """The async prediction of a period: the pace (the longer role) sets the staleness."""
     sampler_paced = w_s > w_t
-    bottleneck = "sampler" if sampler_paced else "trainer"
-    n = sampler.samples_per_batch
     pace = "sampler" if sampler_paced else "trainer"
+    n = sampler.samples_per_batch
     mean = mean_staleness_estimate(pace, eta, busy_slots=min(sampler.num_slots, n), group_ratio=1.0, n=n)
     return SharedPrediction(
         mode="async",
@@ -155,7 +160,7 @@ def predict_async(
         trainer_devices=trainer.trainer_devices,
         period_s=period,
         tokens_per_s=trainer.tokens_per_batch / period,
-        bottleneck=bottleneck,
+        bottleneck=pace,
         mean_staleness=mean,
         max_staleness=float(eta) if not sampler_paced else mean,
         sampler_s=w_s,
@@ -174,24 +179,8 @@ def predict_lent_core(sampler_one: RoleBench, trainer_one: RoleBench, trainer_ev
     v1, v2 = 1.0 / trainer_one.train_step_s, 1.0 / max(trainer_every.train_step_s, 1e-12)
     v2 = max(v2, v1)  # a learner slower on every core than on one never leaves its own
     w_t = (1.0 + w_s * (v2 - v1)) / v2
-    sampler_paced = w_s > w_t
-    n = sampler_one.samples_per_batch
-    pace = "sampler" if sampler_paced else "trainer"
-    mean = mean_staleness_estimate(pace, eta, busy_slots=min(sampler_one.num_slots, n), group_ratio=1.0, n=n)
-    period = max(w_s, w_t)
-    return SharedPrediction(
-        mode="async",
-        sampler_devices=sampler_one.sampler_devices,
-        trainer_devices=trainer_every.trainer_devices,
-        period_s=period,
-        tokens_per_s=trainer_every.tokens_per_batch / period,
-        bottleneck=pace,
-        mean_staleness=mean,
-        max_staleness=float(eta) if not sampler_paced else mean,
-        sampler_s=w_s,
-        trainer_s=w_t,
-        slowdown=1.0,  # the sampler is taken as unslowed (an upper bound, see module doc)
-    )
+    # slowdown 1: the sampler is taken as unslowed by the learner's thread beside it (an upper bound)
+    return _async(sampler_one, trainer_every, eta, w_s, w_t, max(w_s, w_t), 1.0)
 
 
 def sweep_shared(benches: list[RoleBench], total_devices: int, eta: int) -> list[SharedPrediction]:
