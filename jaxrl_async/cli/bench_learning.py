@@ -231,12 +231,12 @@ def main(argv):
             if lent_core:
                 print("(async: the learner on every core, the sampler's included; the sampler on its own)",
                       flush=True)  # fmt: skip
-            host = ls.host_split_line(predicted, _ETA.value)
-            if host:
-                print(host, flush=True)
             elif _CPU_SETS.value:
                 print(f"(async: the split model gives each role a core of its own, not "
                       f"--async-cpu-sets={_CPU_SETS.value})", flush=True)  # fmt: skip
+            host = ls.host_split_line(predicted, _ETA.value)
+            if host:
+                print(host, flush=True)
         summaries: dict[str, dict[int, dict]] = {m: {} for m in ls.MODES}
         for seed in seeds:  # both modes of a seed back to back: a load change hits both alike
             for mode in ls.MODES:
