@@ -234,11 +234,9 @@ def predict_realized(benches: dict[str, dict], setup: Setup, lengths: dict[str, 
     realized = {"every": {**benches["every"], "train_step_s": sync_step},
                 "one": {**benches["one"], "train_step_s": async_step}}  # fmt: skip
     out = predict(realized, setup, realized_lengths)
-    if setup.lent_core:  # the learner's own step on every core but the sampler's share: it, as it ran
-        ran = {**realized, "every": {**benches["every"], "train_step_s": async_step}}
-        out["async"] = predict(ran, setup, realized_lengths)["async"]
-        out["ratio"] = out["async"]["tokens_per_s"] / out["sync"]["tokens_per_s"]
-    if setup.processes == 1:  # async also ran on every core: its prediction takes the async runs' step
+    if setup.processes == 1 or setup.lent_core:
+        # The async learner ran on every core (beside the sampler, or with its idle share of the sampler's
+        # core): its prediction takes the async runs' own step there.
         every_async = {**realized, "every": {**benches["every"], "train_step_s": async_step}}
         out["async"] = predict(every_async, setup, realized_lengths)["async"]
         out["ratio"] = out["async"]["tokens_per_s"] / out["sync"]["tokens_per_s"]

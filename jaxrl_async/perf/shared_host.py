@@ -176,7 +176,7 @@ def predict_lent_core(sampler_one: RoleBench, trainer_one: RoleBench, trainer_ev
     if eta < 1:
         raise ValueError(f"async needs eta >= 1, got {eta}")
     w_s = sampler_one.sample_stream_s + sampler_one.update_s
-    v1, v2 = 1.0 / trainer_one.train_step_s, 1.0 / max(trainer_every.train_step_s, 1e-12)
+    v1, v2 = 1.0 / trainer_one.train_step_s, 1.0 / trainer_every.train_step_s  # RoleBench: both > 0
     v2 = max(v2, v1)  # a learner slower on every core than on one never leaves its own
     w_t = (1.0 + w_s * (v2 - v1)) / v2
     # slowdown 1: the sampler is taken as unslowed by the learner's thread beside it (an upper bound)
