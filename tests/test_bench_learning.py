@@ -160,6 +160,21 @@ def test_lending_the_sampler_core_to_the_learner_is_predicted_with_its_own_form(
     realized = ls.predict_realized(benches, ls.Setup(2, 2, 64, 8, lent_core=True), lengths, rows)
     assert realized["async"]["period_s"] == pytest.approx(0.6)  # the learner's step as the runs took it
     assert realized["ratio"] == pytest.approx((13930.0 / 0.6) / realized["sync"]["tokens_per_s"])
+    # With the co-run benches: the sampler 0.6 s a batch beside the learner, the learner 0.4 s a
+    # micro-batch (times 2.5 micro-batches a step) beside the sampler.
+    corun = {"sampler": {"sample_stream_s": 0.6}, "trainer": {"train_micro_batch_s": 0.4}}
+    every = {**benches["every"], "train_micro_batches": 2.5}
+    assert ls.shared_paces(corun, every) == pytest.approx((0.6, 1.0)) and ls.shared_paces(None, every) is None
+    both = {"every": every, "one": _BENCH, "corun": corun}
+    shared = ls.predict(both, ls.Setup(eta=2, processes=2, prompts=64, samples=8, lent_core=True), lengths)
+    period = 0.601 + 0.705 * (1 - 0.601 / 1.0)  # side by side for the sampler's 0.601 s, then alone
+    assert shared["async"]["period_s"] == pytest.approx(period)
+    assert shared["async"]["shared_paces_s"] == pytest.approx([0.6, 1.0])
+    assert shared["async"]["tokens_per_s_without_corun"] == pytest.approx(lent["async"]["tokens_per_s"])
+    assert shared["ratio"] < lent["ratio"] and shared["sync"] == lent["sync"]
+    # The realized prediction takes the runs' own step, which already holds the slowing: no co-run in it.
+    assert ls.predict_realized(both, ls.Setup(2, 2, 64, 8, lent_core=True), lengths, rows)["async"] == \
+        realized["async"]
 
 
 def test_the_16_core_split_is_given_within_eta_and_at_any_eta_with_the_eta_it_needs():

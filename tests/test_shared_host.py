@@ -183,3 +183,79 @@ def test_calibrate_roles_times_each_role_of_a_real_run(tmp_path):
     bench = load_role_bench(str(path))  # every timing positive, or this raises
     p = predict_async(bench, bench, 1)
     assert max(p.sampler_s, p.trainer_s) <= p.period_s <= p.sampler_s + p.trainer_s + 1e-9
+
+
+def test_overlap_period_between_no_slowing_and_taking_turns():
+    from jaxrl_async.perf.shared_host import overlap_period
+
+    assert overlap_period(0.3, 0.3, 0.8, 0.8) == pytest.approx(0.8)  # unslowed: the longer role
+    assert overlap_period(0.3, 0.6, 0.8, 1.6) == pytest.approx(0.8 + 0.3)  # both halved: in turn
+    # The sampler slowed to 0.4 s a batch, the learner to 1.0 s a step: 0.4 s side by side gets 0.4 of a
+    # step done, the rest (0.6 of it) at the learner's 0.8 s alone.
+    assert overlap_period(0.3, 0.4, 0.8, 1.0) == pytest.approx(0.4 + 0.8 * 0.6)
+    assert overlap_period(0.8, 1.0, 0.3, 0.4) == pytest.approx(0.4 + 0.8 * 0.6)  # symmetric in the roles
+
+
+def test_lent_core_with_the_shared_paces_measured_side_by_side():
+    one, every = _bench(w_s=0.3, w_t=0.6, update_s=0.01), _bench(w_s=0.3, w_t=0.4)
+    bound = predict_lent_core(one, one, every, 2)
+    # Side by side the sampler takes 0.4 s a batch (+ its weight update) and the learner 0.7 s a step,
+    # slower than on one core alone: parallel ops wait for the thread on the shared core.
+    p = predict_lent_core(one, one, every, 2, shared=(0.4, 0.7))
+    assert p.period_s == pytest.approx(0.41 + 0.4 * (1 - 0.41 / 0.7))
+    assert p.period_s > bound.period_s and p.bottleneck == "trainer" and p.trainer_s == p.period_s
+    assert p.sampler_s == pytest.approx(0.41) and p.slowdown == pytest.approx(0.41 / 0.31)
+    # Sampler-bound side by side: the sampler paces, the learner takes its shared step.
+    slow = predict_lent_core(one, one, every, 2, shared=(0.9, 0.7))
+    assert slow.bottleneck == "sampler" and slow.trainer_s == pytest.approx(0.7)
+    assert slow.period_s == pytest.approx(0.7 + 0.31 * (1 - 0.7 / 0.91))
+    # A bench faster side by side than alone is noise: no faster than alone.
+    assert predict_lent_core(one, one, every, 2, shared=(0.1, 0.2)).period_s == pytest.approx(0.4)
+    with pytest.raises(ValueError, match="shared seconds must be > 0"):
+        predict_lent_core(one, one, every, 2, shared=(0.0, 0.7))
+
+
+def test_rendezvous_waits_for_its_peer_and_works_meanwhile(tmp_path):
+    import threading
+    import time
+
+    from jaxrl_async.runtime.calibration import Rendezvous
+
+    meet = Rendezvous(str(tmp_path), "sampler", "trainer", timeout_s=0.3)
+    with pytest.raises(RuntimeError, match=r"co-run: trainer not ready after 0 s.*trainer\.ready"):
+        meet.wait("ready")
+    meet.timeout_s = 30.0
+    peer = Rendezvous(str(tmp_path), "trainer", "sampler")
+    threading.Timer(0.3, peer.mark, ("done",)).start()
+    calls = []
+    t0 = time.monotonic()
+    meet.wait("done", lambda: (calls.append(1), time.sleep(0.01)))
+    assert time.monotonic() - t0 >= 0.25 and len(calls) > 5  # it kept working until the peer was done
+
+
+@pytest.mark.parametrize("role", ["sampler", "trainer"])
+def test_corun_role_times_its_role_once_the_peer_is_ready(tmp_path, role):
+    from test_orchestrator import _small
+
+    from jaxrl_async.runtime.build import build_local
+    from jaxrl_async.runtime.calibration import Rendezvous, calibration_config, corun_role
+
+    peer = "trainer" if role == "sampler" else "sampler"
+    meet_dir = tmp_path / "meet"
+    meet_dir.mkdir()
+    for what in ("ready", "done"):  # a peer that is there already
+        (meet_dir / f"{peer}.{what}").touch()
+    cfg = _small(tmp_path, **{"mesh.sampler": (1, 1), "mesh.trainer": (1, 1)})
+    proc = build_local(calibration_config(cfg))
+    try:
+        with pytest.raises(ValueError, match="co-run role"):
+            corun_role(proc, "learner", 1.0, Rendezvous(str(meet_dir), role, peer))
+        d = corun_role(proc, role, 0.5, Rendezvous(str(meet_dir), role, peer))
+    finally:
+        proc.close()
+    assert (meet_dir / f"{role}.ready").exists() and (meet_dir / f"{role}.done").exists()
+    assert d["role"] == role and d["window_s"] >= 0.5
+    if role == "sampler":
+        assert 0 < d["sample_stream_s"] < d["window_s"] * 100
+    else:
+        assert d["train_steps"] >= 1 and 0 < d["train_micro_batch_s"] <= d["window_s"]

@@ -71,13 +71,23 @@ def run_logged(cmd: list[str], cores: list[int] | None, log: str) -> None:
     Raises:
       RuntimeError: it failed (with the log's tail).
     """
+    wait_logged(spawn_logged(cmd, cores, log), log)
+
+
+def spawn_logged(cmd: list[str], cores: list[int] | None, log: str) -> subprocess.Popen:
+    """Starts `cmd` (on `cores` when given) with its output in `log`; `wait_logged` ends it."""
     pre = (lambda: os.sched_setaffinity(0, cores)) if cores else None
     with open(log, "w") as f:
-        res = subprocess.run(cmd, env=command_env(), stdout=f, stderr=subprocess.STDOUT, preexec_fn=pre)
-    if res.returncode != 0:
+        return subprocess.Popen(cmd, env=command_env(), stdout=f, stderr=subprocess.STDOUT, preexec_fn=pre)
+
+
+def wait_logged(proc: subprocess.Popen, log: str) -> None:
+    """Waits for a `spawn_logged` process. Raises RuntimeError (with the log's tail) when it failed."""
+    if proc.wait() != 0:
         with open(log) as f:
             tail = f.read()[-3000:]
-        raise RuntimeError(f"{' '.join(cmd[:5])} ... failed ({res.returncode}), {log}:\n{tail}")
+        head = " ".join(map(str, proc.args[:5]))
+        raise RuntimeError(f"{head} ... failed ({proc.returncode}), {log}:\n{tail}")
 
 
 def hf_config_file(path: str, flag: str) -> str:

@@ -15,8 +15,10 @@ Before the runs, the roles are timed alone (jaxrl-bench-roles, on every core and
 decode curve) and the performance model predicts the async / sync throughput ratio: the shared-host
 model for sync and one-process async, the split model (calibrated, lognormal lengths with the task's own
 reference-answer median and p99) for the pinned two-process run (jaxrl_async.perf.shared_host's
-predict_lent_core when --async-cpu-sets puts the learner on every core and the sampler on one of them),
-and the split model's best split of a 16-core host within η and at any η (with the η that one needs).
+predict_lent_core when --async-cpu-sets puts the learner on every core and the sampler on one of them;
+then the two roles are also timed side by side in that layout, jaxrl-bench-roles --corun, since each
+slows the other on the core they share), and the split model's best split of a 16-core host within η
+and at any η (with the η that one needs).
 The prediction is printed before any run starts and again beside the measurement, with a second one
 after the runs: the same model given what the runs realized (each mode's own mean train step, the async
 runs' own completion lengths). The role benches time the warm start's batches, and the trainer's work
@@ -39,11 +41,12 @@ import ast
 import json
 import os
 import tempfile
+import time
 
 import numpy as np
 from absl import app, flags
 
-from jaxrl_async.cli import REPO, module_command, run_command, run_logged
+from jaxrl_async.cli import REPO, module_command, run_command, run_logged, spawn_logged, wait_logged
 from jaxrl_async.cli import learning_study as ls
 
 # REPO: the checkout (configs/ is not part of the installed package).
@@ -184,12 +187,12 @@ def _config_int(key: str, overrides: dict[str, str]) -> int:
     return int(overrides[key]) if key in overrides else int(getattr(_base_config(), key))
 
 
-def _lent_core() -> bool:
-    """Whether --async-cpu-sets lends the sampler's core to the learner: the learner (process 0) on every
-    core, the sampler on one of them, the layout the split model has a form for. Refuses a bad value
-    before the role benches and the runs, not minutes into them."""
+def _lent_core() -> tuple[list[int], list[int]] | None:
+    """(learner cores, sampler cores) when --async-cpu-sets lends the sampler's core to the learner: the
+    learner (process 0) on every core, the sampler on one of them, the layout the split model has a form
+    for; else None. Refuses a bad value before the role benches and the runs, not minutes into them."""
     if not _CPU_SETS.value:
-        return False
+        return None
     if _PROCS.value != 2:
         raise app.UsageError("--async-cpu-sets: the two async processes' cores; needs --async-processes 2")
     from jaxrl_async.cli.local_cluster import parse_cpu_sets
@@ -199,12 +202,58 @@ def _lent_core() -> bool:
         learner, sampler = parse_cpu_sets(_CPU_SETS.value, 2, cores)
     except ValueError as e:
         raise app.UsageError(f"--async-cpu-sets={_CPU_SETS.value}: {e}") from None
-    return learner == cores and len(sampler) == 1
+    return (learner, sampler) if learner == cores and len(sampler) == 1 else None
+
+
+def shared_line(predicted: dict, benches: dict) -> str:
+    """What the co-run benches measured of the lent layout, and the prediction without them."""
+    a = predicted["async"]
+    shared_s, shared_t = a["shared_paces_s"]
+    alone_s = benches["one"]["sample_stream_s"]
+    one, every = benches["one"]["train_step_s"], benches["every"]["train_step_s"]
+    bound = a["tokens_per_s_without_corun"] / predicted["sync"]["tokens_per_s"]
+    return (f"co-run: the sampler {shared_s:.3f} s a batch beside the learner ({alone_s:.3f} alone), the "
+            f"learner {shared_t:.3f} s a step beside the sampler ({one:.3f} on one core alone, {every:.3f} "
+            f"on every core); without the co-run the form gives {bound:.2f}")  # fmt: skip
+
+
+def corun_roles(root: str, overrides: dict[str, str], lent: tuple[list[int], list[int]]) -> dict[str, dict]:
+    """Times each role while the other runs beside it in the lent layout (jaxrl-bench-roles --corun, the
+    learner's process on `lent[0]`, the sampler's on `lent[1]`): {"sampler": ..., "trainer": ...}."""
+    meet = os.path.join(root, "corun")
+    os.makedirs(meet, exist_ok=True)
+    seconds = "2" if _SMOKE.value else "12"
+    procs = {}
+    for role, cores in zip(("trainer", "sampler"), lent, strict=True):
+        work = os.path.join(root, f"corun_{role}")
+        flags_ = run_flags(work, "async", int(_SEEDS.value[0]), _STEPS.value, overrides)
+        cmd = module_command("bench_roles", *flags_, f"--corun={role}", f"--corun_dir={meet}",
+                             f"--corun_seconds={seconds}", f"--out={work}.json")  # fmt: skip
+        procs[role] = (spawn_logged(cmd, cores, work + ".log"), work)
+    try:
+        while any(p.poll() is None for p, _ in procs.values()):
+            if any(p.poll() not in (None, 0) for p, _ in procs.values()):
+                break  # one failed: its partner would wait for it until its timeout
+            time.sleep(0.2)
+        for proc, work in procs.values():
+            if proc.poll() not in (None, 0):
+                wait_logged(proc, work + ".log")  # raises with the failed one's log
+    finally:
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    out = {}
+    for role, (_, work) in procs.items():
+        with open(work + ".json") as f:
+            out[role] = json.load(f)
+    return out
 
 
 def main(argv):
     del argv
-    lent_core = _lent_core()
+    lent = _lent_core()
+    lent_core = lent is not None
     seeds = [int(s) for s in _SEEDS.value]
     if _SMOKE.value and _SEEDS.present == 0:
         seeds = seeds[:1]
@@ -221,6 +270,8 @@ def main(argv):
         print(f"held-out set: {resolution['prompts']} prompts; one of them answered differently moves the "
               f"accuracy by up to {resolution['heaviest']:.3f}", flush=True)  # fmt: skip
         benches = time_roles(root, overrides) if _PREDICT.value else None
+        if benches and lent_core:
+            benches["corun"] = corun_roles(root, overrides, lent)
         setup = ls.Setup(_ETA.value, _PROCS.value, _config_int("prompts_per_step", overrides),
                       _config_int("samples_per_prompt", overrides), lent_core)  # fmt: skip
         predicted = ls.predict(benches, setup, lengths) if benches else None
@@ -231,6 +282,7 @@ def main(argv):
             if lent_core:
                 print("(async: the learner on every core, the sampler's included; the sampler on its own)",
                       flush=True)  # fmt: skip
+                print(shared_line(predicted, benches), flush=True)
             elif _CPU_SETS.value:
                 print(f"(async: the split model gives each role a core of its own, not "
                       f"--async-cpu-sets={_CPU_SETS.value})", flush=True)  # fmt: skip

@@ -7,6 +7,10 @@ first, cached warm start), then measures one train batch of sampling drained fro
 the steady stream rate (async RL), and train step + weight sync, each with the process CPU seconds spent.
 `jaxrl-perf --roles-bench` turns one or more of these files into predictions (docs/performance-model.md,
 "Shared host").
+
+With --corun, the process times one role only, while a second one, started with the other role and the
+same --corun_dir, runs beside it (on the cores of the layout under test; `tools/bench_learning.py` starts
+the pair for --async-cpu-sets=0,1:1): how much the two slow each other where they share a core.
 """
 
 import json
@@ -23,7 +27,17 @@ _OUT = flags.DEFINE_string("out", None, "write the JSON here (it is printed eith
 _DECODE = flags.DEFINE_bool(
     "decode_curve", False, "also time decode steps vs busy slots (the split model's input)"
 )
+_CORUN = flags.DEFINE_enum(
+    "corun", None, ["sampler", "trainer"], "time this role while the other runs beside it"
+)
+_CORUN_DIR = flags.DEFINE_string("corun_dir", None, "--corun: the directory where the two processes meet")
+_CORUN_S = flags.DEFINE_float("corun_seconds", 12.0, "--corun: seconds of the timed window", lower_bound=0.1)
 flags.mark_flags_as_required(["config"])
+flags.register_multi_flags_validator(
+    ["corun", "corun_dir"],
+    lambda f: f["corun"] is None or bool(f["corun_dir"]),
+    "--corun needs --corun_dir (where the two processes meet)",
+)
 
 
 def main(argv):
@@ -34,15 +48,20 @@ def main(argv):
     prepare_devices(config)  # before JAX picks a backend
     from jaxrl_async.run_config import ConfigError
     from jaxrl_async.runtime.build import build_local
-    from jaxrl_async.runtime.calibration import calibrate_roles, calibration_config
+    from jaxrl_async.runtime.calibration import Rendezvous, calibrate_roles, calibration_config, corun_role
 
     try:
         proc = build_local(calibration_config(config))
     except ConfigError as e:
         raise app.UsageError(f"invalid config: {e}") from None
     try:
-        result = calibrate_roles(proc, _BATCHES.value)
-        if _DECODE.value:
+        if _CORUN.value:
+            peer = "trainer" if _CORUN.value == "sampler" else "sampler"
+            meet = Rendezvous(_CORUN_DIR.value, _CORUN.value, peer)
+            result = corun_role(proc, _CORUN.value, _CORUN_S.value, meet)
+        else:
+            result = calibrate_roles(proc, _BATCHES.value)
+        if _DECODE.value and not _CORUN.value:
             from jaxrl_async.runtime.calibration import decode_curve
 
             result["decode"] = decode_curve(proc)

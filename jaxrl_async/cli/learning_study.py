@@ -164,9 +164,20 @@ class Setup:
     lent_core: bool = False
 
 
+def shared_paces(corun: dict[str, dict] | None, every: dict) -> tuple[float, float] | None:
+    """(the sampler's seconds per batch, the learner's per step) while both ran in the lent layout, from the
+    co-run benches ({"sampler": ..., "trainer": ...}: `runtime.calibration.corun_role`); the learner's step
+    is its micro-batch time over the mean micro-batches of a batch (`every`'s role bench). None: no co-run."""
+    if not corun:
+        return None
+    step = corun["trainer"]["train_micro_batch_s"] * every["train_micro_batches"]
+    return corun["sampler"]["sample_stream_s"], step
+
+
 def predict(benches: dict[str, dict], setup: Setup, lengths: dict[str, float]) -> dict:
     """The split model's throughput of both modes from the role benches ({"every": on every core, "one": on
-    one core with its decode curve}; `tools/bench_learning.py` times them) and the completion lengths."""
+    one core with its decode curve, and with the lent core "corun": each role's co-run bench};
+    `tools/bench_learning.py` times them) and the completion lengths."""
     from jaxrl_async.perf import model as pm
     from jaxrl_async.perf.calibrated import calibrated_system, engine_lag_s, trained_tokens_per_s
     from jaxrl_async.perf.shared_host import predict_async, predict_lent_core, predict_sync, role_bench
@@ -187,7 +198,12 @@ def predict(benches: dict[str, dict], setup: Setup, lengths: dict[str, float]) -
             )  # fmt: skip
 
         if setup.lent_core:
-            async_ = predict_lent_core(role_bench(one), role_bench(one), every, setup.eta).to_dict()
+            shared = shared_paces(benches.get("corun"), benches["every"])
+            async_ = predict_lent_core(role_bench(one), role_bench(one), every, setup.eta, shared).to_dict()
+            if shared:  # beside it, the form without the co-run (its upper bound)
+                bound = predict_lent_core(role_bench(one), role_bench(one), every, setup.eta)
+                async_["shared_paces_s"] = list(shared)
+                async_["tokens_per_s_without_corun"] = bound.tokens_per_s
         else:
             r = pm.analyze_split(system(1, 1), 1, 1)
             async_ = {**r.to_dict(), "tokens_per_s": trained_tokens_per_s(system(1, 1), r.tokens_per_s)}

@@ -19,12 +19,18 @@ else the sampler-bound estimate.
 A split sweep over fake-device counts takes one role bench per count of each role.
 
 `predict_lent_core` is the layout between the two: the sampler pinned to a core of its own, the learner
-on every core, that one included (`jaxrl-local-cluster --cpu-sets=0,1:1`). The learner then runs at its
-one-core speed v1 = 1/W_t(one core) plus the share of the sampler's core the sampler leaves idle, times
-what that core adds (v2 - v1, v2 = 1/W_t(every core)). Trainer-bound, the sampler keeps its core busy a
-share W_s * v of the time, so v = v1 + (1 - W_s * v)(v2 - v1), that is v = v2 / (1 + W_s (v2 - v1)), and
-the period is max(1/v, W_s). It takes the sampler's speed as unchanged by the learner's thread beside it:
-an upper bound.
+on every core, that one included (`jaxrl-local-cluster --cpu-sets=0,1:1`). While the sampler works, the
+two share its core and each runs at its shared pace (S_s, S_t: seconds per batch and per step measured
+with both running, `runtime.calibration.corun_role`); while the sampler waits, the learner has every core
+(W_t(every core)). Trainer-bound, the sampler works S_s of each period and the learner gets S_s / S_t of
+its step done meanwhile:
+
+    period = S_s + W_t(every core) * (1 - S_s / S_t)        (`overlap_period`; sampler-bound alike)
+
+Without the shared paces it takes S_s = W_s and S_t = W_t(one core), the sampler unslowed and the
+learner at its one-core pace beside it: an upper bound, which measured 26-30% high on two cores. Each
+slows the other more than that: XLA splits an operation evenly over its threads, so the learner's waits
+for the thread that shares the sampler's core, and that thread takes part of the sampler's core.
 """
 
 from __future__ import annotations
@@ -143,8 +149,20 @@ def predict_async(
     p_t = min(trainer.train_step_cpu_s / w_t, cores)
     busy = p_s + p_t
     slowdown = max(1.0, busy / cores)
-    period = max(w_s, w_t) + min(w_s, w_t) * (slowdown - 1)
+    period = overlap_period(w_s, w_s * slowdown, w_t, w_t * slowdown)
     return _async(sampler, trainer, eta, w_s, w_t, period, slowdown)
+
+
+def overlap_period(w_s: float, shared_s: float, w_t: float, shared_t: float) -> float:
+    """The async period of two roles that slow each other while both run: W alone, `shared` beside the other.
+
+    The role with the shorter shared time runs beside the other for all of it (shared_short), while the
+    other gets shared_short / shared_long of its own work done; the rest it does alone, at its alone
+    pace: period = shared_short + W_long * (1 - shared_short / shared_long). With no slowing this is
+    max(W_s, W_t); with both slowed by f it is W_long + W_short * (f - 1).
+    """
+    (short, _), (long_shared, long_alone) = sorted(((shared_s, w_s), (shared_t, w_t)))
+    return short + long_alone * (1.0 - short / long_shared)
 
 
 def _async(sampler: RoleBench, trainer: RoleBench, eta: int, w_s: float, w_t: float, period: float,
@@ -169,18 +187,29 @@ def _async(sampler: RoleBench, trainer: RoleBench, eta: int, w_s: float, w_t: fl
     )
 
 
-def predict_lent_core(sampler_one: RoleBench, trainer_one: RoleBench, trainer_every: RoleBench,
-                      eta: int) -> SharedPrediction:  # fmt: skip
+def predict_lent_core(sampler_one: RoleBench, trainer_one: RoleBench, trainer_every: RoleBench, eta: int,
+                      shared: tuple[float, float] | None = None) -> SharedPrediction:  # fmt: skip
     """Async RL with the sampler pinned to one core and the learner on every core (see module doc):
-    `sampler_one` and `trainer_one` are benches on one core, `trainer_every` on all of them."""
+    `sampler_one` and `trainer_one` are benches on one core, `trainer_every` on all of them.
+
+    `shared`: (the sampler's stream seconds per batch, the learner's seconds per step) measured while both
+    run in this layout (`runtime.calibration.corun_role`). Without it the sampler is taken as unslowed
+    and the learner as keeping its one-core pace beside it: an upper bound. `slowdown` is the sampler's.
+    """
     if eta < 1:
         raise ValueError(f"async needs eta >= 1, got {eta}")
     w_s = sampler_one.sample_stream_s + sampler_one.update_s
-    v1, v2 = 1.0 / trainer_one.train_step_s, 1.0 / trainer_every.train_step_s  # RoleBench: both > 0
-    v2 = max(v2, v1)  # a learner slower on every core than on one never leaves its own
-    w_t = (1.0 + w_s * (v2 - v1)) / v2
-    # slowdown 1: the sampler is taken as unslowed by the learner's thread beside it (an upper bound)
-    return _async(sampler_one, trainer_every, eta, w_s, w_t, max(w_s, w_t), 1.0)
+    w_t = min(trainer_every.train_step_s, trainer_one.train_step_s)  # a learner never leaves its own core
+    if shared is None:
+        shared_s, shared_t = w_s, trainer_one.train_step_s
+    elif min(shared) <= 0:
+        raise ValueError(f"predict_lent_core: shared seconds must be > 0, got {shared}")
+    else:  # never faster than alone (a noisy bench can say so)
+        shared_s, shared_t = max(shared[0] + sampler_one.update_s, w_s), max(shared[1], w_t)
+    period = overlap_period(w_s, shared_s, w_t, shared_t)
+    # The pacing role takes the whole period; the other its shared time (it runs beside it throughout).
+    sampler_s, trainer_s = (shared_s, period) if shared_t >= shared_s else (period, shared_t)
+    return _async(sampler_one, trainer_every, eta, sampler_s, trainer_s, period, shared_s / w_s)
 
 
 def sweep_shared(benches: list[RoleBench], total_devices: int, eta: int) -> list[SharedPrediction]:

@@ -11,6 +11,7 @@ messages (`tools/bench_roles.py` is the CLI).
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import statistics
@@ -160,6 +161,98 @@ def calibrate_roles(proc, batches: int = 6) -> dict[str, Any]:
         "update_s": med(update_times),
         "batches": batches,
     }
+
+
+class Rendezvous:
+    """Where two co-run processes (`corun_role`) meet: marker files in a directory both can see.
+
+    Each marks itself ready once compiled and waits for the other, so the timed windows overlap; after its
+    window it marks itself done and keeps working until the other is done too, so the other's window is
+    contended to its end. A peer that never shows up ends the wait with an error that names it.
+    """
+
+    def __init__(self, root: str, me: str, peer: str, timeout_s: float = 900.0):
+        self.root, self.me, self.peer, self.timeout_s = root, me, peer, timeout_s
+
+    def _path(self, who: str, what: str) -> str:
+        return os.path.join(self.root, f"{who}.{what}")
+
+    def mark(self, what: str) -> None:
+        open(self._path(self.me, what), "w").close()
+
+    def seen(self, what: str) -> bool:
+        return os.path.exists(self._path(self.peer, what))
+
+    def wait(self, what: str, work=None) -> None:
+        """Until the peer has marked `what`, calling `work()` meanwhile (or sleeping)."""
+        deadline = time.monotonic() + self.timeout_s
+        while not self.seen(what):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"co-run: {self.peer} not {what} after {self.timeout_s:.0f} s "
+                                   f"(no {self._path(self.peer, what)})")  # fmt: skip
+            work() if work else time.sleep(0.05)
+
+
+def corun_role(proc, role: str, seconds: float, meet: Rendezvous) -> dict[str, Any]:
+    """Times one role of a built one-process run while the other role runs in a second process beside it.
+
+    Alone, each role's bench (`calibrate_roles`) leaves the cores to it; where the two share a core (the
+    sampler's core lent to the learner: `jaxrl-local-cluster --cpu-sets=0,1:1`) each slows the other, and
+    by how much depends on the scheduler and on XLA's thread pool, not on a formula. The two processes
+    meet (`meet`) once compiled, then each runs its role without pause: the sampler streams with admission
+    never closed, the trainer steps on batches it sampled before the meeting. The window is the first
+    `seconds` after the meeting, rounded up to a whole step or group.
+
+    Returns:
+      {"role", "window_s"} and, for the sampler, `sample_stream_s` (seconds per train batch of samples),
+      for the trainer, `train_micro_batch_s` (seconds per packed micro-batch of train step + weight sync)
+      and `train_steps`.
+    """
+    import jax
+
+    if role not in ("sampler", "trainer"):
+        raise ValueError(f"co-run role must be 'sampler' or 'trainer', got {role!r}")
+    if seconds <= 0:
+        raise ValueError(f"co-run seconds must be > 0, got {seconds}")
+    b = proc.run.schedule.prompts_per_step
+    proc.actor.eval_prompts = []
+    drive = _Driver(proc)
+    drive.open(_UNLIMITED)
+    more = lambda: drive.until(len(drive.groups) + 1)  # noqa: E731  one more group
+    if role == "sampler":
+        drive.until(b)  # compiled and every slot busy
+        meet.mark("ready")
+        meet.wait("ready")
+        n0, t0 = len(drive.groups), time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            more()
+        window, out = time.perf_counter() - t0, {}
+        out["sample_stream_s"] = window / ((len(drive.groups) - n0) / b)
+    else:
+        drive.until(2 * b)  # two batches to step on in turn
+        batches = [drive.groups[:b], drive.groups[b : 2 * b]]
+        core = proc.learner.core
+        micros = [prepare_batch(core.train_cfg, [r for g in bt for r in g]).num_micro for bt in batches]
+
+        def step(i: int) -> None:
+            core.dispatch(batches[i % 2])
+            jax.block_until_ready(core.publish().params)
+
+        step(0)  # compiles
+        meet.mark("ready")
+        meet.wait("ready")
+        steps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            step(steps)
+            steps += 1
+        window = time.perf_counter() - t0
+        done_micros = sum(micros[i % 2] for i in range(steps))
+        out = {"train_micro_batch_s": window / done_micros, "train_steps": steps}
+        later = itertools.count(steps)
+        more = lambda: step(next(later))  # noqa: E731
+    meet.mark("done")
+    meet.wait("done", more)  # the peer's window stays contended to its end
+    return {"role": role, "window_s": window, **out}
 
 
 def _steady_batches(train_cfg, groups: list, b: int, draws: int = 200) -> tuple[float, float]:
