@@ -60,6 +60,7 @@ class ActorConfig:
         weights).
       reward: the run's RewardConfig (the overlong shaping added to each reward).
       verify_weights: checksum every received version (a host read of the weights; for tests).
+      actors: how many actors share the run's prompts (this one's share of a step sizes its queue).
     """
 
     index: int
@@ -68,6 +69,7 @@ class ActorConfig:
     eval: EvalSection
     reward: RewardConfig
     verify_weights: bool = False
+    actors: int = 1
 
 
 def to_rollout(c, reward: float, reason: str, tokenizer, shaping: float = 0.0) -> Rollout:
@@ -113,13 +115,15 @@ class Actor:
         self.transport, self.weights, self.max_new_tokens_fn = transport, weights, max_new_tokens_fn
         self.endpoint = f"actor:{cfg.index}"
         self.loop = SamplerLoop(engine)
-        # Prompts to keep queued beyond the free slots: two engines' worth. The coordinator answers from
-        # the learner's process, which in a pinned run shares its one core with the train step, so an
-        # answer can come a step late and the queue must outlast that. A quarter of an engine left the
-        # pinned letter_range run's trainer idle 31% of the time, two engines 15% (docs/benchmarks.md).
-        # The η bound still caps what is granted: this changes when prompts start, not how stale they
-        # may be.
-        self.lookahead = max(1, math.ceil(2 * engine.cfg.num_slots / cfg.schedule.samples_per_prompt))
+        # Prompts to keep queued beyond the free slots: two engines' worth plus this actor's share of a
+        # step. The coordinator answers from the learner's process, whose train step holds its cores, so
+        # an answer can come a step late and the queue must outlast that step. On letter_range (pinned or
+        # with the sampler's core lent to the learner) a quarter of an engine left the trainer idle 31% of
+        # the time, two engines 15-19%, and adding a step's prompts 3% (docs/benchmarks.md): with less
+        # the sampler never got a full step ahead, whatever η allowed. The η bound still caps what is
+        # granted: this changes when prompts start, not how stale they may be.
+        engines = math.ceil(2 * engine.cfg.num_slots / cfg.schedule.samples_per_prompt)
+        self.lookahead = max(1, engines + math.ceil(cfg.schedule.prompts_per_step / cfg.actors))
         self.version: int | None = None  # the policy version in use (None until the first arrives)
         self.granted = 0  # prompts granted so far
         self.asked = 0  # prompts asked for and not yet granted

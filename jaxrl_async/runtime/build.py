@@ -490,7 +490,7 @@ def _build_actor(proc, run, cluster, transport, tokenizer, model_cfg, scfg, t_me
                                    transport=run.mesh.weight_transport)  # fmt: skip
     acfg = ActorConfig(
         index=index, seed=run.seed, schedule=run.schedule, eval=run.eval, reward=run.reward,
-        verify_weights=run.verify_weights,
+        verify_weights=run.verify_weights, actors=len(roles.samplers),
     )
     eval_prompts = held_out_prompts(run.data, tokenizer, run.eval.prompts) if index == 0 else []
     caps = length_cap_fn(run.length_caps) if run.length_caps else None
