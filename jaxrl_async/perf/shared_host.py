@@ -28,9 +28,10 @@ its step done meanwhile:
     period = S_s + W_t(every core) * (1 - S_s / S_t)        (`overlap_period`; sampler-bound alike)
 
 Without the shared paces it takes S_s = W_s and S_t = W_t(one core), the sampler unslowed and the
-learner at its one-core pace beside it: an upper bound, which measured 26-30% high on two cores. Each
-slows the other more than that: XLA splits an operation evenly over its threads, so the learner's waits
-for the thread that shares the sampler's core, and that thread takes part of the sampler's core.
+learner at its one-core pace beside it: an upper bound. How much each slows the other is the scheduler's
+and XLA's thread pool's doing (an operation waits for its slowest thread, and the one on the shared core
+takes part of the sampler's time), so it is measured rather than modelled; on two cores it varied from
+almost nothing to 1.6x between two benches an hour apart (docs/performance-model.md).
 """
 
 from __future__ import annotations

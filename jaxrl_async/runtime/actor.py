@@ -117,11 +117,11 @@ class Actor:
         self.loop = SamplerLoop(engine)
         # Prompts to keep queued beyond the free slots: two engines' worth plus this actor's share of a
         # step. The coordinator answers from the learner's process, whose train step holds its cores, so
-        # an answer can come a step late and the queue must outlast that step. On letter_range (pinned or
-        # with the sampler's core lent to the learner) a quarter of an engine left the trainer idle 31% of
-        # the time, two engines 15-19%, and adding a step's prompts 3% (docs/benchmarks.md): with less
-        # the sampler never got a full step ahead, whatever η allowed. The η bound still caps what is
-        # granted: this changes when prompts start, not how stale they may be.
+        # an answer can come a step late and the queue must outlast that step. On letter_range a quarter
+        # of an engine left the trainer idle 31% of the time, two engines 16-19%, and two engines plus a
+        # step 4-7.5% (pinned, and with the sampler's core lent to the learner; docs/benchmarks.md): with
+        # less the sampler never got a whole step ahead, whatever η allowed. The η bound still caps what
+        # is granted: this changes when prompts start, not how stale they may be.
         engines = math.ceil(2 * engine.cfg.num_slots / cfg.schedule.samples_per_prompt)
         self.lookahead = max(1, engines + math.ceil(cfg.schedule.prompts_per_step / cfg.actors))
         self.version: int | None = None  # the policy version in use (None until the first arrives)
