@@ -124,6 +124,7 @@ class Actor:
         # is granted: this changes when prompts start, not how stale they may be.
         engines = math.ceil(2 * engine.cfg.num_slots / cfg.schedule.samples_per_prompt)
         self.lookahead = max(1, engines + math.ceil(cfg.schedule.prompts_per_step / cfg.actors))
+        log.info("actor %d: keeps %d prompts queued beyond its free slots", cfg.index, self.lookahead)
         self.version: int | None = None  # the policy version in use (None until the first arrives)
         self.granted = 0  # prompts granted so far
         self.asked = 0  # prompts asked for and not yet granted

@@ -1,4 +1,5 @@
-"""Each role of a run measured alone, with the run's own devices, model, data and rewards.
+"""Each role of a run measured alone (`calibrate_roles`) or beside the other role running in a second
+process (`corun_role`), with the run's own devices, model, data and rewards.
 
 Inputs of the shared-host performance model (`jaxrl_async.perf.shared_host`): how long the sampler takes
 to produce one train batch (from empty slots to the last graded sample, as sync RL does, and at the
@@ -6,7 +7,8 @@ steady rate of a never-drained stream, as async RL does), how long one train ste
 takes, and how much of the host's cores each keeps busy meanwhile (process CPU seconds, which include
 XLA's worker threads). Part of the orchestrator layer: it builds the run's own actor, coordinator and
 trainer (`jaxrl_async.runtime.build.build_process`) and drives them one at a time through their
-messages (`tools/bench_roles.py` is the CLI).
+messages (`tools/bench_roles.py` is the CLI). Where two processes share a core, `corun_role` gives each
+role's pace while the other runs: the shared paces of `shared_host.predict_lent_core`.
 """
 
 from __future__ import annotations
