@@ -51,6 +51,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.verify_weights = False
     # Benchmarks: per-prompt generation caps "lognormal:median=24,p99=96,max=128,seed=1"; "" = off.
     c.length_caps = ""
+    # JAX's persistent compilation cache: a directory of your own (e.g. "~/.cache/jaxrl_async/xla"), so a
+    # rerun, restart or resume with the same shapes loads its compiled programs instead of compiling them
+    # (jaxrl_async/runtime/compile_cache.py); "" = off. Refused if others may write to it: JAX runs what it
+    # loads from there.
+    c.compile_cache_dir = ""
 
     # Which model and numerics (jaxrl_async.run_config.ModelSection documents each field).
     c.model = dataclass_section(ModelSection)

@@ -13,6 +13,9 @@ base = sibling(__file__, "base")
 def get_config():
     c = base.get_config()
     c.workdir = ""
+    # Compiled programs kept between runs: a restart or resume loads them instead of compiling for minutes.
+    # On a pod, a bucket every host reads ("gs://..."): JAX writes entries from process 0 only.
+    c.compile_cache_dir = "~/.cache/jaxrl_async/xla"
     c.mode = "async"
     c.max_staleness = 4
     c.total_steps = 300

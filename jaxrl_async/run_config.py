@@ -316,6 +316,7 @@ class RunConfig:
     checkpoint: CheckpointSection
     verify_weights: bool
     length_caps: str
+    compile_cache_dir: str  # "" = off (configs/base.py)
     data: DataConfig
     reward: RewardConfig
     sampler: SamplerConfig
@@ -473,6 +474,12 @@ def clip_note(run: RunConfig) -> str | None:
     )
 
 
+def _compile_cache_dir(v) -> str:
+    if not isinstance(v, str):
+        raise ConfigError(f"config.compile_cache_dir: a directory path or \"\" (off), got {v!r}")
+    return v
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> RunConfig:
     """Builds the RunConfig, section by section (each validates itself), then runs the named cross-checks
     (CROSS_CHECKS); raises ConfigError naming the first bad field.
@@ -493,6 +500,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         mesh=_section("mesh", MeshConfig, dict(c["mesh"])),
         verify_weights=bool(c.get("verify_weights", False)),
         length_caps=c.get("length_caps", ""),
+        compile_cache_dir=_compile_cache_dir(c.get("compile_cache_dir", "")),
         **component_sections(c),
     )
     for check in CROSS_CHECKS:

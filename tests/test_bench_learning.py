@@ -14,10 +14,11 @@ from jaxrl_async.cli import learning_study as ls
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _summary(evals, final, tokens_per_s, p50=8.0, p99=50.0):
+def _summary(evals, final, tokens_per_s, p50=8.0, p99=50.0, first_step_s=None):
     evals = [{"step": s, "accuracy": a, "elapsed_s": t + 5.0, "trained_s": t} for s, a, t in evals]
     return {"evals": evals, "final_accuracy": final, "steady_train_tokens_per_s": tokens_per_s,
-            "completion_length_p50": p50, "completion_length_p99": p99}  # fmt: skip
+            "completion_length_p50": p50, "completion_length_p99": p99,
+            "first_step_s": first_step_s}  # fmt: skip
 
 
 def test_time_to_target_reads_when_the_version_was_trained_not_when_its_eval_ended():
@@ -30,23 +31,25 @@ def test_time_to_target_reads_when_the_version_was_trained_not_when_its_eval_end
 
 
 def test_compare_pairs_seeds_and_splits_the_speedup():
-    sync = {0: _summary([(0, 0.3, 0.0), (10, 0.6, 100.0), (20, 0.8, 200.0)], 0.8, 100.0),
+    sync = {0: _summary([(0, 0.3, 0.0), (10, 0.6, 100.0), (20, 0.8, 200.0)], 0.8, 100.0, first_step_s=20.0),
             1: _summary([(0, 0.3, 0.0), (10, 0.7, 100.0), (20, 0.82, 200.0)], 0.82, 100.0)}  # fmt: skip
     target = ls.default_target(list(sync.values()), 0.01)
     assert target == pytest.approx(0.80)
-    async_ = {0: _summary([(0, 0.3, 0.0), (10, 0.5, 25.0), (20, 0.81, 50.0)], 0.81, 400.0),
+    async_ = {0: _summary([(0, 0.3, 0.0), (10, 0.5, 25.0), (20, 0.81, 50.0)], 0.81, 400.0, first_step_s=10.0),
               1: _summary([(0, 0.3, 0.0), (10, 0.6, 25.0), (20, 0.7, 50.0)], 0.70, 400.0)}  # fmt: skip
     rows = {"sync": {s: ls.run_row(v, target) for s, v in sync.items()},
             "async": {s: ls.run_row(v, target) for s, v in async_.items()}}  # fmt: skip
     report = ls.compare(rows)
     assert report["paired"][0]["speedup"] == pytest.approx(4.0)  # 200 s / 50 s
+    assert report["paired"][0]["speedup_after_first_step"] == pytest.approx(4.5)  # 180 s / 40 s
+    assert rows["sync"][1]["time_after_first_step_s"] is None  # no first-step time: no such figure
     assert report["paired"][0]["throughput_ratio"] == pytest.approx(4.0)
     assert report["paired"][0]["steps_ratio"] == pytest.approx(1.0)
     assert report["paired"][1]["speedup"] is None  # async seed 1 never reached the target
     assert report["speedup_mean"] == pytest.approx(4.0) and report["final_gap_mean"] == pytest.approx(-0.055)
     assert report["modes"]["async"]["reached_target"] == 1 and report["modes"]["sync"]["reached_target"] == 2
     assert rows["sync"][0]["length_p99_over_median"] == pytest.approx(50 / 8)
-    assert "| mean | 4 | 4 | 1 |" in ls.table(report)
+    assert "| mean | 4 | 4.5 | 4 | 1 |" in ls.table(report)
     with pytest.raises(ValueError, match="--target"):
         ls.default_target([{"final_accuracy": None}], 0.01)
 
@@ -80,6 +83,15 @@ def test_smoke_runs_every_part_of_the_command(tmp_path):
     assert report["rows"]["sync"]["0"]["staleness_max"] == 0
     assert report["rows"]["async"]["0"]["staleness_max"] >= 1
     assert (tmp_path / "runs" / "async_s0.log").exists()  # the pinned two-process run
+    # --compile-cache=warm (the default): an untimed run of each mode filled the cache first, and the
+    # timed runs' learner processes loaded every program from it.
+    assert report["settings"]["compile_cache"] == "warm"
+    for mode in ("sync", "async"):
+        assert (tmp_path / "runs" / f"warm_up_{mode}.log").exists()
+        assert f"compile cache warm-up, {mode}:" in res.stdout
+        row = report["rows"][mode]["0"]
+        assert row["compiles"] > 0 and row["compiles_loaded"] == row["compiles"], row
+        assert 0 < row["first_step_s"] < row["wall_s"]
     bound = report["overlap_bound"]  # --one-core: sync again on one core
     assert bound["cores"] == len(os.sched_getaffinity(0)) and bound["one_core_tokens_per_s"] > 0
     assert (tmp_path / "runs" / "sync_s0_cores1.log").exists() and "overlap alone" in res.stdout

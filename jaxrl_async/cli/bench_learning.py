@@ -25,9 +25,16 @@ runs' own completion lengths). The role benches time the warm start's batches, a
 shrinks as the policy learns (groups all right or all wrong are skipped), so the two tell the model's
 error from the workload's drift.
 
+With --compile-cache=warm (the default) every run shares a compile cache (config.compile_cache_dir) that
+one untimed run of each mode (WARM_UP_STEPS steps) fills first, as a user's later runs find theirs; so
+start-up is mostly the first evaluation and batch. JAX writes entries from process 0 only, so the async
+sampler's own process compiles in every run; each run reports how many of the learner process's compiles
+the cache gave. --compile-cache=cold compiles everything in every run.
+
 Reported per mode (means over seeds) and per seed: wall seconds to the target (the first held-out
 evaluation at or above it, seconds since the learner started; default target: sync's final accuracy,
-mean of seeds, minus --margin), the step it happened, final accuracy, steady trained tokens/s, sampler
+mean of seeds, minus --margin), the same from the end of the run's first step (start-up left out, as a
+long run's is), the step it happened, final accuracy, steady trained tokens/s, sampler
 and trainer idle fractions, realized staleness (mean, max), and p99/median of the run's own completion
 lengths. The paired speedup (sync time / async time) splits into a throughput ratio times a steps ratio.
 With --one-core, sync of the first seed also runs on one core: every-core over one-core steady rate is
@@ -68,6 +75,11 @@ _SET = flags.DEFINE_multi_string("set", [], "KEY=VALUE config override for every
 _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny runs (4 steps, small batches, 1 seed unless --seeds).")
 _KEEP = flags.DEFINE_string("keep", "", "Keep workdirs and logs here (default: a temporary directory).")
 _OUT = flags.DEFINE_string("out", "", "Also write the JSON report here.")
+_CACHE = flags.DEFINE_enum(
+    "compile-cache", "warm", ["warm", "cold"],
+    "warm: the runs share a compile cache (config.compile_cache_dir) that a short untimed run of each mode "
+    "fills first, as a user's later runs find theirs; cold: every run compiles everything.",
+)  # fmt: skip
 
 # --smoke: every size a few, so the whole command (role benches, warm starts, both modes) takes minutes.
 SMOKE = {
@@ -76,6 +88,7 @@ SMOKE = {
     "warm_start.max_steps": 2, "warm_start.batch": 8, "warm_start.eval_every": 1,
 }  # fmt: skip
 SMOKE_STEPS = 4
+WARM_UP_STEPS = 2  # the untimed run of each mode that fills the compile cache (--compile-cache=warm)
 
 
 
@@ -84,6 +97,8 @@ SMOKE_STEPS = 4
 def _overrides(root: str) -> dict[str, str]:
     """Config overrides of every run: --smoke's sizes, then --set (which wins)."""
     values: dict[str, str] = {}
+    if _CACHE.value == "warm":
+        values["compile_cache_dir"] = os.path.join(root, "compile_cache")
     if _SMOKE.value:
         values.update({k: str(v) for k, v in SMOKE.items()})
         values["warm_start.cache_dir"] = os.path.join(root, "warmstart")
@@ -102,8 +117,8 @@ def run_flags(workdir: str, mode: str, seed: int, steps: int, overrides: dict[st
 
 
 def run_one(mode: str, seed: int, root: str, steps: int, overrides: dict[str, str],
-            cores: list[int] | None = None) -> dict:  # fmt: skip
-    name = f"{mode}_s{seed}" + (f"_cores{len(cores)}" if cores else "")
+            cores: list[int] | None = None, name: str = "") -> dict:  # fmt: skip
+    name = name or f"{mode}_s{seed}" + (f"_cores{len(cores)}" if cores else "")
     workdir, log = os.path.join(root, name), os.path.join(root, f"{name}.log")
     flags_ = run_flags(workdir, mode, seed, steps, overrides)
     if mode == "async" and _PROCS.value == 2:
@@ -205,6 +220,15 @@ def _lent_core() -> tuple[list[int], list[int]] | None:
     return (learner, sampler) if learner == cores and len(sampler) == 1 else None
 
 
+def run_line(summary: dict) -> str:
+    """When a run's first step ended, and what the compile cache gave the learner's process."""
+    first, cache = summary.get("first_step_s"), summary.get("compile_cache")
+    line = "no step" if first is None else f"first step done at {first:.1f} s"
+    if cache:
+        line += f"; the learner's process loaded {cache['loaded']} of its {cache['compiles']} compiles"
+    return line
+
+
 def shared_line(predicted: dict, benches: dict) -> str:
     """What the co-run benches measured of the lent layout, and the prediction without them."""
     a = predicted["async"]
@@ -289,12 +313,16 @@ def main(argv):
             host = ls.host_split_line(predicted, _ETA.value)
             if host:
                 print(host, flush=True)
+        if _CACHE.value == "warm":  # the programs of both modes compiled once, untimed
+            for mode in ls.MODES:
+                s = run_one(mode, seeds[0], root, WARM_UP_STEPS, overrides, name=f"warm_up_{mode}")
+                print(f"compile cache warm-up, {mode}: {s['wall_s']:.0f} s, {run_line(s)}", flush=True)
         summaries: dict[str, dict[int, dict]] = {m: {} for m in ls.MODES}
         for seed in seeds:  # both modes of a seed back to back: a load change hits both alike
             for mode in ls.MODES:
-                summaries[mode][seed] = run_one(mode, seed, root, steps, overrides)
-                print(f"{mode} seed {seed}: final accuracy {summaries[mode][seed]['final_accuracy']}, "
-                      f"{summaries[mode][seed]['wall_s']:.0f} s", flush=True)  # fmt: skip
+                s = summaries[mode][seed] = run_one(mode, seed, root, steps, overrides)
+                print(f"{mode} seed {seed}: final accuracy {s['final_accuracy']}, {s['wall_s']:.0f} s, "
+                      f"{run_line(s)}", flush=True)  # fmt: skip
         one_core = None
         if _ONE_CORE.value:
             cores = sorted(os.sched_getaffinity(0))
@@ -308,6 +336,7 @@ def main(argv):
         report["overlap_bound"] = ls.overlap_bound(ls.run_row(one_core, target), rows["sync"][seeds[0]],
                                                    len(os.sched_getaffinity(0)))  # fmt: skip
     settings = {"config": _CONFIG.value, "seeds": seeds, "steps": steps, "eta": _ETA.value,
+                "compile_cache": _CACHE.value,
                 "async_processes": _PROCS.value, "async_cpu_sets": _CPU_SETS.value or "pinned, a core each",
                 "target": target, "margin": _MARGIN.value,
                 "set": _SET.value, "smoke": _SMOKE.value, "eval_resolution": resolution,

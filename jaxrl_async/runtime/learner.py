@@ -380,6 +380,9 @@ class Learner:
         trained = {0: 0.0, **{v: end - self._t_start_mono for v, _, end in self.step_spans}}
         return {
             "steps": self.version,
+            # seconds to the end of this run's first train step: start-up (compiling, the first evaluation,
+            # the first batch) and one step
+            "first_step_s": self.step_spans[0][2] - self._t_start_mono if self.step_spans else None,
             "eval_s": self.eval_s,
             "step_spans": list(self.step_spans),
             "train_tokens_per_s": self.trained_tokens / train_wall,

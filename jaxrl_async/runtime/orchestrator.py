@@ -27,8 +27,8 @@ import threading
 import time
 from typing import Any
 
-from jaxrl_async.run_config import validate
-from jaxrl_async.runtime import secret
+from jaxrl_async.run_config import ConfigError, validate
+from jaxrl_async.runtime import compile_cache, secret
 from jaxrl_async.runtime.build import Process, build_process, make_transport, single_process
 from jaxrl_async.runtime.cluster import Cluster
 from jaxrl_async.runtime.evaluation import trainer_idle_during
@@ -104,7 +104,11 @@ def run_from_config(config, cluster: Cluster | None = None) -> dict[str, Any] | 
     Returns the run summary on the learner lead (also written to workdir/summary.json), None elsewhere.
     """
     cluster = cluster or single_process()
-    validate(config, num_devices=None)  # fail on the config before connecting anything
+    run = validate(config, num_devices=None)  # fail on the config before connecting anything
+    try:  # before anything compiles: JAX decides at its first compile whether it uses a cache
+        cache = compile_cache.enable(run.compile_cache_dir) if run.compile_cache_dir else None
+    except compile_cache.CacheError as e:
+        raise ConfigError(str(e)) from None
     key = secret.load() if cluster.roles.multi else None  # it leaves the environment here
     transport = make_transport(cluster, key)
     proc = None
@@ -113,9 +117,11 @@ def run_from_config(config, cluster: Cluster | None = None) -> dict[str, Any] | 
         proc = build_process(config, cluster, transport, key)
         t0 = time.perf_counter()
         _event_loop(proc, transport, signals)
+        if cache is not None:
+            log.info(cache.log_line())
         if proc.learner is None:
             return None
-        return _summary(proc, time.perf_counter() - t0)
+        return _summary(proc, time.perf_counter() - t0, cache)
     finally:
         signals.restore()
         if proc is not None:
@@ -123,7 +129,7 @@ def run_from_config(config, cluster: Cluster | None = None) -> dict[str, Any] | 
         transport.close()
 
 
-def _summary(proc: Process, wall: float) -> dict[str, Any]:
+def _summary(proc: Process, wall: float, cache: compile_cache.CacheUse | None) -> dict[str, Any]:
     run, learner = proc.run, proc.learner
     actor0 = learner.final_reports.get(0)
     summary = {
@@ -135,6 +141,8 @@ def _summary(proc: Process, wall: float) -> dict[str, Any]:
         **learner.summary(),
         **proc.coordinator.summary(),
         "warm_start": proc.warm_start_info,
+        # this process's compiles (the learner lead's): how many the persistent cache answered
+        "compile_cache": cache and cache.report(),
         "reward_stats": actor0 and actor0.reward_stats,
         "eval_spans": actor0 and actor0.eval_spans,
         "sample_calls_during_eval": actor0 and actor0.sample_calls_during_eval,
