@@ -95,7 +95,8 @@ WARM_UP_STEPS = 2  # the untimed run of each mode that fills the compile cache (
 
 
 def _overrides(root: str) -> dict[str, str]:
-    """Config overrides of every run: --smoke's sizes, then --set (which wins)."""
+    """Config overrides of every run: the compile cache (--compile-cache=warm), --smoke's sizes, then --set
+    (which wins)."""
     values: dict[str, str] = {}
     if _CACHE.value == "warm":
         values["compile_cache_dir"] = os.path.join(root, "compile_cache")

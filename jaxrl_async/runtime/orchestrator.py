@@ -105,7 +105,7 @@ def run_from_config(config, cluster: Cluster | None = None) -> dict[str, Any] | 
     """
     cluster = cluster or single_process()
     run = validate(config, num_devices=None)  # fail on the config before connecting anything
-    try:  # before anything compiles: JAX decides at its first compile whether it uses a cache
+    try:  # before anything compiles (the warm start included), so that every compile can use it
         cache = compile_cache.enable(run.compile_cache_dir) if run.compile_cache_dir else None
     except compile_cache.CacheError as e:
         raise ConfigError(str(e)) from None
