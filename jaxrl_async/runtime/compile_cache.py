@@ -112,11 +112,15 @@ class CacheUse:
         r = self.report()
         if r["compiles"] == 0:
             return f"compile cache {r['dir']}: no compile in this process asked it"
+        import jax
+
         line = f"compile cache {r['dir']}: {r['loaded']} of {r['compiles']} compiles loaded from it"
-        if r["entries_at_end"] is None:
-            return line
-        added = r["entries_at_end"] - r["entries_at_start"]
-        return line + f", {added} entries added ({r['entries_at_end']} now)"
+        if r["entries_at_end"] is not None:
+            added = r["entries_at_end"] - r["entries_at_start"]
+            line += f", {added} entries added ({r['entries_at_end']} now)"
+        if jax.process_index() != 0:  # why a process other than 0 never adds its own programs
+            line += "; JAX writes entries from process 0 only"
+        return line
 
 
 def enable(path: str) -> CacheUse:
