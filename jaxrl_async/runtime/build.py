@@ -164,16 +164,16 @@ def trainer_mesh(run: RunConfig, cluster):
 # ----- sampler side -----
 
 
-def build_engines(run: RunConfig, model_cfg: ModelConfig, mesh, sampler_cfg: SamplerConfig):
+def build_engines(run: RunConfig, model_cfg: ModelConfig, mesh, sampler_cfg: SamplerConfig, compile_fn=None):
     """The sampling engine and the greedy evaluation engine on one sampler mesh (weights in the compute
     dtype, arriving with the first published version). The eval engine holds weights of its own (an
     evaluation runs beside sampling with the version it evaluates, runtime/evaluation.py), or shares the
-    sampler's with config.eval_weights="shared"."""
+    sampler's with config.eval_weights="shared". `compile_fn`: see `Engine`."""
     weights_cfg = model_cfg.compute_copy()
-    engine = Engine(weights_cfg, None, mesh, sampler_cfg)
+    engine = Engine(weights_cfg, None, mesh, sampler_cfg, compile_fn=compile_fn)
     eval_cfg = eval_sampler_config(engine.cfg, mesh.shape["data"], run.eval.slots)  # the kernels it chose
     shared = engine if run.eval.weights == "shared" else None  # config.eval_weights
-    return engine, Engine(weights_cfg, None, mesh, eval_cfg, weights_from=shared)
+    return engine, Engine(weights_cfg, None, mesh, eval_cfg, weights_from=shared, compile_fn=compile_fn)
 
 
 # ----- trainer side -----
@@ -346,9 +346,10 @@ def _await_hellos(transport, cluster: Cluster, timeout_s: float = 600.0) -> None
         transport.wait(0.05)
 
 
-def build_process(config, cluster: Cluster, transport, key: bytes | None = None) -> Process:
+def build_process(config, cluster: Cluster, transport, key: bytes | None = None, executables=None) -> Process:
     """Validates `config` and builds the roles of this process (compiles nothing but the init); `key` is the
-    run's secret (a replica that spans processes signs its own channel with it)."""
+    run's secret (a replica that spans processes signs its own channel with it); `executables`: this
+    process's `compile_cache.ExecutableStore`, for a replica of its own."""
     run = validate_for(config, cluster)
     proc = Process(run, cluster)
     proc.key = key
@@ -362,7 +363,8 @@ def build_process(config, cluster: Cluster, transport, key: bytes | None = None)
     if pid in roles.trainers:
         local_weights = _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh)
     if pid in roles.samplers:
-        _build_actor(proc, run, cluster, transport, tokenizer, model_cfg, scfg, t_mesh, local_weights)
+        _build_actor(proc, run, cluster, transport, tokenizer, model_cfg, scfg, t_mesh, local_weights,
+                     executables)  # fmt: skip
     elif pid not in roles.trainers:
         _build_member(proc, run, cluster, tokenizer, model_cfg, scfg, t_mesh)
     return proc
@@ -475,11 +477,15 @@ def _wait_for(transport, endpoint: str, cluster: Cluster, timeout_s: float = 360
     raise PeerFailure(f"{endpoint}: nothing arrived from the learner lead within {timeout_s:.0f} s")
 
 
-def _build_actor(proc, run, cluster, transport, tokenizer, model_cfg, scfg, t_mesh, local_weights):
+def _build_actor(proc, run, cluster, transport, tokenizer, model_cfg, scfg, t_mesh, local_weights,
+                 executables=None):  # fmt: skip
     roles, pid = cluster.roles, cluster.process_id
     index = roles.samplers.index(pid)
     s_mesh = sampler_mesh(run, cluster)
-    engine, eval_engine = build_engines(run, model_cfg, s_mesh, scfg)
+    # A replica over several processes compiles programs that span them: JAX's cache alone serves those.
+    own = executables is not None and len(roles.replicas[index]) == 1
+    compile_fn = executables.compiler(s_mesh.devices.flat) if own else None
+    engine, eval_engine = build_engines(run, model_cfg, s_mesh, scfg, compile_fn)
     rewards = RewardService(run.reward)
     proc.closers.append(rewards.close)
     if local_weights is not None:

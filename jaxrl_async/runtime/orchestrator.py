@@ -114,7 +114,7 @@ def run_from_config(config, cluster: Cluster | None = None) -> dict[str, Any] | 
     proc = None
     signals = _StopSignals()
     try:
-        proc = build_process(config, cluster, transport, key)
+        proc = build_process(config, cluster, transport, key, cache and cache.store)
         t0 = time.perf_counter()
         _event_loop(proc, transport, signals)
         if cache is not None:

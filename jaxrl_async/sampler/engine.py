@@ -133,6 +133,7 @@ class Engine:
         cfg: SamplerConfig,
         version: int = 0,
         weights_from: Engine | None = None,
+        compile_fn=None,
     ):
         """Validates and converts `params` (already in the sampler layout on `mesh`); resolves "auto" kernels
         (on one float32 CPU device by timing `generate`, which compiles it; see `kernel_choice`).
@@ -141,6 +142,8 @@ class Engine:
         With `weights_from` (an engine of the same model and mesh, e.g. the sampler's, for a greedy eval
         engine) this engine holds no weights of its own: it decodes with that engine's, and an update of
         either is seen by both. It still has its own decode state (KV cache).
+        `compile_fn` turns each entry point's `jax.stages.Lowered` into its executable (default
+        `Lowered.compile`; the runtime may pass a store that keeps them on disk).
 
         Raises:
           ValueError: the slot count does not divide over the data axis, a sequence cannot fit the cache or
@@ -156,6 +159,7 @@ class Engine:
         self.spec = engine_spec(model_cfg, mesh, cfg)
         self.model_cfg, self.cfg, self.mesh = model_cfg, cfg, mesh
         self._jit = jit_entry_points(self.spec)
+        self._compile = compile_fn or (lambda lowered: lowered.compile())
         # name -> signature -> executable (`_executable`).
         self._executables: dict[str, dict] = {}
         if weights_from is None:
@@ -207,7 +211,7 @@ class Engine:
 
     def init_state(self) -> DecodeState:
         """A decode state with every slot free."""
-        return self._jit.init_state()
+        return self._executable("init_state", None, lambda: self._jit.init_state.lower())()
 
     def update_params(self, params: dict, version: int) -> None:
         """Swaps the weights used by the next call (validated: structure, shapes, dtypes, shardings).
@@ -218,7 +222,8 @@ class Engine:
         # Drop the old layout first: its buffers are freed once in-flight calls finish, so at most the
         # incoming copy and the new layout coexist, never two layouts plus the copy.
         self._weights.dparams = None
-        self._weights.dparams = self._jit.to_layout(params)
+        lower = lambda: self._jit.to_layout.lower(self.spec.expected)
+        self._weights.dparams = self._executable("to_layout", None, lower)(params)
         self._weights.version = int(version)
 
     def compile_generate(self):
@@ -310,7 +315,7 @@ class Engine:
         per_key = self._executables.setdefault(name, {})
         exe = per_key.get(key)
         if exe is None:
-            exe = per_key[key] = lower().compile()
+            exe = per_key[key] = self._compile(lower())
         return exe
 
     def insert(
