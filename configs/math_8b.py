@@ -18,7 +18,8 @@ def get_config(layout: str = "v5p"):
     c = base.get_config()
     c.workdir = ""
     # Compiled programs kept between runs: a restart or resume loads them instead of compiling for minutes.
-    # On a pod, a bucket every host reads ("gs://..."): JAX writes entries from process 0 only.
+    # A local directory: each sampler host keeps its own programs; a bucket ("gs://...") instead gives every
+    # trainer host process 0's entries (JAX writes from process 0 only), and sampler hosts then compile.
     c.compile_cache_dir = "~/.cache/jaxrl_async/xla"
     c.mode = "async"
     c.max_staleness = 4

@@ -28,8 +28,9 @@ error from the workload's drift.
 With --compile-cache=warm (the default) every run shares a compile cache (config.compile_cache_dir) that
 one untimed run of each mode (WARM_UP_STEPS steps) fills first, as a user's later runs find theirs; so
 start-up is mostly the first evaluation and batch. JAX writes entries from process 0 only, so the async
-sampler's own process compiles in every run; each run reports how many of the learner process's compiles
-the cache gave. --compile-cache=cold compiles everything in every run.
+sampler's own process keeps its engines' executables in the cache's `executables/` (its log says how many
+it loaded); each run reports how many of the learner process's compiles the cache gave.
+--compile-cache=cold compiles everything in every run.
 
 Reported per mode (means over seeds) and per seed: wall seconds to the target (the first held-out
 evaluation at or above it, seconds since the learner started; default target: sync's final accuracy,
