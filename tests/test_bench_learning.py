@@ -92,6 +92,11 @@ def test_smoke_runs_every_part_of_the_command(tmp_path):
         row = report["rows"][mode]["0"]
         assert row["compiles"] > 0 and row["compiles_loaded"] == row["compiles"], row
         assert 0 < row["first_step_s"] < row["wall_s"]
+    # The async sampler's process (process 1) loaded every program of its own store, which JAX's cache
+    # would not have kept for it.
+    row = report["rows"]["async"]["0"]
+    assert row["sampler_programs_loaded"] > 0 and row["sampler_programs_compiled"] == 0, row
+    assert report["rows"]["sync"]["0"]["sampler_programs_loaded"] is None
     bound = report["overlap_bound"]  # --one-core: sync again on one core
     assert bound["cores"] == len(os.sched_getaffinity(0)) and bound["one_core_tokens_per_s"] > 0
     assert (tmp_path / "runs" / "sync_s0_cores1.log").exists() and "overlap alone" in res.stdout

@@ -135,7 +135,11 @@ def test_a_sampler_process_loads_its_own_programs_in_the_next_run(tmp_path):
         lines.append(re.search(own, text))
         assert lines[-1], text[-3000:]
         with open(tmp_path / run / "summary.json") as f:
-            assert json.load(f)["compile_cache"]["executables"] is None  # process 0: JAX's cache serves it
+            summary = json.load(f)
+        assert summary["compile_cache"]["executables"] is None  # process 0: JAX's cache serves it
+        # The learner's summary has what the sampler process's store did, as its log line says.
+        own = summary["sampler_executables"]["actor:0"]
+        assert (own["loaded"], own["compiled"], own["written"]) == tuple(map(int, lines[-1].groups()))
     loaded, compiled, kept = map(int, lines[0].groups())
     assert compiled >= 4 and kept == compiled
     assert tuple(map(int, lines[1].groups())) == (loaded + compiled, 0, 0)

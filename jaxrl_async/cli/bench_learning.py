@@ -223,11 +223,14 @@ def _lent_core() -> tuple[list[int], list[int]] | None:
 
 
 def run_line(summary: dict) -> str:
-    """When a run's first step ended, and what the compile cache gave the learner's process."""
+    """When a run's first step ended, and what the compile cache gave the learner's process and the
+    sampler's own (async)."""
     first, cache = summary.get("first_step_s"), summary.get("compile_cache")
     line = "no step" if first is None else f"first step done at {first:.1f} s"
     if cache:
         line += f"; the learner's process loaded {cache['loaded']} of its {cache['compiles']} compiles"
+    for x in (summary.get("sampler_executables") or {}).values():
+        line += f", the sampler's {x['loaded']} of its {x['loaded'] + x['compiled']} programs"
     return line
 
 

@@ -64,6 +64,10 @@ def run_row(summary: dict[str, Any], target: float) -> dict[str, Any]:
     row["time_after_first_step_s"] = t - first if t is not None and first is not None else None
     cache = summary.get("compile_cache") or {}  # the learner's process: its compiles, those the cache gave
     row["compiles"], row["compiles_loaded"] = cache.get("compiles"), cache.get("loaded")
+    # Sampler processes other than 0 (async): the programs their own store loaded and compiled.
+    own = list((summary.get("sampler_executables") or {}).values())
+    row["sampler_programs_loaded"] = sum(x["loaded"] for x in own) if own else None
+    row["sampler_programs_compiled"] = sum(x["compiled"] for x in own) if own else None
     p50, p99 = row["completion_length_p50"], row["completion_length_p99"]
     row["length_p99_over_median"] = p99 / p50 if p50 and p99 is not None else None
     return row

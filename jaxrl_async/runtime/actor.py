@@ -106,14 +106,18 @@ class Actor:
       max_new_tokens_fn: optional group id -> generation cap (benchmarks impose a length distribution).
       members: the leader's channel to the other processes of a replica that spans several
         (`replica.Members`): every command goes to them before this process runs it on the mesh.
+      executables: the `compile_cache.ExecutableStore` the engines compile through, if any (its counts
+        go in the final report).
     """
 
     def __init__(self, cfg: ActorConfig, engine, eval_engine, rewards, tokenizer, eval_prompts, transport,
-                 weights, max_new_tokens_fn: Callable[[int], int] | None = None, members=None):  # fmt: skip
+                 weights, max_new_tokens_fn: Callable[[int], int] | None = None, members=None,
+                 executables=None):  # fmt: skip
         self.cfg, self.engine, self.eval_engine = cfg, engine, eval_engine
         self.rewards, self.tokenizer, self.eval_prompts = rewards, tokenizer, eval_prompts
         self.transport, self.weights, self.max_new_tokens_fn = transport, weights, max_new_tokens_fn
         self.endpoint = f"actor:{cfg.index}"
+        self.executables = executables
         self.loop = SamplerLoop(engine)
         # Prompts to keep queued beyond the free slots: two engines' worth plus this actor's share of a
         # step. The coordinator answers from the learner's process, whose train step holds its cores, so
@@ -183,6 +187,8 @@ class Actor:
                     "pulled_bytes": int(getattr(self.weights, "last_bytes", 0)),
                     "members": self.members.stop(),
                 }
+            if self.executables is not None:
+                final.executables = self.executables.report()
             self.transport.send("learner", Stopped(self.cfg.index, final))
             return True
         if new:

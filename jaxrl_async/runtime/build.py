@@ -505,9 +505,8 @@ def _build_actor(proc, run, cluster, transport, tokenizer, model_cfg, scfg, t_me
     if len(roles.replicas[index]) > 1:
         members = Members(cluster, index, roles.replicas[index][1:], proc.key)
         proc.closers.append(members.close)
-    proc.actor = Actor(
-        acfg, engine, eval_engine, rewards, tokenizer, eval_prompts, transport, weights, caps, members
-    )
+    proc.actor = Actor(acfg, engine, eval_engine, rewards, tokenizer, eval_prompts, transport, weights, caps,
+                       members, executables if own else None)  # fmt: skip
     proc.roles.insert(0, proc.actor)
 
 

@@ -57,6 +57,9 @@ class ActorStats:
     # A replica that spans processes (in `Stopped` only): when each member applied each version, the
     # tokens decoded, the bytes pulled, and each member's report.
     replica: dict | None = None
+    # What this sampler process's executable store did (in `Stopped` only; a process other than 0 with
+    # config.compile_cache_dir): programs loaded, compiled, kept.
+    executables: dict | None = None
 
     @classmethod
     def empty(cls) -> ActorStats:

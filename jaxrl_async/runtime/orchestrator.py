@@ -143,6 +143,9 @@ def _summary(proc: Process, wall: float, cache: compile_cache.CacheUse | None) -
         "warm_start": proc.warm_start_info,
         # this process's compiles (the learner lead's): how many the persistent cache answered
         "compile_cache": cache and cache.report(),
+        # each sampler process's own executables (processes other than 0, which JAX writes nothing for)
+        "sampler_executables": {f"actor:{i}": s.executables for i, s in learner.final_reports.items()
+                                if s.executables},  # fmt: skip
         "reward_stats": actor0 and actor0.reward_stats,
         "eval_spans": actor0 and actor0.eval_spans,
         "sample_calls_during_eval": actor0 and actor0.sample_calls_during_eval,
