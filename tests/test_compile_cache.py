@@ -143,3 +143,19 @@ def test_a_sampler_process_loads_its_own_programs_in_the_next_run(tmp_path):
     loaded, compiled, kept = map(int, lines[0].groups())
     assert compiled >= 4 and kept == compiled
     assert tuple(map(int, lines[1].groups())) == (loaded + compiled, 0, 0)
+
+
+def test_a_store_that_cannot_write_still_returns_the_compiled_program(tmp_path, monkeypatch, caplog):
+    import jax
+
+    from jaxrl_async.sharding import make_mesh
+
+    def full_disk(*_a, **_k):
+        raise OSError(28, "No space left on device")
+
+    mesh = make_mesh((1, 1), ("data", "tensor"), jax.devices()[:1])
+    store = compile_cache.ExecutableStore(str(tmp_path / "executables"))
+    monkeypatch.setattr(compile_cache.tempfile, "NamedTemporaryFile", full_disk)
+    assert _sample(store, mesh)  # the run goes on: it samples with what it compiled
+    assert store.compiled >= 4 and store.written == 0 and os.listdir(tmp_path / "executables") == []
+    assert "not kept" in caplog.text and "No space left" in caplog.text

@@ -163,10 +163,17 @@ class ExecutableStore:
         except (ValueError, NotImplementedError) as e:  # e.g. a backend that cannot serialize
             log.warning("executable store: not kept (%s)", e)
             return exe
-        with tempfile.NamedTemporaryFile(dir=self.path, prefix=".tmp-", delete=False) as f:
-            f.write(blob)
-        os.replace(f.name, file)  # whole or absent, never truncated
-        self.written += 1
+        tmp = None
+        try:
+            with tempfile.NamedTemporaryFile(dir=self.path, prefix=".tmp-", delete=False) as f:
+                tmp = f.name
+                f.write(blob)
+            os.replace(tmp, file)  # whole or absent, never truncated
+            self.written += 1
+        except OSError as e:  # a full or read-only disk costs the next run a compile, not this run
+            log.warning("executable store: %s not kept (%s)", file, e)
+            if tmp is not None and os.path.exists(tmp):
+                os.remove(tmp)
         return exe
 
     def report(self) -> dict:
