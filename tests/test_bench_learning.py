@@ -54,6 +54,78 @@ def test_compare_pairs_seeds_and_splits_the_speedup():
         ls.default_target([{"final_accuracy": None}], 0.01)
 
 
+def _two_seeds():
+    """Seed 0: sync ends at 0.80, async gets there 4x sooner; seed 1: sync ends at 0.60, below the common
+    target, async gets to 0.59 at 25 s against sync's 100 s."""
+    sync = {0: _summary([(0, 0.3, 0.0), (10, 0.6, 100.0), (20, 0.8, 200.0)], 0.8, 100.0),
+            1: _summary([(0, 0.3, 0.0), (10, 0.59, 100.0), (20, 0.6, 200.0)], 0.6, 100.0)}  # fmt: skip
+    async_ = {0: _summary([(0, 0.3, 0.0), (10, 0.5, 25.0), (20, 0.81, 50.0)], 0.81, 400.0),
+              1: _summary([(0, 0.3, 0.0), (10, 0.59, 25.0), (20, 0.62, 50.0)], 0.62, 200.0)}  # fmt: skip
+    return {"sync": sync, "async": async_}
+
+
+def test_each_seed_against_its_own_target_counts_every_seed_and_gives_t_intervals():
+    runs = _two_seeds()
+    common = ls.default_target(list(runs["sync"].values()), 0.01)  # 0.69: seed 1's sync never gets there
+    report = ls.compare({m: {s: ls.run_row(v, common) for s, v in by.items()} for m, by in runs.items()})
+    assert report["paired"][1]["speedup"] is None and report["speedup_ci95"]["n"] == 1
+    assert report["speedup_ci95"]["lo"] is None  # one pair: no interval
+    targets = ls.seed_targets(runs["sync"], 0.01)
+    assert targets == pytest.approx({0: 0.79, 1: 0.59})
+    own = ls.compare({m: {s: ls.run_row(v, targets[s]) for s, v in by.items()} for m, by in runs.items()})
+    assert own["modes"]["sync"]["reached_target"] == 2 and own["modes"]["async"]["reached_target"] == 2
+    assert own["paired"][0]["speedup"] == pytest.approx(4.0)  # 200 s / 50 s
+    assert own["paired"][1]["speedup"] == pytest.approx(4.0) and own["paired"][1]["steps_ratio"] == 1.0
+    assert own["paired"][1]["throughput_ratio"] == pytest.approx(2.0)
+    ci = own["throughput_ratio_ci95"]  # ratios 4 and 2: mean 3, t(0.975, 1 df) = 12.706, sd / sqrt(2) = 1
+    assert ci["n"] == 2 and ci["mean"] == pytest.approx(3.0)
+    assert ci["lo"] == pytest.approx(3.0 - 12.706, abs=1e-3)
+    assert ci["hi"] == pytest.approx(3.0 + 12.706, abs=1e-3)
+    text = ls.own_target_table(own, targets)
+    assert "sync reached it in 2 of 2, async in 2 of 2" in text
+    assert "| 1 | 0.59 | 4 |" in text and "| 95% t interval |  | 4 to 4 (n = 2) |" in text
+    assert ls.seed_targets({0: {"final_accuracy": None}}, 0.01) == {}
+
+
+def test_report_reads_kept_runs_back_without_running_anything(tmp_path):
+    for mode, by in _two_seeds().items():
+        for seed, summary in by.items():
+            (tmp_path / f"{mode}_s{seed}").mkdir()
+            (tmp_path / f"{mode}_s{seed}" / "summary.json").write_text(json.dumps(summary))
+    (tmp_path / "warm_up_sync").mkdir()  # not a seed's run: left out
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    tool = os.path.join(REPO, "tools", "bench_learning.py")
+    out = tmp_path / "report.json"
+    res = subprocess.run([sys.executable, tool, f"--report={tmp_path}", "--margin=0.01", f"--out={out}"],
+                         env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["settings"]["seeds"] == [0, 1] and report["settings"]["target"] == pytest.approx(0.69)
+    assert report["paired"]["0"]["speedup"] == pytest.approx(4.0) and report["paired"]["1"]["speedup"] is None
+    assert report["own_targets"]["paired"]["1"]["speedup"] == pytest.approx(4.0)
+    assert "target held-out accuracy 0.690" in res.stdout and "sync reached it in 2 of 2" in res.stdout
+    # --seeds picks; a directory without the runs is refused, named.
+    res = subprocess.run([sys.executable, tool, f"--report={tmp_path}", "--seeds=1", f"--out={out}"],
+                         env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 0 and json.loads(out.read_text())["settings"]["seeds"] == [1], res.stderr[-2000:]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = subprocess.run([sys.executable, tool, f"--report={empty}"], env=env, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert res.returncode != 0 and f"--report={empty}: no sync_s<seed>/summary.json" in res.stderr
+    # Two directories' seeds pool; a seed in both is refused.
+    more = tmp_path / "more"
+    for mode, summary in (("sync", _two_seeds()["sync"][0]), ("async", _two_seeds()["async"][0])):
+        (more / f"{mode}_s7").mkdir(parents=True)
+        (more / f"{mode}_s7" / "summary.json").write_text(json.dumps(summary))
+    res = subprocess.run([sys.executable, tool, f"--report={tmp_path},{more}", f"--out={out}"], env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 0 and json.loads(out.read_text())["settings"]["seeds"] == [0, 1, 7], res.stderr
+    res = subprocess.run([sys.executable, tool, f"--report={tmp_path},{tmp_path}"], env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode != 0 and f"sync seed 0 is in both {tmp_path} and {tmp_path}" in res.stderr
+
+
 def test_overlap_bound_is_the_core_count_over_how_well_sync_uses_the_cores():
     one, every = ls.run_row(_summary([], 0.5, 600.0), 0.5), ls.run_row(_summary([], 0.5, 1000.0), 0.5)
     b = ls.overlap_bound(one, every, 2)
@@ -69,6 +141,7 @@ def test_smoke_runs_every_part_of_the_command(tmp_path):
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "task reference completions: median" in res.stdout
+    assert "each seed's own target (its sync final minus the margin): sync reached it in 1 of 1" in res.stdout
     report = json.loads(out.read_text())
     # The held-out set's coarseness: 8 weighted ranges (--smoke), the heaviest above the mean share.
     resolution = report["settings"]["eval_resolution"]

@@ -37,7 +37,12 @@ evaluation at or above it, seconds since the learner started; default target: sy
 mean of seeds, minus --margin), the same from the end of the run's first step (start-up left out, as a
 long run's is), the step it happened, final accuracy, steady trained tokens/s, sampler
 and trainer idle fractions, realized staleness (mean, max), and p99/median of the run's own completion
-lengths. The paired speedup (sync time / async time) splits into a throughput ratio times a steps ratio.
+lengths. The paired speedup (sync time / async time) splits into a throughput ratio times a steps ratio;
+each paired figure has its mean and 95% t interval over seeds. The same ratios follow against each seed's
+own target (its sync run's final accuracy minus --margin): a common target leaves out the seeds whose
+sync run ends below it, while every seed's sync run reaches its own.
+With --report DIR[,DIR...] nothing runs: the runs that --keep DIR left are read back (several directories'
+seeds pooled) and reported again, against another --target or --margin say.
 With --one-core, sync of the first seed also runs on one core: every-core over one-core steady rate is
 how well sync uses the cores, and the core count over that is the most overlap alone can buy (two roles
 at one core each make at most twice the one-core rate; jaxrl_async.cli.learning_study.overlap_bound).
@@ -48,6 +53,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import tempfile
 import time
 
@@ -76,6 +82,11 @@ _SET = flags.DEFINE_multi_string("set", [], "KEY=VALUE config override for every
 _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny runs (4 steps, small batches, 1 seed unless --seeds).")
 _KEEP = flags.DEFINE_string("keep", "", "Keep workdirs and logs here (default: a temporary directory).")
 _OUT = flags.DEFINE_string("out", "", "Also write the JSON report here.")
+_REPORT = flags.DEFINE_list(
+    "report", [], "Nothing runs: report the runs that earlier --keep runs left in these directories (their "
+    "sync_s<seed> and async_s<seed> workdirs, pooled; --seeds, if given, picks seeds), with this --target "
+    "or --margin."
+)  # fmt: skip
 _CACHE = flags.DEFINE_enum(
     "compile-cache", "warm", ["warm", "cold"],
     "warm: the runs share a compile cache (config.compile_cache_dir) that a short untimed run of each mode "
@@ -90,9 +101,6 @@ SMOKE = {
 }  # fmt: skip
 SMOKE_STEPS = 4
 WARM_UP_STEPS = 2  # the untimed run of each mode that fills the compile cache (--compile-cache=warm)
-
-
-
 
 
 def _overrides(root: str) -> dict[str, str]:
@@ -279,8 +287,50 @@ def corun_roles(root: str, overrides: dict[str, str], lent: tuple[list[int], lis
     return out
 
 
+def kept_runs(roots: list[str]) -> tuple[dict[str, dict[int, dict]], tuple[int, dict] | None]:
+    """The summaries of the runs that --keep directories hold ({mode: {seed: summary}}, pooled) and a
+    --one-core run's (seed, summary) (None if none). Refuses a directory without both modes' runs and a
+    seed that two directories hold, naming them."""
+    summaries: dict[str, dict[int, dict]] = {m: {} for m in ls.MODES}
+    where: dict[tuple[str, int], str] = {}
+    one_core = None
+    pick = {int(s) for s in _SEEDS.value} if _SEEDS.present else None
+    for root in roots:
+        found = {m: 0 for m in ls.MODES}
+        for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+            path = os.path.join(root, name, "summary.json")
+            run = re.fullmatch(r"(sync|async)_s(\d+)(_cores\d+)?", name)
+            if not run or not os.path.exists(path):
+                continue
+            mode, seed = run[1], int(run[2])
+            found[mode] += not run[3]
+            if pick is not None and seed not in pick:
+                continue
+            with open(path) as f:
+                summary = json.load(f)
+            if run[3]:
+                one_core = one_core or (seed, summary)
+                continue
+            if (mode, seed) in where:
+                other = where[mode, seed]
+                raise app.UsageError(f"--report: {mode} seed {seed} is in both {other} and {root}")
+            summaries[mode][seed], where[mode, seed] = summary, root
+        if not all(found.values()):
+            raise app.UsageError(f"--report={root}: no sync_s<seed>/summary.json and async_s<seed>/"
+                                 "summary.json there (the runs of bench_learning --keep)")  # fmt: skip
+    if not all(summaries.values()):
+        raise app.UsageError(f"--report: no run of --seeds={','.join(_SEEDS.value)} in both modes")
+    return summaries, one_core
+
+
 def main(argv):
     del argv
+    if _REPORT.value:
+        summaries, one_core = kept_runs(_REPORT.value)
+        seeds = sorted(summaries["sync"])
+        settings = {"report": _REPORT.value, "seeds": seeds, "cpus": sorted(os.sched_getaffinity(0))}
+        finish(summaries, one_core, settings)
+        return
     lent = _lent_core()
     lent_core = lent is not None
     seeds = [int(s) for s in _SEEDS.value]
@@ -331,26 +381,41 @@ def main(argv):
         one_core = None
         if _ONE_CORE.value:
             cores = sorted(os.sched_getaffinity(0))
-            one_core = run_one("sync", seeds[0], root, steps, overrides, cores=cores[:1])
+            one_core = (seeds[0], run_one("sync", seeds[0], root, steps, overrides, cores=cores[:1]))
+    settings = {"config": _CONFIG.value, "seeds": seeds, "steps": steps, "eta": _ETA.value,
+                "compile_cache": _CACHE.value,
+                "async_processes": _PROCS.value, "async_cpu_sets": _CPU_SETS.value or "pinned, a core each",
+                "set": _SET.value, "smoke": _SMOKE.value, "eval_resolution": resolution,
+                "cpus": sorted(os.sched_getaffinity(0))}  # fmt: skip
+    finish(summaries, one_core, settings, benches, setup, lengths, predicted)
+
+
+def finish(summaries: dict[str, dict[int, dict]], one_core: tuple[int, dict] | None, settings: dict,
+           benches: dict | None = None, setup: ls.Setup | None = None, lengths: dict | None = None,
+           predicted: dict | None = None) -> None:  # fmt: skip
+    """Reads the runs' summaries against the target (--target, else sync's mean final minus --margin)
+    and against each seed's own (`ls.seed_targets`), and prints and writes (--out) the report: the
+    JSON, the tables, and with role benches the prediction beside the measurement."""
     target = _TARGET.value
     if target is None:
         target = ls.default_target(list(summaries["sync"].values()), _MARGIN.value)
     rows = {m: {s: ls.run_row(summ, target) for s, summ in by.items()} for m, by in summaries.items()}
     report = ls.compare(rows)
     if one_core is not None:
-        report["overlap_bound"] = ls.overlap_bound(ls.run_row(one_core, target), rows["sync"][seeds[0]],
+        seed, summary = one_core
+        report["overlap_bound"] = ls.overlap_bound(ls.run_row(summary, target), rows["sync"][seed],
                                                    len(os.sched_getaffinity(0)))  # fmt: skip
-    settings = {"config": _CONFIG.value, "seeds": seeds, "steps": steps, "eta": _ETA.value,
-                "compile_cache": _CACHE.value,
-                "async_processes": _PROCS.value, "async_cpu_sets": _CPU_SETS.value or "pinned, a core each",
-                "target": target, "margin": _MARGIN.value,
-                "set": _SET.value, "smoke": _SMOKE.value, "eval_resolution": resolution,
-                "cpus": sorted(os.sched_getaffinity(0))}  # fmt: skip
+    targets = ls.seed_targets(summaries["sync"], _MARGIN.value)
+    own_rows = {m: {s: ls.run_row(v, targets[s]) for s, v in by.items() if s in targets}
+                for m, by in summaries.items()}  # fmt: skip
+    own = {**ls.compare(own_rows), "targets": targets}
+    settings = {**settings, "target": target, "margin": _MARGIN.value}
     realized = ls.predict_realized(benches, setup, lengths, rows) if benches else None
     out = {"settings": settings, "prediction": predicted, "prediction_realized": realized, "rows": rows,
-           **report}  # fmt: skip
+           **report, "own_targets": own}  # fmt: skip
     print(json.dumps(out, indent=2, default=str))
     print(f"\ntarget held-out accuracy {target:.3f}\n" + ls.table(report))
+    print("\n" + ls.own_target_table(own, targets))
     if predicted:
         print(
             f"\nthroughput async / sync: predicted {predicted['ratio']:.2f}, "
@@ -367,7 +432,7 @@ def main(argv):
             print(f"from the runs' own figures: {host}")
     if report.get("overlap_bound"):
         b = report["overlap_bound"]
-        print(f"sync seed {seeds[0]}: {b['one_core_tokens_per_s']:.0f} trained tokens/s on one core, "
+        print(f"sync seed {one_core[0]}: {b['one_core_tokens_per_s']:.0f} trained tokens/s on one core, "
               f"{b['every_core_tokens_per_s']:.0f} on {b['cores']} ({b['core_scaling']:.2f}x): overlap alone "
               f"can buy at most {b['bound']:.2f}x sync")  # fmt: skip
     if _OUT.value:
