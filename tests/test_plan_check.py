@@ -76,6 +76,9 @@ def test_sampler_bytes_and_full_report():
     assert an["total"] <= sampler["held"] <= an["total"] + slots * 64
     gen, ev = sampler["generate"], sampler["eval_generate"]
     assert sampler["held"] == gen["argument_size"] + ev["argument_size"]
+    # What the executable store's key costs for the program: its StableHLO's bytes, and the seconds to
+    # print and hash them.
+    assert gen["stablehlo_bytes"] > 10_000 and 0 < gen["stablehlo_key_s"] < 60
     assert sampler["peak"] >= sampler["held"] + sampler["weights"]  # a weight update holds one more copy
     # Shared with the sampler's engine (config.eval_weights="shared"): one copy fewer.
     train = TrainConfig(token_budget=64, rows_per_micro=2)
@@ -188,6 +191,8 @@ def test_the_documented_plan_check_commands_succeed_verbatim():
         assert proc.returncode == 0, (cmd, out[-3000:])
         for role in ("trainer", "sampler"):
             assert re.search(rf"{role} headroom: .* -> ok", out), (cmd, out[-2000:])
+        assert re.search(r"executable store key .*: generate's is \d+\.\d\d MiB, printed and hashed in "
+                         r"\d+\.\d{3} s", out), (cmd, out[-2000:])  # fmt: skip
 
 
 def test_a_layout_under_the_margin_is_refused_with_the_numbers_and_fields():

@@ -191,6 +191,9 @@ def summary(report: dict, config, train_cfg, sampler_cfg) -> str:
         f"eval KV {g(an['eval_kv_cache'])} = {g(an['total'])}; compiled held {g(sa['held'])}",
         f"    temps {g(sa['temp_size_accelerator'])} (XLA:CPU {g(sa['generate']['temp_size'])}), weight "
         f"update +{g(sa['update_transient'])}; peak ~{g(sa['peak'])} -> {verdict(ok['sampler'])}",
+        f"    executable store key (a sampler process other than 0 hashes each program's StableHLO at "
+        f"start): generate's is {sa['generate']['stablehlo_bytes'] / 2**20:.2f} MiB, printed and hashed in "
+        f"{sa['generate']['stablehlo_key_s']:.3f} s",
     ]
     return "\n".join(lines)
 

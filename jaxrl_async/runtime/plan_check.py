@@ -33,6 +33,8 @@ run at once, at full length and on a long-tailed length mix under the sampler's 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import time
 from typing import Any
 
 import jax
@@ -199,6 +201,17 @@ def sampler_weight_bytes(model_cfg: ModelConfig, sampler_shape: tuple[int, int],
     return total
 
 
+def _keyed(lowered, key: dict[str, float]):
+    """Compiles `lowered`, recording in `key` what the executable store's key costs for it (a sampler
+    process other than 0 with a local compile cache prints and hashes each program's StableHLO at every
+    start, `compile_cache.ExecutableStore`): the text's bytes and the seconds to print and hash it."""
+    t = time.perf_counter()
+    text = lowered.as_text().encode()
+    hashlib.sha256(text).digest()
+    key.update(stablehlo_bytes=len(text), stablehlo_key_s=time.perf_counter() - t)
+    return lowered.compile()
+
+
 def _generate_memory(model_cfg: ModelConfig, sampler_cfg: Any, mesh):
     """(engine, compiled `generate` memory with accelerator temporaries) on `mesh`.
 
@@ -207,8 +220,9 @@ def _generate_memory(model_cfg: ModelConfig, sampler_cfg: Any, mesh):
     compiled in f32, and its temporaries (f32 activations, an upper bound for bf16 ones) are reported as
     `temp_size_accelerator`; `peak_accelerator` = arguments + outputs - aliased + those temporaries.
     """
-    engine = Engine(model_cfg, None, mesh, sampler_cfg)
-    out = compiled_memory(engine.compile_generate())
+    key: dict[str, float] = {}
+    engine = Engine(model_cfg, None, mesh, sampler_cfg, compile_fn=lambda lowered: _keyed(lowered, key))
+    out = {**compiled_memory(engine.compile_generate()), **key}
     temps = out["temp_size"]
     if jnp.dtype(model_cfg.dtype) == jnp.bfloat16 or jnp.dtype(model_cfg.param_dtype) == jnp.bfloat16:
         f32 = dataclasses.replace(model_cfg, dtype="float32", param_dtype="float32")
