@@ -105,6 +105,10 @@ def _ratio(a, b) -> float | None:
     return a / b if a is not None and b else None
 
 
+# The paired figures of a seed (async over sync), each with its mean and 95% t interval over seeds.
+PAIRED = ("speedup", "speedup_after_first_step", "throughput_ratio", "steps_ratio", "final_gap")
+
+
 def compare(rows: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
     """Means per mode and the paired async-over-sync ratios per seed.
 
@@ -143,9 +147,6 @@ def compare(rows: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
-PAIRED = ("speedup", "speedup_after_first_step", "throughput_ratio", "steps_ratio", "final_gap")
-
-
 def overlap_bound(one_core: dict[str, Any], every_core: dict[str, Any], cores: int) -> dict[str, Any]:
     """What overlap alone can buy when each of the two roles gets `cores` / 2 cores: sync's steady trained
     tokens/s on one core (`one_core`, a run_row) times `cores`, over sync's on every core (`every_core`).
@@ -162,7 +163,7 @@ def overlap_bound(one_core: dict[str, Any], every_core: dict[str, Any], cores: i
 
 def table(report: dict[str, Any]) -> str:
     """Markdown: one line per mode (means over seeds), then the paired ratios."""
-    f = lambda v, p=3: "" if v is None else f"{v:.{p}g}"
+    f = _fmt
     cols = ("time_to_target_s", "first_step_s", "step_to_target", "final_accuracy",
             "steady_train_tokens_per_s", "steady_sampler_idle_frac", "steady_trainer_idle_frac",
             "staleness_mean", "staleness_max", "length_p99_over_median")  # fmt: skip
@@ -170,12 +171,18 @@ def table(report: dict[str, Any]) -> str:
     for mode, m in report["modes"].items():
         cells = [f(m[c]) for c in cols]
         lines.append(f"| {mode} | {m['seeds']} ({m['reached_target']}) | " + " | ".join(cells) + " |")
-    lines += ["", *_paired_table(report, f)]
+    lines += ["", *_paired_table(report)]
     return "\n".join(lines)
 
 
-def _paired_table(report: dict[str, Any], f, targets: dict[int, float] | None = None) -> list[str]:
+def _fmt(v, p=3) -> str:
+    """A table cell: `v` to `p` significant digits, empty for None."""
+    return "" if v is None else f"{v:.{p}g}"
+
+
+def _paired_table(report: dict[str, Any], targets: dict[int, float] | None = None) -> list[str]:
     """The paired ratios per seed, their means and 95% t intervals (with `targets`: each seed's own)."""
+    f = _fmt
     head = "| seed | " + ("own target | " if targets else "")
     lines = [head + "speedup (wall to target) | after the first step | throughput ratio | steps ratio "
              "| final async - sync |", "|---|" + "---|" * (len(PAIRED) + bool(targets))]  # fmt: skip
@@ -195,12 +202,11 @@ def _paired_table(report: dict[str, Any], f, targets: dict[int, float] | None = 
 
 def own_target_table(report: dict[str, Any], targets: dict[int, float]) -> str:
     """Markdown: the paired ratios against each seed's own target (`seed_targets`), how many reached it."""
-    f = lambda v, p=3: "" if v is None else f"{v:.{p}g}"  # noqa: E731
     m = report["modes"]
     head = (f"each seed's own target (its sync final minus the margin): sync reached it in "
             f"{m['sync']['reached_target']} of {m['sync']['seeds']}, async in {m['async']['reached_target']} "
             f"of {m['async']['seeds']}")  # fmt: skip
-    return "\n".join([head, "", *_paired_table(report, f, targets)])
+    return "\n".join([head, "", *_paired_table(report, targets)])
 
 
 PREDICT_HOST_CORES = 16  # the host the split model is also asked about (the issue's 16-core node)
