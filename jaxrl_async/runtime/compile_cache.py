@@ -116,6 +116,13 @@ def _host_isa() -> str:
         return ""
 
 
+def program_key(lowered, ident: str) -> str:
+    """The store's key of a program: sha256 of `ident` (versions, platform, devices, host flags) and the
+    program's StableHLO text, which `ExecutableStore` prints and hashes for every program at every start
+    (the plan check times it on a config's `generate`)."""
+    return hashlib.sha256(ident.encode() + b"\0" + lowered.as_text().encode()).hexdigest()
+
+
 class ExecutableStore:
     """Serialized executables of this process's ahead-of-time compiles, one file per program, for a process
     JAX writes no cache entries for (see the module doc). The key hashes the program's StableHLO (shardings
@@ -143,9 +150,7 @@ class ExecutableStore:
         client = devices[0].client
         ident = repr((self._salt, client.platform, client.platform_version, devices[0].device_kind,
                       [d.id for d in devices]))  # fmt: skip
-        text = lowered.as_text()
-        key = hashlib.sha256(ident.encode() + b"\0" + text.encode()).hexdigest()
-        file = os.path.join(self.path, f"{key}.exe")
+        file = os.path.join(self.path, f"{program_key(lowered, ident)}.exe")
         if os.path.exists(file):
             try:
                 with open(file, "rb") as f:  # a directory only this user may write (check_dir)

@@ -33,7 +33,6 @@ run at once, at full length and on a long-tailed length mix under the sampler's 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
 from typing import Any
 
@@ -42,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_async.model import ModelConfig, attention, param_specs
+from jaxrl_async.runtime.compile_cache import program_key
 from jaxrl_async.runtime.evaluation import eval_sampler_config
 from jaxrl_async.sampler import Engine
 from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
@@ -203,12 +203,12 @@ def sampler_weight_bytes(model_cfg: ModelConfig, sampler_shape: tuple[int, int],
 
 def _keyed(lowered, key: dict[str, float]):
     """Compiles `lowered`, recording in `key` what the executable store's key costs for it (a sampler
-    process other than 0 with a local compile cache prints and hashes each program's StableHLO at every
-    start, `compile_cache.ExecutableStore`): the text's bytes and the seconds to print and hash it."""
+    process other than 0 with a local compile cache keys every program at every start,
+    `compile_cache.program_key`): the seconds it takes, and the bytes of the StableHLO it hashes."""
     t = time.perf_counter()
-    text = lowered.as_text().encode()
-    hashlib.sha256(text).digest()
-    key.update(stablehlo_bytes=len(text), stablehlo_key_s=time.perf_counter() - t)
+    program_key(lowered, "")
+    key["stablehlo_key_s"] = time.perf_counter() - t
+    key["stablehlo_bytes"] = len(lowered.as_text().encode())
     return lowered.compile()
 
 
