@@ -148,7 +148,12 @@ def test_smoke_runs_every_part_of_the_command(tmp_path):
     assert resolution["prompts"] == 8 and 1 / 8 < resolution["heaviest"] < 1
     assert f"held-out set: 8 prompts; one of them answered differently moves the accuracy by up to " \
            f"{resolution['heaviest']:.3f}" in res.stdout
-    assert report["settings"]["smoke"] and report["settings"]["seeds"] == [0] and report["prediction"] is None
+    assert report["settings"]["smoke"] and report["settings"]["seeds"] == [0] and report["predictions"] == []
+    # What --report needs to predict again, written beside the runs before they start.
+    kept = json.loads((tmp_path / "runs" / "settings.json").read_text())
+    assert kept["setup"] == {"eta": 2, "processes": 2, "prompts": 4, "samples": 2, "lent_core": False}
+    assert kept["lengths"] == report["settings"]["lengths"]
+    assert kept["lengths"]["p99"] > kept["lengths"]["median"]
     for mode in ("sync", "async"):
         row = report["rows"][mode]["0"]
         assert 0.0 <= row["final_accuracy"] <= 1.0 and row["steady_train_tokens_per_s"] > 0
@@ -179,7 +184,9 @@ def test_a_bad_async_cpu_sets_is_refused_before_anything_runs(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
     tool = os.path.join(REPO, "tools", "bench_learning.py")
     cases = [(["--async-cpu-sets=0"], "--async-cpu-sets=0: 1 core lists for 2 processes"),
-             (["--async-cpu-sets=0:0", "--async-processes=1"], "needs --async-processes 2")]  # fmt: skip
+             (["--async-cpu-sets=0:0", "--async-processes=1"], "needs --async-processes 2"),
+             ([f"--workload-from={tmp_path}"], "the ones this command reports or makes, not earlier runs"),
+             (["--workload-from=/nonexistent", "--nopredict"], "--nopredict leaves out")]  # fmt: skip
     for flags_, msg in cases:
         res = subprocess.run([sys.executable, tool, "--smoke", "--keep", str(tmp_path), *flags_], env=env,
                              capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -286,3 +293,84 @@ def test_the_16_core_split_is_given_within_eta_and_at_any_eta_with_the_eta_it_ne
     assert "needs η" not in ls.host_split_line(eased, anyway["eta_needed"])
     one = ls.predict(benches, ls.Setup(eta=2, processes=1, prompts=64, samples=8), lengths)
     assert one["best_split_16_cores_any_eta"] is None and ls.host_split_line(one, 2) is None
+
+
+def _kept(root, seeds, eta, step=(0.5, 0.7), benches=True):
+    """A --keep directory: both modes' summaries of `seeds` (async at η = eta) and the role benches."""
+    for mode, by in _two_seeds().items():
+        for seed in seeds:
+            summary = {**by[seed % 2], "max_staleness": eta if mode == "async" else 0,
+                       "processes": 2 if mode == "async" else 1,
+                       "train_step_s_mean": step[mode == "async"]}  # fmt: skip
+            (root / f"{mode}_s{seed}").mkdir(parents=True)
+            (root / f"{mode}_s{seed}" / "summary.json").write_text(json.dumps(summary))
+    if benches:
+        (root / "roles_every_core.json").write_text(json.dumps({**_BENCH, "cores": 2, "train_step_s": 0.705}))
+        (root / "roles_one_core.json").write_text(json.dumps(_BENCH))
+
+
+def test_report_predicts_again_from_each_directorys_own_role_benches(tmp_path):
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    tool = os.path.join(REPO, "tools", "bench_learning.py")
+    benches = {"every": {**_BENCH, "cores": 2, "train_step_s": 0.705}, "one": _BENCH}
+    # A directory with the settings a run writes: its prediction is the model's on its benches exactly.
+    recorded, lengths = tmp_path / "recorded", {"median": 8.0, "p99": 51.0, "max": 53}
+    _kept(recorded, [0, 1], eta=2)
+    setup = {"eta": 2, "processes": 2, "prompts": 64, "samples": 8, "lent_core": False}
+    (recorded / "settings.json").write_text(json.dumps({"setup": setup, "lengths": lengths}))
+    # One from before settings.json: η from its runs' summaries, not the --eta default; its own benches,
+    # slower on every core, so its prediction differs.
+    older = tmp_path / "older"
+    _kept(older, [2, 3], eta=2, step=(0.3, 0.6))
+    (older / "roles_every_core.json").write_text(json.dumps({**_BENCH, "cores": 2, "train_step_s": 0.9}))
+    out = tmp_path / "report.json"
+    res = subprocess.run([sys.executable, tool, f"--report={recorded},{older}", f"--out={out}"], env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    first, second = json.loads(out.read_text())["predictions"]
+    assert first["root"] == str(recorded) and first["seeds"] == [0, 1]
+    assert first["settings_from"] == str(recorded / "settings.json")
+    before = ls.predict(benches, ls.Setup(**setup), lengths)
+    assert first["prediction"]["ratio"] == pytest.approx(before["ratio"])
+    assert first["measured_throughput_ratio"] == pytest.approx(3.0)  # seeds' 4 and 2
+    def row(step):  # what _kept's summaries realized: their train step, _summary's lengths
+        return {"train_step_s_mean": step, "completion_length_p50": 8.0, "completion_length_p99": 50.0}
+
+    rows = {"sync": {0: row(0.5), 1: row(0.5)}, "async": {0: row(0.7), 1: row(0.7)}}
+    realized = ls.predict_realized(benches, ls.Setup(**setup), lengths, rows)
+    assert first["prediction_realized"]["ratio"] == pytest.approx(realized["ratio"])
+    assert second["seeds"] == [2, 3] and second["settings_from"] == "runs"
+    assert second["setup"]["eta"] == 2 and not second["setup"]["lent_core"]
+    assert second["prediction"]["ratio"] != pytest.approx(first["prediction"]["ratio"])
+    assert second["prediction_realized"]["train_step_s"]["sync"] == pytest.approx(0.3)
+    ratio = first["prediction"]["ratio"]
+    line = f"throughput async / sync [{recorded}, seeds 0,1]: predicted {ratio:.2f}, measured 3.00"
+    assert line in res.stdout
+    assert f"({older} has no settings.json: η = 2 and 2 process(es) from its runs" in res.stdout
+    # --workload-from: the same prediction given the train steps and lengths that earlier runs realized.
+    res = subprocess.run([sys.executable, tool, f"--report={recorded}", f"--workload-from={older}",
+                          f"--out={out}"], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    (made,) = json.loads(out.read_text())["predictions"]
+    earlier = {"sync": {2: row(0.3), 3: row(0.3)}, "async": {2: row(0.6), 3: row(0.6)}}
+    drifted = ls.predict_realized(benches, ls.Setup(**setup), lengths, earlier)["ratio"]
+    assert made["earlier_runs"] == [str(older)]
+    assert made["prediction_from_earlier_runs"]["ratio"] == pytest.approx(drifted)
+    assert made["prediction"]["ratio"] == pytest.approx(before["ratio"])  # the warm start's, as it was
+    assert f"({older}: sync 0.300 s, async 0.600 s, η = 2): predicted {drifted:.2f}" in res.stdout
+    for flags_, msg in (([f"--report={recorded}", f"--workload-from={recorded}"], "not earlier runs"),
+                        ([f"--report={recorded}", f"--workload-from={tmp_path}"],
+                         f"--workload-from={tmp_path}: no sync_s<seed>/summary.json")):  # fmt: skip
+        res = subprocess.run([sys.executable, tool, *flags_], env=env, capture_output=True, text=True,
+                             timeout=300)  # fmt: skip
+        assert res.returncode != 0 and msg in res.stderr, res.stderr[-2000:]
+    # η from the runs, and no pooling across η.
+    eta3 = tmp_path / "eta3"
+    _kept(eta3, [4], eta=3)
+    res = subprocess.run([sys.executable, tool, f"--report={eta3}", f"--out={out}"], env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0 and json.loads(out.read_text())["predictions"][0]["setup"]["eta"] == 3
+    res = subprocess.run([sys.executable, tool, f"--report={recorded},{eta3}"], env=env, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert res.returncode != 0
+    assert f"different staleness bounds ({recorded}: η = 2; {eta3}: η = 3); they do not pool" in res.stderr

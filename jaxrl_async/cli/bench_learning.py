@@ -42,7 +42,13 @@ each paired figure has its mean and 95% t interval over seeds. The same ratios f
 own target (its sync run's final accuracy minus --margin): a common target leaves out the seeds whose
 sync run ends below it, while every seed's sync run reaches its own.
 With --report DIR[,DIR...] nothing runs: the runs that --keep DIR left are read back (several directories'
-seeds pooled) and reported again, against another --target or --margin say.
+seeds pooled) and reported again, against another --target or --margin say. Where a directory holds its role
+benches, its prediction is made again from them, beside its own seeds' measurement (each directory's benches
+are its own): η, the async layout and the batch shape come from the settings.json that the run wrote there,
+else from this command's flags (--eta, --async-cpu-sets, --set), checked against the runs' own η. Directories
+whose runs had different η do not pool. With --workload-from DIR[,DIR...] the prediction is also made with
+the mean train steps and completion lengths that earlier runs of the task realized (the runs --keep left
+there): inputs that exist before the runs, which the warm start's role benches cannot see.
 With --one-core, sync of the first seed also runs on one core: every-core over one-core steady rate is
 how well sync uses the cores, and the core count over that is the most overlap alone can buy (two roles
 at one core each make at most twice the one-core rate; jaxrl_async.cli.learning_study.overlap_bound).
@@ -51,6 +57,7 @@ at one core each make at most twice the one-core rate; jaxrl_async.cli.learning_
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 import re
@@ -87,6 +94,11 @@ _REPORT = flags.DEFINE_list(
     "sync_s<seed> and async_s<seed> workdirs, pooled; --seeds, if given, picks seeds), with this --target "
     "or --margin."
 )  # fmt: skip
+_EARLIER = flags.DEFINE_list(
+    "workload-from", [], "Also predict with the mean train steps and completion lengths that earlier runs of "
+    "the task realized (the runs that --keep left in these directories), in place of the warm start's: "
+    "inputs that exist before this command's runs, which the role benches alone cannot see."
+)  # fmt: skip
 _CACHE = flags.DEFINE_enum(
     "compile-cache", "warm", ["warm", "cold"],
     "warm: the runs share a compile cache (config.compile_cache_dir) that a short untimed run of each mode "
@@ -101,6 +113,8 @@ SMOKE = {
 }  # fmt: skip
 SMOKE_STEPS = 4
 WARM_UP_STEPS = 2  # the untimed run of each mode that fills the compile cache (--compile-cache=warm)
+SETTINGS = "settings.json"  # in the runs' directory: what --report needs to predict again (η, layout, batch)
+ROLE_BENCHES = {"every": "roles_every_core.json", "one": "roles_one_core.json"}  # time_roles' outputs
 
 
 def _overrides(root: str) -> dict[str, str]:
@@ -191,8 +205,9 @@ def time_roles(root: str, overrides: dict[str, str]) -> dict[str, dict]:
     seed = int(_SEEDS.value[0])
     benches = {}
     for name, cores in (("every", None), ("one", sorted(os.sched_getaffinity(0))[:1])):
-        work = os.path.join(root, f"roles_{name}_core")
-        out, flags_ = work + ".json", run_flags(work, "async", seed, _STEPS.value, overrides)
+        out = os.path.join(root, ROLE_BENCHES[name])
+        work = out.removesuffix(".json")
+        flags_ = run_flags(work, "async", seed, _STEPS.value, overrides)
         cmd = module_command("bench_roles", *flags_, "--batches", "2" if _SMOKE.value else "6", "--out", out)
         run_logged([*cmd, *(["--decode_curve"] if cores else [])], cores, work + ".log")
         with open(out) as f:
@@ -287,14 +302,16 @@ def corun_roles(root: str, overrides: dict[str, str], lent: tuple[list[int], lis
     return out
 
 
-def kept_runs(roots: list[str]) -> tuple[dict[str, dict[int, dict]], tuple[int, dict] | None]:
-    """The summaries of the runs that --keep directories hold ({mode: {seed: summary}}, pooled) and a
-    --one-core run's (seed, summary) (None if none). Refuses a directory without both modes' runs and a
-    seed that two directories hold, naming them."""
+def kept_runs(roots: list[str], pick: set[int] | None = None, flag: str = "--report") -> tuple[
+        dict[str, dict[int, dict]], tuple[int, dict] | None, dict[str, list[int]]]:  # fmt: skip
+    """The summaries of the runs that --keep directories hold ({mode: {seed: summary}}, pooled; only the
+    seeds in `pick` unless None), a --one-core run's (seed, summary) (None if none), and each directory's
+    seeds. Refuses a directory without both modes' runs, a seed that two directories hold, and directories
+    whose async runs had different η (their summaries' max_staleness), naming them and `flag`."""
     summaries: dict[str, dict[int, dict]] = {m: {} for m in ls.MODES}
     where: dict[tuple[str, int], str] = {}
+    etas: dict[str, set[int]] = {}
     one_core = None
-    pick = {int(s) for s in _SEEDS.value} if _SEEDS.present else None
     for root in roots:
         found = {m: 0 for m in ls.MODES}
         for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
@@ -313,23 +330,101 @@ def kept_runs(roots: list[str]) -> tuple[dict[str, dict[int, dict]], tuple[int, 
                 continue
             if (mode, seed) in where:
                 other = where[mode, seed]
-                raise app.UsageError(f"--report: {mode} seed {seed} is in both {other} and {root}")
+                raise app.UsageError(f"{flag}: {mode} seed {seed} is in both {other} and {root}")
             summaries[mode][seed], where[mode, seed] = summary, root
+            if mode == "async" and summary.get("max_staleness") is not None:
+                etas.setdefault(root, set()).add(summary["max_staleness"])
         if not all(found.values()):
-            raise app.UsageError(f"--report={root}: no sync_s<seed>/summary.json and async_s<seed>/"
+            raise app.UsageError(f"{flag}={root}: no sync_s<seed>/summary.json and async_s<seed>/"
                                  "summary.json there (the runs of bench_learning --keep)")  # fmt: skip
     if not all(summaries.values()):
-        raise app.UsageError(f"--report: no run of --seeds={','.join(_SEEDS.value)} in both modes")
-    return summaries, one_core
+        raise app.UsageError(f"{flag}: no run of --seeds={','.join(_SEEDS.value)} in both modes")
+    if len(set().union(*etas.values())) > 1:
+        ran = "; ".join(f"{root}: η = {', '.join(map(str, sorted(e)))}" for root, e in etas.items())
+        raise app.UsageError(f"{flag}: the async runs had different staleness bounds ({ran}); they do not "
+                             "pool")  # fmt: skip
+    seeds_of = {root: sorted(s for (m, s), r in where.items() if r == root and m == "sync") for root in roots}
+    return summaries, one_core, seeds_of
+
+
+def _setup(overrides: dict[str, str], lent_core: bool) -> ls.Setup:
+    """What the split model needs of the runs, from this command's flags and the runs' config."""
+    return ls.Setup(_ETA.value, _PROCS.value, _config_int("prompts_per_step", overrides),
+                    _config_int("samples_per_prompt", overrides), lent_core)  # fmt: skip
+
+
+def _load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def kept_prediction(root: str, seeds: list[int], summaries: dict[str, dict[int, dict]]) -> dict | None:
+    """The prediction of a --keep directory's runs made again from the role benches it holds (None
+    without them). η, layout and batch shape come from its SETTINGS file; a directory from before that file
+    gives them otherwise: η and the async process count from its async runs' summaries, the lent core from
+    its co-run benches (timed only in that layout), the batch shape from --config and --set."""
+    paths = {name: os.path.join(root, f) for name, f in ROLE_BENCHES.items()}
+    if not seeds or not all(os.path.exists(p) for p in paths.values()):
+        return None
+    benches = {name: _load(p) for name, p in paths.items()}
+    corun = {role: os.path.join(root, f"corun_{role}.json") for role in ("trainer", "sampler")}
+    has_corun = all(os.path.exists(p) for p in corun.values())
+    recorded = os.path.join(root, SETTINGS)
+    if os.path.exists(recorded):
+        settings = _load(recorded)
+        setup, lengths, source = ls.Setup(**settings["setup"]), settings["lengths"], recorded
+    else:
+        overrides = _overrides(root)
+        ran = [summaries["async"][s] for s in seeds if s in summaries["async"]]
+        etas = {a.get("max_staleness") for a in ran} - {None}
+        procs = {a.get("processes") for a in ran} - {None}
+        setup = dataclasses.replace(
+            _setup(overrides, has_corun), eta=max(etas, default=_ETA.value),
+            processes=max(procs, default=_PROCS.value),
+        )  # fmt: skip
+        lengths, source = reference_lengths(overrides), "runs"
+    if setup.lent_core and has_corun:
+        benches["corun"] = {role: _load(p) for role, p in corun.items()}
+    return {"root": root, "seeds": seeds, "settings_from": source, "benches": benches, "setup": setup,
+            "lengths": lengths, "predicted": ls.predict(benches, setup, lengths)}  # fmt: skip
+
+
+def earlier_runs() -> dict | None:
+    """The runs that --workload-from names, read before anything runs: {"dirs", "summaries", "eta"} (the
+    staleness bound of their async runs), None without the flag. Refuses a directory that holds the runs
+    this command reports or makes (--report, --keep): those are not earlier runs."""
+    if not _EARLIER.value:
+        return None
+    if not _REPORT.value and not _PREDICT.value:
+        raise app.UsageError("--workload-from: an input of the prediction, which --nopredict leaves out")
+    ours = {os.path.realpath(d) for d in [*_REPORT.value, _KEEP.value] if d}
+    for d in _EARLIER.value:
+        if os.path.realpath(d) in ours:
+            raise app.UsageError(f"--workload-from={d}: the runs there are the ones this command reports or "
+                                 "makes, not earlier runs")  # fmt: skip
+    summaries, _, _ = kept_runs(_EARLIER.value, None, "--workload-from")
+    etas = {a.get("max_staleness") for a in summaries["async"].values()} - {None}
+    return {"dirs": _EARLIER.value, "summaries": summaries, "eta": min(etas, default=None)}
+
+
+def earlier_line(prediction: dict, earlier: dict) -> str:
+    """What the model gives with the earlier runs' train steps and completion lengths."""
+    t, eta = prediction["train_step_s"], earlier["eta"]
+    return (f"with the earlier runs' train steps and completion lengths ({','.join(earlier['dirs'])}: sync "
+            f"{t['sync']:.3f} s, async {t['async']:.3f} s{'' if eta is None else f', η = {eta}'}): "
+            f"predicted {prediction['ratio']:.2f}")  # fmt: skip
 
 
 def main(argv):
     del argv
+    earlier = earlier_runs()
     if _REPORT.value:
-        summaries, one_core = kept_runs(_REPORT.value)
-        seeds = sorted(summaries["sync"])
-        settings = {"report": _REPORT.value, "seeds": seeds, "cpus": sorted(os.sched_getaffinity(0))}
-        finish(summaries, one_core, settings)
+        pick = {int(s) for s in _SEEDS.value} if _SEEDS.present else None
+        summaries, one_core, seeds_of = kept_runs(_REPORT.value, pick)
+        settings = {"report": _REPORT.value, "seeds": sorted(summaries["sync"]),
+                    "cpus": sorted(os.sched_getaffinity(0))}  # fmt: skip
+        kept = [kept_prediction(root, seeds, summaries) for root, seeds in seeds_of.items()]
+        finish(summaries, one_core, settings, [k for k in kept if k], earlier)
         return
     lent = _lent_core()
     lent_core = lent is not None
@@ -348,11 +443,18 @@ def main(argv):
         resolution = eval_resolution(overrides)
         print(f"held-out set: {resolution['prompts']} prompts; one of them answered differently moves the "
               f"accuracy by up to {resolution['heaviest']:.3f}", flush=True)  # fmt: skip
+        setup = _setup(overrides, lent_core)
+        settings = {"config": _CONFIG.value, "seeds": seeds, "steps": steps, "eta": _ETA.value,
+                    "compile_cache": _CACHE.value, "async_processes": _PROCS.value,
+                    "async_cpu_sets": _CPU_SETS.value or "pinned, a core each", "set": _SET.value,
+                    "smoke": _SMOKE.value, "eval_resolution": resolution,
+                    "cpus": sorted(os.sched_getaffinity(0)), "setup": dataclasses.asdict(setup),
+                    "lengths": lengths}  # fmt: skip
+        with open(os.path.join(root, SETTINGS), "w") as f:  # what --report needs to predict again
+            json.dump(settings, f, indent=2)
         benches = time_roles(root, overrides) if _PREDICT.value else None
         if benches and lent_core:
             benches["corun"] = corun_roles(root, overrides, lent)
-        setup = ls.Setup(_ETA.value, _PROCS.value, _config_int("prompts_per_step", overrides),
-                      _config_int("samples_per_prompt", overrides), lent_core)  # fmt: skip
         predicted = ls.predict(benches, setup, lengths) if benches else None
         if predicted:
             print(f"predicted throughput async / sync: {predicted['ratio']:.2f} "
@@ -368,6 +470,10 @@ def main(argv):
             host = ls.host_split_line(predicted, _ETA.value)
             if host:
                 print(host, flush=True)
+            if earlier:
+                drifted = ls.predict_realized(benches, setup, lengths, earlier["summaries"])
+                if drifted:
+                    print(earlier_line(drifted, earlier) + ", before any run", flush=True)
         if _CACHE.value == "warm":  # the programs of both modes compiled once, untimed
             for mode in ls.MODES:
                 s = run_one(mode, seeds[0], root, WARM_UP_STEPS, overrides, name=f"warm_up_{mode}")
@@ -382,20 +488,22 @@ def main(argv):
         if _ONE_CORE.value:
             cores = sorted(os.sched_getaffinity(0))
             one_core = (seeds[0], run_one("sync", seeds[0], root, steps, overrides, cores=cores[:1]))
-    settings = {"config": _CONFIG.value, "seeds": seeds, "steps": steps, "eta": _ETA.value,
-                "compile_cache": _CACHE.value,
-                "async_processes": _PROCS.value, "async_cpu_sets": _CPU_SETS.value or "pinned, a core each",
-                "set": _SET.value, "smoke": _SMOKE.value, "eval_resolution": resolution,
-                "cpus": sorted(os.sched_getaffinity(0))}  # fmt: skip
-    finish(summaries, one_core, settings, benches, setup, lengths, predicted)
+    made = [{"seeds": seeds, "benches": benches, "setup": setup, "lengths": lengths, "predicted": predicted}]
+    finish(summaries, one_core, settings, made if predicted else [], earlier)
 
 
-def finish(summaries: dict[str, dict[int, dict]], one_core: tuple[int, dict] | None, settings: dict,
-           benches: dict | None = None, setup: ls.Setup | None = None, lengths: dict | None = None,
-           predicted: dict | None = None) -> None:  # fmt: skip
+def finish(
+    summaries: dict[str, dict[int, dict]],
+    one_core: tuple[int, dict] | None,
+    settings: dict,
+    predictions: list[dict],
+    earlier: dict | None = None,
+) -> None:
     """Reads the runs' summaries against the target (--target, else sync's mean final minus --margin)
     and against each seed's own (`ls.seed_targets`), and prints and writes (--out) the report: the
-    JSON, the tables, and with role benches the prediction beside the measurement."""
+    JSON, the tables, and each prediction (its role benches' and its seeds': one per --report directory
+    that holds benches) beside its seeds' measurement and beside the same model given what they realized,
+    and given what the --workload-from runs realized (`earlier`)."""
     target = _TARGET.value
     if target is None:
         target = ls.default_target(list(summaries["sync"].values()), _MARGIN.value)
@@ -410,26 +518,13 @@ def finish(summaries: dict[str, dict[int, dict]], one_core: tuple[int, dict] | N
                 for m, by in summaries.items()}  # fmt: skip
     own = {**ls.compare(own_rows), "targets": targets}
     settings = {**settings, "target": target, "margin": _MARGIN.value}
-    realized = ls.predict_realized(benches, setup, lengths, rows) if benches else None
-    out = {"settings": settings, "prediction": predicted, "prediction_realized": realized, "rows": rows,
-           **report, "own_targets": own}  # fmt: skip
+    made = [_against_its_seeds(p, rows, report, earlier) for p in predictions]
+    out = {"settings": settings, "predictions": made, "rows": rows, **report, "own_targets": own}
     print(json.dumps(out, indent=2, default=str))
     print(f"\ntarget held-out accuracy {target:.3f}\n" + ls.table(report))
     print("\n" + ls.own_target_table(own, targets))
-    if predicted:
-        print(
-            f"\nthroughput async / sync: predicted {predicted['ratio']:.2f}, "
-            f"measured {report['throughput_ratio_mean'] or float('nan'):.2f} (mean of seeds)"
-        )
-    if realized:
-        t = realized["train_step_s"]
-        print(f"with the runs' own train steps (sync {t['sync']:.3f} s against the role bench's "
-              f"{t['role_bench_every_core']:.3f}, async {t['async']:.3f} against "
-              f"{t['role_bench_one_core']:.3f}) and completion lengths: "
-              f"predicted {realized['ratio']:.2f}")  # fmt: skip
-        host = ls.host_split_line(realized, _ETA.value)
-        if host:
-            print(f"from the runs' own figures: {host}")
+    for p in made:
+        print_prediction(p, several=len(made) > 1 or "root" in p, earlier=earlier)
     if report.get("overlap_bound"):
         b = report["overlap_bound"]
         print(f"sync seed {one_core[0]}: {b['one_core_tokens_per_s']:.0f} trained tokens/s on one core, "
@@ -438,6 +533,52 @@ def finish(summaries: dict[str, dict[int, dict]], one_core: tuple[int, dict] | N
     if _OUT.value:
         with open(_OUT.value, "w") as f:
             json.dump(out, f, indent=2, default=str)
+
+
+def _against_its_seeds(p: dict, rows: dict[str, dict[int, dict]], report: dict, earlier: dict | None) -> dict:
+    """A prediction beside its own seeds' mean throughput ratio, and the same model given what those seeds'
+    runs realized (ls.predict_realized), and given what the earlier runs realized."""
+    seeds = [s for s in p["seeds"] if s in report["paired"]]
+    own = {m: {s: by[s] for s in seeds if s in by} for m, by in rows.items()}
+    out = {k: p[k] for k in ("root", "settings_from") if k in p}
+    if earlier:
+        out["earlier_runs"] = earlier["dirs"]
+        out["prediction_from_earlier_runs"] = ls.predict_realized(
+            p["benches"], p["setup"], p["lengths"], earlier["summaries"]
+        )
+    return {
+        **out,
+        "seeds": seeds,
+        "setup": dataclasses.asdict(p["setup"]),
+        "prediction": p["predicted"],
+        "prediction_realized": ls.predict_realized(p["benches"], p["setup"], p["lengths"], own),
+        "measured_throughput_ratio": ls.mean_of([report["paired"][s]["throughput_ratio"] for s in seeds]),
+    }
+
+
+def print_prediction(p: dict, several: bool, earlier: dict | None) -> None:
+    """The lines of one prediction: before the runs (from the warm start, and from the earlier runs'
+    figures), measured, and from the runs' own figures."""
+    where = f" [{p.get('root', '')}, seeds {','.join(map(str, p['seeds']))}]" if several else ""
+    measured, predicted, realized = p["measured_throughput_ratio"], p["prediction"], p["prediction_realized"]
+    print(f"\nthroughput async / sync{where}: predicted {predicted['ratio']:.2f}, measured "
+          f"{measured or float('nan'):.2f} (mean of seeds)")  # fmt: skip
+    if p.get("settings_from") == "runs":
+        u = p["setup"]
+        layout = "the lent core" if u["lent_core"] else f"{u['processes']} process(es)"
+        print(f"({p['root']} has no {SETTINGS}: η = {u['eta']} and {layout} from its runs and role benches, "
+              f"{u['prompts']} x {u['samples']} samples a step from --config and --set)")  # fmt: skip
+    if earlier and p.get("prediction_from_earlier_runs"):
+        print(earlier_line(p["prediction_from_earlier_runs"], earlier))
+    if realized:
+        t = realized["train_step_s"]
+        print(f"with the runs' own train steps (sync {t['sync']:.3f} s against the role bench's "
+              f"{t['role_bench_every_core']:.3f}, async {t['async']:.3f} against "
+              f"{t['role_bench_one_core']:.3f}) and completion lengths: "
+              f"predicted {realized['ratio']:.2f}")  # fmt: skip
+        host = ls.host_split_line(realized, p["setup"]["eta"])
+        if host:
+            print(f"from the runs' own figures: {host}")
 
 
 def run() -> None:
