@@ -44,8 +44,9 @@ sync run ends below it, while every seed's sync run reaches its own.
 With --report DIR[,DIR...] nothing runs: the runs that --keep DIR left are read back (several directories'
 seeds pooled) and reported again, against another --target or --margin say. Where a directory holds its role
 benches, its prediction is made again from them, beside its own seeds' measurement (each directory's benches
-are its own): η, the async layout and the batch shape come from the settings.json that the run wrote there,
-else from this command's flags (--eta, --async-cpu-sets, --set), checked against the runs' own η. Directories
+are its own): η, the async layout and the batch shape come from the settings.json that the run wrote there;
+in a directory from before that file, η and the process count from the async runs' summaries, the lent core
+from the co-run benches (timed only in that layout), the batch shape from --config and --set. Directories
 whose runs had different η do not pool. With --workload-from DIR[,DIR...] the prediction is also made with
 the mean train steps and completion lengths that earlier runs of the task realized (the runs --keep left
 there): inputs that exist before the runs, which the warm start's role benches cannot see.
