@@ -116,6 +116,7 @@ SMOKE_STEPS = 4
 WARM_UP_STEPS = 2  # the untimed run of each mode that fills the compile cache (--compile-cache=warm)
 SETTINGS = "settings.json"  # in the runs' directory: what --report needs to predict again (η, layout, batch)
 ROLE_BENCHES = {"every": "roles_every_core.json", "one": "roles_one_core.json"}  # time_roles' outputs
+CORUN_BENCHES = {"trainer": "corun_trainer.json", "sampler": "corun_sampler.json"}  # corun_roles' outputs
 
 
 def _overrides(root: str) -> dict[str, str]:
@@ -277,8 +278,8 @@ def corun_roles(root: str, overrides: dict[str, str], lent: tuple[list[int], lis
     os.makedirs(meet, exist_ok=True)
     seconds = "2" if _SMOKE.value else "12"
     procs = {}
-    for role, cores in zip(("trainer", "sampler"), lent, strict=True):
-        work = os.path.join(root, f"corun_{role}")
+    for role, cores in zip(CORUN_BENCHES, lent, strict=True):
+        work = os.path.join(root, CORUN_BENCHES[role]).removesuffix(".json")
         flags_ = run_flags(work, "async", int(_SEEDS.value[0]), _STEPS.value, overrides)
         cmd = module_command("bench_roles", *flags_, f"--corun={role}", f"--corun_dir={meet}",
                              f"--corun_seconds={seconds}", f"--out={work}.json")  # fmt: skip
@@ -368,7 +369,7 @@ def kept_prediction(root: str, seeds: list[int], summaries: dict[str, dict[int, 
     if not seeds or not all(os.path.exists(p) for p in paths.values()):
         return None
     benches = {name: _load(p) for name, p in paths.items()}
-    corun = {role: os.path.join(root, f"corun_{role}.json") for role in ("trainer", "sampler")}
+    corun = {role: os.path.join(root, f) for role, f in CORUN_BENCHES.items()}
     has_corun = all(os.path.exists(p) for p in corun.values())
     recorded = os.path.join(root, SETTINGS)
     if os.path.exists(recorded):
