@@ -293,6 +293,32 @@ def test_the_16_core_split_is_given_within_eta_and_at_any_eta_with_the_eta_it_ne
     assert "needs η" not in ls.host_split_line(eased, anyway["eta_needed"])
     one = ls.predict(benches, ls.Setup(eta=2, processes=1, prompts=64, samples=8), lengths)
     assert one["best_split_16_cores_any_eta"] is None and ls.host_split_line(one, 2) is None
+    assert ls.host_eta_line(one) is None
+    # What each η buys: η 1 up to one past the η the best split needs. A looser bound never loses
+    # throughput; the row at the run's η is the best within it, the row at the η needed is the best at any η.
+    by = p["best_split_16_cores_by_eta"]
+    assert [r["eta"] for r in by] == list(range(1, anyway["eta_needed"] + 2))
+    tokens = [r["tokens_per_s"] for r in by]
+    assert tokens == sorted(tokens) and tokens[0] < tokens[-1]
+    at_run = by[1]
+    assert at_run["sampler_devices"] == within["sampler_devices"]
+    assert at_run["tokens_per_s"] == within["tokens_per_s"]
+    at_needed = by[anyway["eta_needed"] - 1]
+    assert (at_needed["sampler_devices"], at_needed["tokens_per_s"]) == \
+        (anyway["sampler_devices"], pytest.approx(anyway["tokens_per_s"], rel=1e-6))
+    assert by[-1]["tokens_per_s"] == pytest.approx(at_needed["tokens_per_s"])  # past it, η buys nothing more
+    for r in by:
+        assert r["sampler_devices"] in r["near_best_sampler_devices"]
+    line = ls.host_eta_line(p)
+    assert line.startswith("split model, a 16-core host, best split")
+    cores = f"{within['sampler_devices']} + {within['trainer_devices']}"
+    assert f"η 2: {cores}, {within['tokens_per_s']:,.0f}" in line
+    flat = {"best_split_16_cores_by_eta": [
+        {"eta": 1, "sampler_devices": None},
+        {"eta": 2, "sampler_devices": 9, "trainer_devices": 7, "tokens_per_s": 1000.0,
+         "near_best_sampler_devices": [8, 9, 10]}]}  # fmt: skip
+    assert ls.host_eta_line(flat).endswith(
+        "η 1: no split holds it; η 2: 9 + 7, 1,000 (within 5% of it: 8, 9, 10 sampler cores)")
 
 
 def _kept(root, seeds, eta, step=(0.5, 0.7), benches=True):

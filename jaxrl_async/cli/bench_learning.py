@@ -469,9 +469,9 @@ def main(argv):
             elif _CPU_SETS.value:
                 print(f"(async: the split model gives each role a core of its own, not "
                       f"--async-cpu-sets={_CPU_SETS.value})", flush=True)  # fmt: skip
-            host = ls.host_split_line(predicted, _ETA.value)
-            if host:
-                print(host, flush=True)
+            for host in (ls.host_split_line(predicted, _ETA.value), ls.host_eta_line(predicted)):
+                if host:
+                    print(host, flush=True)
             if earlier:
                 drifted = ls.predict_realized(benches, setup, lengths, earlier["summaries"])
                 if drifted:
@@ -578,9 +578,9 @@ def print_prediction(p: dict, several: bool, earlier: dict | None) -> None:
               f"{t['role_bench_every_core']:.3f}, async {t['async']:.3f} against "
               f"{t['role_bench_one_core']:.3f}) and completion lengths: "
               f"predicted {realized['ratio']:.2f}")  # fmt: skip
-        host = ls.host_split_line(realized, p["setup"]["eta"])
-        if host:
-            print(f"from the runs' own figures: {host}")
+        for host in (ls.host_split_line(realized, p["setup"]["eta"]), ls.host_eta_line(realized)):
+            if host:
+                print(f"from the runs' own figures: {host}")
 
 
 def run() -> None:

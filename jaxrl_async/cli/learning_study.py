@@ -210,6 +210,7 @@ def own_target_table(report: dict[str, Any], targets: dict[int, float]) -> str:
 
 
 PREDICT_HOST_CORES = 16  # the host the split model is also asked about (the issue's 16-core node)
+NEAR_BEST = 0.95  # a split within 5% of the best is as good as it within the role benches' run-to-run noise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,14 +247,14 @@ def predict(benches: dict[str, dict], setup: Setup, lengths: dict[str, float]) -
     sync = predict_sync(every, every).to_dict()
     if setup.processes == 1:
         async_ = predict_async(every, every, setup.eta, cores=len(os.sched_getaffinity(0))).to_dict()
-        best16 = any16 = None
+        best16 = any16 = by_eta16 = None
     else:
         one = benches["one"]
 
-        def system(s: int, t: int):
+        def system(s: int, t: int, eta: int = setup.eta):
             return calibrated_system(
                 one, prompts=setup.prompts, samples=setup.samples, median=lengths["median"],
-                p99=lengths["p99"], max_len=lengths["max"], eta=setup.eta, static_batch=True,
+                p99=lengths["p99"], max_len=lengths["max"], eta=eta, static_batch=True,
                 admit_lag_s=engine_lag_s(one), sampler_devices=s, trainer_devices=t,
             )  # fmt: skip
 
@@ -269,9 +270,12 @@ def predict(benches: dict[str, dict], setup: Setup, lengths: dict[str, float]) -
             async_ = {**r.to_dict(), "tokens_per_s": trained_tokens_per_s(system(1, 1), r.tokens_per_s)}
         half = PREDICT_HOST_CORES // 2
         best16, any16 = best_splits_of_host(system(half, half), setup.eta)
+        top = max(setup.eta, any16["eta_needed"] if any16 else 0) + 1
+        by_eta16 = best_split_at_each_eta(lambda eta: system(half, half, eta), top)
     ratio = async_["tokens_per_s"] / sync["tokens_per_s"]
     return {"sync": sync, "async": async_, "ratio": ratio, "best_split_16_cores": best16,
-            "best_split_16_cores_any_eta": any16, "lengths": lengths}  # fmt: skip
+            "best_split_16_cores_any_eta": any16, "best_split_16_cores_by_eta": by_eta16,
+            "lengths": lengths}  # fmt: skip
 
 
 def best_splits_of_host(big, eta: int) -> tuple[dict | None, dict | None]:
@@ -293,6 +297,29 @@ def best_splits_of_host(big, eta: int) -> tuple[dict | None, dict | None]:
     if anyway is not None:
         anyway["eta_needed"] = max(eta, math.ceil(anyway["max_staleness"] - 1e-9))
     return row(pm.best_split(results, ignore_balance=True)), anyway
+
+
+def best_split_at_each_eta(system_at, top: int) -> list[dict]:
+    """The split model's best split within each η from 1 to `top` (system_at(η): the host's system at that
+    bound), with its trained tokens/s and the splits within NEAR_BEST of it: what each η buys on the host,
+    and how flat the optimum is (a flat one moves between role benches that differ by noise)."""
+    from jaxrl_async.perf import model as pm
+    from jaxrl_async.perf.calibrated import trained_tokens_per_s
+
+    rows = []
+    for eta in range(1, top + 1):
+        big = system_at(eta)
+        held = [r for r in pm.sweep(big) if r.within_eta and r.fits]
+        if not held:
+            rows.append({"eta": eta, "sampler_devices": None})
+            continue
+        tokens = {r.sampler_devices: trained_tokens_per_s(big, r.tokens_per_s) for r in held}
+        best = max(held, key=lambda r: r.tokens_per_s)
+        near = sorted(s for s, x in tokens.items() if x >= NEAR_BEST * tokens[best.sampler_devices])
+        rows.append({"eta": eta, "sampler_devices": best.sampler_devices,
+                     "trainer_devices": best.trainer_devices, "tokens_per_s": tokens[best.sampler_devices],
+                     "imbalance": best.imbalance, "near_best_sampler_devices": near})  # fmt: skip
+    return rows
 
 
 def predict_realized(benches: dict[str, dict], setup: Setup, lengths: dict[str, float],
@@ -338,3 +365,21 @@ def host_split_line(prediction: dict, eta: int) -> str | None:
     if within and within["sampler_devices"] == anyway["sampler_devices"]:
         return head + best
     return head + f"{best}; best at any η: {split(anyway)}, needs η ≥ {anyway['eta_needed']}"
+
+
+def host_eta_line(prediction: dict) -> str | None:
+    """One line on what each η buys on the PREDICT_HOST_CORES-core host (None: no such figure)."""
+    rows = prediction.get("best_split_16_cores_by_eta")
+    if not rows:
+        return None
+
+    def at(r):
+        if r["sampler_devices"] is None:
+            return f"η {r['eta']}: no split holds it"
+        near = r["near_best_sampler_devices"]
+        band = f" (within 5% of it: {', '.join(map(str, near))} sampler cores)" if len(near) > 1 else ""
+        return (f"η {r['eta']}: {r['sampler_devices']} + {r['trainer_devices']}, "
+                f"{r['tokens_per_s']:,.0f}{band}")  # fmt: skip
+
+    return f"split model, a {PREDICT_HOST_CORES}-core host, best split (sampler + trainer cores, trained " \
+           f"tokens/s) at each η: " + "; ".join(at(r) for r in rows)
