@@ -17,8 +17,8 @@ model for sync and one-process async, the split model (calibrated, lognormal len
 reference-answer median and p99) for the pinned two-process run (jaxrl_async.perf.shared_host's
 predict_lent_core when --async-cpu-sets puts the learner on every core and the sampler on one of them;
 then the two roles are also timed side by side in that layout, jaxrl-bench-roles --corun, since each
-slows the other on the core they share), and the split model's best split of a 16-core host within η
-and at any η (with the η that one needs).
+slows the other on the core they share), and the split model's best split of a 16-core host within η,
+at any η (with the η that one needs) and at each η up to that one (with the splits within 5% of each).
 The prediction is printed before any run starts and again beside the measurement, with a second one
 after the runs: the same model given what the runs realized (each mode's own mean train step, the async
 runs' own completion lengths). The role benches time the warm start's batches, and the trainer's work
