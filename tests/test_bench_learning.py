@@ -50,6 +50,13 @@ def test_compare_pairs_seeds_and_splits_the_speedup():
     assert report["modes"]["async"]["reached_target"] == 1 and report["modes"]["sync"]["reached_target"] == 2
     assert rows["sync"][0]["length_p99_over_median"] == pytest.approx(50 / 8)
     assert "| mean | 4 | 4.5 | 4 | 1 |" in ls.table(report)
+    # Late accuracy: the mean of the last LATE_EVALS (3) evaluations, a step's swing averaged out.
+    assert ls.LATE_EVALS == 3 and rows["sync"][0]["late_accuracy"] == pytest.approx((0.3 + 0.6 + 0.8) / 3)
+    assert ls.late_accuracy([{"step": s, "accuracy": s / 100} for s in (30, 0, 10, 20)]) == pytest.approx(0.2)
+    assert ls.late_accuracy([]) is None
+    assert report["paired"][1]["late_gap"] == pytest.approx((0.6 + 0.7 - 0.7 - 0.82) / 3)
+    assert report["late_gap_mean"] == pytest.approx(((0.5 + 0.81 - 0.6 - 0.8) + (0.6 + 0.7 - 0.7 - 0.82)) / 6)
+    assert "late async - sync (mean of the last 3 evaluations)" in ls.table(report)
     with pytest.raises(ValueError, match="--target"):
         ls.default_target([{"final_accuracy": None}], 0.01)
 
@@ -146,8 +153,10 @@ def test_smoke_runs_every_part_of_the_command(tmp_path):
     # The held-out set's coarseness: 8 weighted ranges (--smoke), the heaviest above the mean share.
     resolution = report["settings"]["eval_resolution"]
     assert resolution["prompts"] == 8 and 1 / 8 < resolution["heaviest"] < 1
-    assert f"held-out set: 8 prompts; one of them answered differently moves the accuracy by up to " \
-           f"{resolution['heaviest']:.3f}" in res.stdout
+    assert (
+        f"held-out set: 8 prompts; one of them answered differently moves the accuracy by up to "
+        f"{resolution['heaviest']:.3f}" in res.stdout
+    )
     assert report["settings"]["smoke"] and report["settings"]["seeds"] == [0] and report["predictions"] == []
     # What --report needs to predict again, written beside the runs before they start.
     kept = json.loads((tmp_path / "runs" / "settings.json").read_text())
@@ -270,8 +279,10 @@ def test_lending_the_sampler_core_to_the_learner_is_predicted_with_its_own_form(
     assert shared["async"]["tokens_per_s_without_corun"] == pytest.approx(lent["async"]["tokens_per_s"])
     assert shared["ratio"] < lent["ratio"] and shared["sync"] == lent["sync"]
     # The realized prediction takes the runs' own step, which already holds the slowing: no co-run in it.
-    assert ls.predict_realized(both, ls.Setup(2, 2, 64, 8, lent_core=True), lengths, rows)["async"] == \
-        realized["async"]
+    assert (
+        ls.predict_realized(both, ls.Setup(2, 2, 64, 8, lent_core=True), lengths, rows)["async"]
+        == realized["async"]
+    )
 
 
 def test_the_16_core_split_is_given_within_eta_and_at_any_eta_with_the_eta_it_needs():
@@ -304,8 +315,10 @@ def test_the_16_core_split_is_given_within_eta_and_at_any_eta_with_the_eta_it_ne
     assert at_run["sampler_devices"] == within["sampler_devices"]
     assert at_run["tokens_per_s"] == within["tokens_per_s"]
     at_needed = by[anyway["eta_needed"] - 1]
-    assert (at_needed["sampler_devices"], at_needed["tokens_per_s"]) == \
-        (anyway["sampler_devices"], pytest.approx(anyway["tokens_per_s"], rel=1e-6))
+    assert (at_needed["sampler_devices"], at_needed["tokens_per_s"]) == (
+        anyway["sampler_devices"],
+        pytest.approx(anyway["tokens_per_s"], rel=1e-6),
+    )
     assert by[-1]["tokens_per_s"] == pytest.approx(at_needed["tokens_per_s"])  # past it, η buys nothing more
     for r in by:
         assert r["sampler_devices"] in r["near_best_sampler_devices"]
@@ -318,7 +331,8 @@ def test_the_16_core_split_is_given_within_eta_and_at_any_eta_with_the_eta_it_ne
         {"eta": 2, "sampler_devices": 9, "trainer_devices": 7, "tokens_per_s": 1000.0,
          "near_best_sampler_devices": [8, 9, 10]}]}  # fmt: skip
     assert ls.host_eta_line(flat).endswith(
-        "η 1: no split holds it; η 2: 9 + 7, 1,000 (within 5% of it: 8, 9, 10 sampler cores)")
+        "η 1: no split holds it; η 2: 9 + 7, 1,000 (within 5% of it: 8, 9, 10 sampler cores)"
+    )
 
 
 def _kept(root, seeds, eta, step=(0.5, 0.7), benches=True):
@@ -359,6 +373,7 @@ def test_report_predicts_again_from_each_directorys_own_role_benches(tmp_path):
     before = ls.predict(benches, ls.Setup(**setup), lengths)
     assert first["prediction"]["ratio"] == pytest.approx(before["ratio"])
     assert first["measured_throughput_ratio"] == pytest.approx(3.0)  # seeds' 4 and 2
+
     def row(step):  # what _kept's summaries realized: their train step, _summary's lengths
         return {"train_step_s_mean": step, "completion_length_p50": 8.0, "completion_length_p99": 50.0}
 

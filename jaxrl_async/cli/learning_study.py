@@ -60,6 +60,7 @@ def run_row(summary: dict[str, Any], target: float) -> dict[str, Any]:
     """One run's figures: RUN_KEYS, the time and step to `target`, and p99/median of its completions."""
     row = {k: summary.get(k) for k in RUN_KEYS}
     row["time_to_target_s"], row["step_to_target"] = time_to_target(summary.get("evals", []), target)
+    row["late_accuracy"] = late_accuracy(summary.get("evals", []))
     # The same clock from the end of the first step: what a long run's start-up (compiling, the first
     # evaluation and batch) no longer weighs in.
     t, first = row["time_to_target_s"], row["first_step_s"]
@@ -73,6 +74,19 @@ def run_row(summary: dict[str, Any], target: float) -> dict[str, Any]:
     p50, p99 = row["completion_length_p50"], row["completion_length_p99"]
     row["length_p99_over_median"] = p99 / p50 if p50 and p99 is not None else None
     return row
+
+
+# Evaluations a run's late accuracy averages. One greedy evaluation of a policy that is still learning moves
+# by 3-5 points from one evaluation to the next (letter_range, 10 steps apart), a move of the policy and
+# not of the sampling (the held-out split is evaluated whole): the last one alone decides a one-point
+# question by that swing.
+LATE_EVALS = 3
+
+
+def late_accuracy(evals: list[dict[str, float]]) -> float | None:
+    """The mean held-out accuracy of the last LATE_EVALS evaluated versions (None: no evaluation)."""
+    late = sorted(evals, key=lambda e: e["step"])[-LATE_EVALS:]
+    return float(np.mean([e["accuracy"] for e in late])) if late else None
 
 
 def default_target(sync_summaries: list[dict[str, Any]], margin: float) -> float:
@@ -106,7 +120,7 @@ def _ratio(a, b) -> float | None:
 
 
 # The paired figures of a seed (async over sync), each with its mean and 95% t interval over seeds.
-PAIRED = ("speedup", "speedup_after_first_step", "throughput_ratio", "steps_ratio", "final_gap")
+PAIRED = ("speedup", "speedup_after_first_step", "throughput_ratio", "steps_ratio", "final_gap", "late_gap")
 
 
 def compare(rows: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
@@ -119,13 +133,14 @@ def compare(rows: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
       {"modes": mode -> mean of each figure and how many seeds reached the target,
        "paired": seed -> speedup (sync time / async time to target), the same after each run's first step,
        throughput ratio (async / sync steady trained tokens/s), steps ratio (sync steps / async steps to
-       target), final accuracy gap, and the mean of each as "<name>_mean"}.
+       target), final accuracy gap, the same of the late accuracies (`late_accuracy`), and the mean of each
+       as "<name>_mean"}.
     A seed whose runs did not both reach the target has no speedup (None), and the means leave it out.
     """
     modes = {}
     for mode, by_seed in rows.items():
         keys = [*RUN_KEYS, "time_to_target_s", "time_after_first_step_s", "step_to_target",
-                "length_p99_over_median"]  # fmt: skip
+                "length_p99_over_median", "late_accuracy"]  # fmt: skip
         modes[mode] = {k: mean_of([r.get(k) for r in by_seed.values()]) for k in keys}
         modes[mode]["seeds"] = len(by_seed)
         modes[mode]["reached_target"] = sum(r["time_to_target_s"] is not None for r in by_seed.values())
@@ -139,6 +154,8 @@ def compare(rows: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
             "steps_ratio": _ratio(s["step_to_target"], a["step_to_target"]),
             "final_gap": None if a["final_accuracy"] is None or s["final_accuracy"] is None
             else a["final_accuracy"] - s["final_accuracy"],
+            "late_gap": None if a.get("late_accuracy") is None or s.get("late_accuracy") is None
+            else a["late_accuracy"] - s["late_accuracy"],
         }  # fmt: skip
     out = {"modes": modes, "paired": paired}
     for k in PAIRED:
@@ -164,7 +181,7 @@ def overlap_bound(one_core: dict[str, Any], every_core: dict[str, Any], cores: i
 def table(report: dict[str, Any]) -> str:
     """Markdown: one line per mode (means over seeds), then the paired ratios."""
     f = _fmt
-    cols = ("time_to_target_s", "first_step_s", "step_to_target", "final_accuracy",
+    cols = ("time_to_target_s", "first_step_s", "step_to_target", "final_accuracy", "late_accuracy",
             "steady_train_tokens_per_s", "steady_sampler_idle_frac", "steady_trainer_idle_frac",
             "staleness_mean", "staleness_max", "length_p99_over_median")  # fmt: skip
     lines = ["| mode | seeds (reached target) | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
@@ -185,7 +202,8 @@ def _paired_table(report: dict[str, Any], targets: dict[int, float] | None = Non
     f = _fmt
     head = "| seed | " + ("own target | " if targets else "")
     lines = [head + "speedup (wall to target) | after the first step | throughput ratio | steps ratio "
-             "| final async - sync |", "|---|" + "---|" * (len(PAIRED) + bool(targets))]  # fmt: skip
+             f"| final async - sync | late async - sync (mean of the last {LATE_EVALS} evaluations) |",
+             "|---|" + "---|" * (len(PAIRED) + bool(targets))]  # fmt: skip
     for seed, p in report["paired"].items():
         own = f"{f(targets.get(seed))} | " if targets else ""
         lines.append(f"| {seed} | {own}" + " | ".join(f(p.get(k)) for k in PAIRED) + " |")
@@ -381,5 +399,7 @@ def host_eta_line(prediction: dict) -> str | None:
         return (f"η {r['eta']}: {r['sampler_devices']} + {r['trainer_devices']}, "
                 f"{r['tokens_per_s']:,.0f}{band}")  # fmt: skip
 
-    return f"split model, a {PREDICT_HOST_CORES}-core host, best split (sampler + trainer cores, trained " \
-           f"tokens/s) at each η: " + "; ".join(at(r) for r in rows)
+    return (
+        f"split model, a {PREDICT_HOST_CORES}-core host, best split (sampler + trainer cores, trained "
+        f"tokens/s) at each η: " + "; ".join(at(r) for r in rows)
+    )
