@@ -35,8 +35,9 @@ it loaded); each run reports how many of the learner process's compiles the cach
 Reported per mode (means over seeds) and per seed: wall seconds to the target (the first held-out
 evaluation at or above it, seconds since the learner started; default target: sync's final accuracy,
 mean of seeds, minus --margin), the same from the end of the run's first step (start-up left out, as a
-long run's is), the step it happened, final accuracy, steady trained tokens/s, sampler
-and trainer idle fractions, realized staleness (mean, max), and p99/median of the run's own completion
+long run's is), the step it happened, final accuracy, late accuracy (the mean of the last 3
+evaluations: one evaluation swings by points between steps), steady trained tokens/s, sampler and trainer
+idle fractions, realized staleness (mean, max), and p99/median of the run's own completion
 lengths. The paired speedup (sync time / async time) splits into a throughput ratio times a steps ratio;
 each paired figure has its mean and 95% t interval over seeds. The same ratios follow against each seed's
 own target (its sync run's final accuracy minus --margin): a common target leaves out the seeds whose
