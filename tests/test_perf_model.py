@@ -81,6 +81,14 @@ def test_length_distributions():
     assert capped.sample(rng, 10_000).max() == 27648
     emp = EmpiricalLengths((10.0, 20.0, 30.0))
     assert set(emp.sample(rng, 100)) <= {10, 20, 30} and emp.mean() == pytest.approx(20, abs=0.01)
+    # Memoized by value: an equal distribution gets the same figures, a caller's copy is its own, and a
+    # different one gets its own figures.
+    top = LogNormalLengths(800, 4000).top_order_stats(64, 4)
+    top[:] = 0.0
+    again = d.top_order_stats(64, 4)
+    assert np.all(again > 0) and np.all(np.diff(again) < 0) and len(again) == 4
+    assert LogNormalLengths(800, 4001).top_order_stats(64, 4)[0] > again[0]
+    assert LogNormalLengths(800, 4000).mean() == d.mean()
 
 
 def test_shape_from_model_config_counts_llama_params():
