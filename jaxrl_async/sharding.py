@@ -8,7 +8,7 @@ table maps each logical name to one mesh axis or to None (replicated). The train
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -59,7 +59,7 @@ class Rules:
         for i, logical in enumerate(logical_axes):
             mesh_axis = table.get(logical) if logical is not None else None
             if mesh_axis is not None and shape is not None and mesh is not None:
-                if shape[i] % mesh.shape[mesh_axis] != 0:
+                if not _divides(mesh.shape[mesh_axis], shape[i]):
                     mesh_axis = None
             if mesh_axis is not None:
                 if mesh_axis in used:
@@ -79,6 +79,30 @@ class Rules:
                 f"rules {self.name!r} need mesh axes {self.mesh_axes}, mesh has {mesh.axis_names}"
             )
         return NamedSharding(mesh, self.spec(logical_axes, shape, mesh))
+
+    def fallbacks(self, specs_tree, mesh_sizes: Mapping[str, int]) -> list[dict]:
+        """The dimensions of `specs_tree`'s leaves (objects with `.shape` and `.logical_axes`) that these
+        rules map to a mesh axis which does not divide them, so `spec` replicates them over that axis: each
+        {"leaf", "logical", "dim", "mesh_axis", "axis_size"}. Right for 2 KV heads on a tensor axis of 4,
+        but it can also hide a mis-sharded layout, so `plan_check` lists them."""
+        table = dict(self.mapping)
+        out = []
+        for path, leaf in jax.tree_util.tree_leaves_with_path(specs_tree, is_leaf=_has_axes):
+            for dim, logical in zip(leaf.shape, leaf.logical_axes, strict=True):
+                mesh_axis = table.get(logical) if logical is not None else None
+                if mesh_axis is not None and not _divides(mesh_sizes[mesh_axis], dim):
+                    out.append({"leaf": jax.tree_util.keystr(path, simple=True, separator="/"),
+                                "logical": logical, "dim": int(dim), "mesh_axis": mesh_axis,
+                                "axis_size": int(mesh_sizes[mesh_axis])})  # fmt: skip
+        return out
+
+
+def _divides(axis_size: int, dim: int) -> bool:
+    return dim % axis_size == 0
+
+
+def _has_axes(x) -> bool:
+    return hasattr(x, "logical_axes")
 
 
 # Trainer: FSDP shards parameters' embed dim and the batch; tensor parallel shards heads, MLP and vocab.
@@ -144,5 +168,5 @@ def make_mesh(shape: Sequence[int], axis_names: Sequence[str], devices: Sequence
 
 def tree_shardings(specs_tree, mesh: Mesh, rules: Rules):
     """NamedShardings for a pytree of objects with `.shape` and `.logical_axes` (e.g. ParamSpec)."""
-    is_leaf = lambda x: hasattr(x, "logical_axes")
-    return jax.tree.map(lambda s: rules.sharding(mesh, s.logical_axes, s.shape), specs_tree, is_leaf=is_leaf)
+    sharding = lambda s: rules.sharding(mesh, s.logical_axes, s.shape)  # noqa: E731
+    return jax.tree.map(sharding, specs_tree, is_leaf=_has_axes)

@@ -11,25 +11,58 @@ import sys
 import jax
 import pytest
 
-from jaxrl_async.model import presets
+from jaxrl_async.model import param_specs, presets
 from jaxrl_async.runtime.plan_check import (
     GPU_NODE_MEM_FRACTION,
     MIN_HEADROOM,
     decode_memory,
+    fallback_line,
     headroom,
     kv_cache_bytes,
     mem_fraction,
     plan_check,
     sampler_weight_bytes,
+    sharding_fallbacks,
     target_platform,
     train_memory,
     trainer_attention,
 )
 from jaxrl_async.sampler import SamplerConfig
+from jaxrl_async.sharding import TRAINER_RULES, make_mesh
 from jaxrl_async.trainer import TrainConfig
 
 CFG = presets.tiny(vocab_size=256, n_layers=2)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_dimensions_replicated_for_want_of_an_even_split_are_listed_as_spec_replicates_them():
+    """2 KV heads on a tensor axis of 4: k, v and the KV cache's heads fall back in both roles and nothing
+    else does; each listed dimension is one that `Rules.spec` leaves unsharded on a real mesh, and a tensor
+    axis of 2 lists nothing."""
+    sampler = SamplerConfig(num_slots=8, max_prompt_len=16, max_new_tokens=16)
+
+    @dataclasses.dataclass
+    class Mesh:
+        sampler: tuple = (2, 4)
+        trainer: tuple = (1, 4)
+
+    assert CFG.n_kv_heads == 2 and CFG.n_heads % 4 == 0
+    fb = sharding_fallbacks(CFG, sampler, Mesh())
+    assert {f["leaf"] for f in fb["trainer"]} == {"layers/k", "layers/v"}
+    assert {f["leaf"] for f in fb["sampler"]} == {"params/layers/k", "params/layers/v", "kv_cache"}
+    for f in fb["trainer"] + fb["sampler"]:
+        assert (f["logical"], f["dim"], f["mesh_axis"], f["axis_size"]) == ("kv_heads", 2, "tensor", 4)
+    assert fallback_line("trainer", fb["trainer"]) == (
+        "  trainer sharding, replicated where the rules shard (the axis does not divide): "
+        "kv_heads (2) over tensor (4) in 2 leaves: layers/k, layers/v"
+    )
+    mesh = make_mesh((1, 4), ("fsdp", "tensor"), jax.devices()[:4])
+    k = param_specs(CFG)["layers"]["k"]
+    assert TRAINER_RULES.spec(k.logical_axes, k.shape, mesh)[k.logical_axes.index("kv_heads")] is None
+    assert TRAINER_RULES.spec(k.logical_axes)[k.logical_axes.index("kv_heads")] == "tensor"
+    even = sharding_fallbacks(CFG, sampler, Mesh(sampler=(4, 2), trainer=(2, 2)))
+    assert even == {"trainer": [], "sampler": []}
+    assert fallback_line("sampler", []).endswith("every dimension the rules shard divides its mesh axis")
 
 
 def test_train_memory_grows_with_the_micro_batch_and_shrinks_with_sharding():
@@ -191,6 +224,7 @@ def test_the_documented_plan_check_commands_succeed_verbatim():
         assert proc.returncode == 0, (cmd, out[-3000:])
         for role in ("trainer", "sampler"):
             assert re.search(rf"{role} headroom: .* -> ok", out), (cmd, out[-2000:])
+            assert re.search(rf"\n  {role} sharding[:,] ", out), (cmd, out[-2000:])
         assert re.search(r"executable store key .*: generate's is \d+\.\d\d MiB, printed and hashed in "
                          r"\d+\.\d{3} s", out), (cmd, out[-2000:])  # fmt: skip
 

@@ -66,10 +66,12 @@ def main(argv) -> int:
     from jaxrl_async.run_config import memory_sections
     from jaxrl_async.runtime.plan_check import (
         MIN_HEADROOM,
+        fallback_line,
         headroom,
         mem_fraction,
         paged_kv_plan,
         plan_check,
+        sharding_fallbacks,
         target_platform,
     )
 
@@ -110,6 +112,7 @@ def main(argv) -> int:
         model_cfg, sampler_cfg, tuple(config.mesh.sampler), hw.mem_bytes * fraction - not_kv,
         _MEDIAN_LEN.value, _P99_LEN.value, group, _PROMPT_LEN.value,
     )  # fmt: skip
+    report["sharding_fallbacks"] = sharding_fallbacks(model_cfg, sampler_cfg, config.mesh)
     print(json.dumps(report, indent=2))
     print(summary(report, config, train_cfg, sampler_cfg))
     pk = report["paged_kv"]
@@ -123,6 +126,8 @@ def main(argv) -> int:
         f"{group}) vs {pk['sequences_slotted']} for the slotted cache; num_slots={sampler_cfg.num_slots} "
         f"caps the decode batch at {pk['decode_batch_long_tail']}"
     )
+    for role in ("trainer", "sampler"):
+        print(fallback_line(role, report["sharding_fallbacks"][role]))
     ws = report["weight_sync"]
     print(f"  weight sync: {ws['bytes'] / 2**30:.2f} GiB per version to {ws['replicas']} replica(s), "
           f"predicted {ws['seconds']:.3f} s over {ws['link']} ({ws['link_source']}); other links: "

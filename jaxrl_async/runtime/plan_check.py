@@ -28,6 +28,8 @@ layers x 2 x KV heads x head dim) is reported beside the compiled one as a cross
 `paged_kv_plan` sizes the paged KV cache an accelerator sampler uses (SamplerConfig.attention "auto" /
 "paged_kernel") in the memory the compiled program leaves free: pages per device and the sequences that
 run at once, at full length and on a long-tailed length mix under the sampler's admission rule.
+`sharding_fallbacks` lists, per role, the dimensions the rules shard but the mesh axis does not divide
+(replicated instead), so an uneven layout shows before launch rather than as memory on the device.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ from jaxrl_async.model import ModelConfig, attention, param_specs
 from jaxrl_async.runtime.compile_cache import program_key
 from jaxrl_async.runtime.evaluation import eval_sampler_config
 from jaxrl_async.sampler import Engine
-from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
+from jaxrl_async.sampler.layout import CACHE_AXES
+from jaxrl_async.sharding import SAMPLER_RULES, TRAINER_RULES, make_mesh
 from jaxrl_async.trainer import TrainConfig
 from jaxrl_async.trainer.train_step import compile_abstract
 
@@ -199,6 +202,44 @@ def sampler_weight_bytes(model_cfg: ModelConfig, sampler_shape: tuple[int, int],
                 n //= mesh_sizes[mesh_axis]
         total += n * dtype_bytes
     return total
+
+
+@dataclasses.dataclass(frozen=True)
+class _Buffer:
+    """A buffer that is not a parameter, named by its shape and logical axes (for `sharding_fallbacks`)."""
+
+    shape: tuple[int, ...]
+    logical_axes: tuple[str | None, ...]
+
+
+def sharding_fallbacks(model_cfg: ModelConfig, sampler_cfg: Any, mesh: Any) -> dict[str, list[dict]]:
+    """Per role, the dimensions its rules shard but its mesh axis does not divide, so they are replicated
+    (`sharding.Rules.fallbacks`): the trainer's parameters on (fsdp, tensor); the sampler's weights and a
+    layer's slotted K or V buffer on (data, tensor). 8 KV heads on a tensor axis of 16 are right to
+    replicate; a layout whose every weight falls back is probably not what was meant."""
+    specs = param_specs(model_cfg)
+    cache = _Buffer((sampler_cfg.num_slots, model_cfg.n_kv_heads, sampler_cfg.slot_len, model_cfg.head_dim),
+                    CACHE_AXES)  # fmt: skip
+    sizes = lambda rules, shape: dict(zip(rules.mesh_axes, shape, strict=True))  # noqa: E731
+    return {
+        "trainer": TRAINER_RULES.fallbacks(specs, sizes(TRAINER_RULES, mesh.trainer)),
+        "sampler": SAMPLER_RULES.fallbacks(
+            {"params": specs, "kv_cache": cache}, sizes(SAMPLER_RULES, mesh.sampler)
+        ),
+    }
+
+
+def fallback_line(role: str, fallbacks: list[dict]) -> str:
+    """One line on a role's `sharding_fallbacks`, grouped by (logical axis, size, mesh axis)."""
+    if not fallbacks:
+        return f"  {role} sharding: every dimension the rules shard divides its mesh axis"
+    groups: dict[tuple, list[str]] = {}
+    for f in fallbacks:
+        groups.setdefault((f["logical"], f["dim"], f["mesh_axis"], f["axis_size"]), []).append(f["leaf"])
+    parts = [f"{logical} ({dim}) over {axis} ({size}) in {len(leaves)} leaves: {', '.join(leaves)}"
+             for (logical, dim, axis, size), leaves in groups.items()]  # fmt: skip
+    head = f"  {role} sharding, replicated where the rules shard (the axis does not divide): "
+    return head + "; ".join(parts)
 
 
 def _keyed(lowered, key: dict[str, float]):
