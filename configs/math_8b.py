@@ -56,11 +56,12 @@ def get_config(layout: str = "v5p"):
     elif layout == "h100":
         # Sized so that each role leaves the plan check's 8% margin of the 68.5 GiB JAX may use on an
         # 80 GB GPU under launch/gpu_node.sh (XLA_PYTHON_CLIENT_MEM_FRACTION=0.92); see the trainer's row
-        # length at the end of this function. Qwen3-8B, per GPU: trainer 62.8 GiB, sampler 62.0 GiB.
+        # length at the end of this function. Qwen3-8B, per GPU: trainer 62.4 GiB, sampler 57.5 GiB.
         c.mesh.sampler = (4, 1)
         c.mesh.trainer = (2, 2)  # (4, 1) with 4 rows needed ~71 of 75 GiB at 8k-token rows: too tight
-        # 7 per GPU: a 28k-position slot of Qwen3-8B holds 3.9 GiB of bf16 KV beside 15 GiB of weights, a
-        # second copy during a weight update and the eval engine's cache; 8 per GPU left 2% headroom.
+        # 7 per GPU, sized at 28k positions (3.9 GiB of bf16 KV a slot beside 15 GiB of weights, a second
+        # copy during a weight update and the eval engine's cache; 8 per GPU left 2% headroom). At the
+        # 24k-position rows below a slot holds 3.4 GiB and the sampler keeps 16% headroom.
         c.sampler.num_slots = 28
         c.eval_slots = 4  # 1 per GPU (each as long as a sampler slot); 2 per GPU cost 3.9 GiB of headroom
         # The eval engine shares the sampler's weights: a copy of its own would add 15 GiB per GPU (the
@@ -98,8 +99,11 @@ def get_config(layout: str = "v5p"):
     c.trainer.compute_dtype = "bfloat16"
     c.trainer.remat = True
     if layout == "h100":
-        # Rows exactly as long as the longest sequence (1,024 + 27,648 = 28,672 positions; a multiple of
-        # the 4,096-position logits chunk and of the attention blocks): 32,768-position rows need 66.2 GiB
-        # per trainer GPU, 3.4% headroom, under the margin.
-        c.trainer.token_budget = 28672
+        # Completions of up to 23,552 tokens and rows exactly as long as the longest sequence (1,024 +
+        # 23,552 = 24,576 positions; a multiple of the 4,096-position logits chunk and of the attention
+        # blocks). cuDNN's packed attention holds a float32 backward workspace that grows with the row
+        # (measured on an H200, model.attention.cudnn_workspace_bytes): 28,672-position rows with it need
+        # 66.3 GiB per trainer GPU of the 68.5 usable, 3.3% headroom, under the plan check's margin.
+        c.sampler.max_new_tokens = 23552
+        c.trainer.token_budget = 24576
     return c

@@ -237,6 +237,19 @@ def _mask_from_packed_layout(seqlen_BxM, offsets_BxM1, t):
     return mask
 
 
+def test_the_cudnn_segment_cap_is_the_packers_only_where_cudnn_runs():
+    """max_segments bounds cuDNN's backward workspace (one slot per 4,096 positions, 8 to 64); the packer
+    is capped with it only where the packed cuDNN call runs (GPU, bf16/fp16)."""
+    assert [attention.max_segments(t) for t in (256, 32768, 65536, 1 << 20)] == [8, 8, 16, 64]
+    assert attention.row_segment_cap("auto", jnp.bfloat16, 32768, "gpu") == 8
+    assert attention.row_segment_cap("dot_product", "float16", 65536, "gpu") == 16
+    assert attention.row_segment_cap("auto", jnp.float32, 32768, "gpu") is None  # XLA's dense path
+    assert attention.row_segment_cap("blocked", jnp.bfloat16, 32768, "gpu") is None
+    assert attention.row_segment_cap("auto", jnp.bfloat16, 32768, "cpu") is None
+    # 32 heads of 128 at 32,768 positions: 1 GiB per slot and row, as measured on an H200.
+    assert attention.cudnn_workspace_bytes(1, 32, 32768, 128) == 8 * 2**30
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_cudnn_packed_layout_describes_the_reference_mask(layout):
     """The segment lengths and offsets handed to cuDNN mask exactly as the reference does on real tokens;

@@ -32,6 +32,23 @@ def test_ffd_respects_capacity_min_bins_and_multiple():
         ffd_bins([65], 64)
 
 
+def test_ffd_caps_the_items_per_bin_and_pack_rollouts_the_sequences_per_row():
+    """cuDNN's packed attention is built for a fixed number of segments per row (attention.max_segments):
+    the packer puts no more sequences into a row, opening rows instead."""
+    lengths = [1] * 20
+    assert len(ffd_bins(lengths, capacity=64)) == 1
+    bins = ffd_bins(lengths, capacity=64, max_items=8)
+    assert [len(b) for b in bins] == [8, 8, 4]
+    assert len(ffd_bins(lengths, capacity=64, bins_multiple=2, max_items=8)) == 4
+    with pytest.raises(ValueError, match="max_items"):
+        ffd_bins(lengths, 64, max_items=0)
+    rs = [_rollout(2, 2, group=i) for i in range(10)]
+    capped = pack_rollouts(rs, np.ones(10), token_budget=64, max_row_segments=3)
+    seg = capped.arrays["segment_ids"]
+    assert max(len(set(row[row != 0])) for row in seg) == 3 and seg.shape[0] == 4
+    assert pack_rollouts(rs, np.ones(10), token_budget=64).arrays["segment_ids"].shape[0] == 1
+
+
 def _rollout(p, c, v=0, reward=0.0, group=0):
     return sample(list(range(100, 100 + p)), list(range(200, 200 + c)), [-0.5] * c, [v] * c, reward, group)
 

@@ -131,8 +131,16 @@ def test_memory_efficient_attention_shows_in_the_compiled_train_step():
 def test_the_target_platform_decides_the_attention_compiled():
     bf16 = TrainConfig(token_budget=4096, compute_dtype="bfloat16")
     gpu = trainer_attention(bf16, CFG, "gpu")
-    # cuDNN's packed layout: segment lengths and offsets, no [T, T] mask to add beside the stand-in.
-    assert gpu == {"target": "cudnn", "compiled_as": "splash"}
+    # cuDNN's packed layout: segment lengths and offsets, no [T, T] mask, but a float32 backward workspace
+    # per segment slot (2 x rows x heads x T x head_dim values), measured on an H200.
+    ws = 2 * 1 * 8 * CFG.n_heads * 4096 * CFG.head_dim * 4
+    assert gpu == {"target": "cudnn", "compiled_as": "splash", "max_segments": 8, "workspace_bytes": ws}
+    # A (2, 2) mesh splits 4 rows over fsdp and the heads over tensor: the same bytes per device.
+    split = trainer_attention(dataclasses.replace(bf16, rows_per_micro=4), CFG, "gpu", (2, 2))
+    assert split["workspace_bytes"] == ws * 2 // 2
+    long = trainer_attention(dataclasses.replace(bf16, token_budget=65536), CFG, "gpu")
+    assert (long["max_segments"], long["workspace_bytes"]) == (16, ws * 16 * 16 // 8)
+    assert trainer_attention(bf16, CFG, "tpu")["workspace_bytes"] == 0
     assert trainer_attention(bf16, CFG.replace(attention="blocked"), "gpu")["compiled_as"] == "blocked"
     with pytest.raises(ValueError, match="config.model.attention"):
         trainer_attention(bf16, CFG.replace(attention="splash"), "gpu")

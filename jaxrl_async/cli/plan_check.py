@@ -184,9 +184,15 @@ def summary(report: dict, config, train_cfg, sampler_cfg) -> str:
         f"  trainer {tuple(config.mesh.trainer)}: {train_cfg.rows_per_micro} rows x {train_cfg.token_budget} "
         f"tokens per micro-batch; params {tr['dtypes']['params']}, optimizer state "
         f"{tr['dtypes']['optimizer_state']}",
-        f"    attention {att['target']} (compiled as {att['compiled_as']})",
+        f"    attention {att['target']} (compiled as {att['compiled_as']})"
+        + (
+            f"; cuDNN backward workspace {g(att['workspace_bytes'])} ({att['max_segments']} segments per row)"
+            if att["workspace_bytes"]
+            else ""
+        ),
         f"    micro-batch: args {g(tr['argument_size'])} + optimizer state {g(tr['optimizer_state_bytes'])}, "
-        f"temps {g(tr['temp_size'])}; update: temps {g(tr['apply']['temp_size'])}",
+        f"temps {g(tr['temp_size'])}{' + workspace' if att['workspace_bytes'] else ''}; update: temps "
+        f"{g(tr['apply']['temp_size'])}",
         f"    peak ~{g(tr['peak_estimate'])} -> {verdict(ok['trainer'])}",
         f"  sampler {tuple(config.mesh.sampler)}: weights {sa['dtypes']} {g(sa['weights'])} x "
         f"{sa['weight_copies']} (config.eval_weights), "

@@ -108,8 +108,7 @@ def attend(impl: str, q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT=None, mes
 
 
 def _dot_product(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT):
-    on_gpu = jax.default_backend() == "gpu"
-    cudnn = on_gpu and q_BxTxHxK.dtype in (jnp.bfloat16, jnp.float16)
+    cudnn = uses_cudnn_packed("dot_product", q_BxTxHxK.dtype)
     if cudnn and segment_ids_BxT is not None:
         return _cudnn_packed(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT)
     mask = None
@@ -128,9 +127,33 @@ def _dot_product(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT):
 
 
 def max_segments(t: int) -> int:
-    """Segments per row the packed cuDNN call is built for (a static shape): one per 256 positions, 8 to
-    256. A row with more takes the blocked path."""
-    return max(8, min(256, t // 256))
+    """Segments per row the packed cuDNN call is built for (a static shape): one per 4,096 positions, 8 to
+    64. A row with more takes the blocked path; the trainer packs at most this many sequences into a row
+    where cuDNN runs (`row_segment_cap`). Kept low because cuDNN's backward on the packed layout holds a
+    float32 workspace proportional to it (`cudnn_workspace_bytes`)."""
+    return max(8, min(64, t // 4096))
+
+
+def cudnn_workspace_bytes(rows: int, heads: int, t: int, head_dim: int) -> int:
+    """Device bytes of the workspace that cuDNN's packed-layout backward allocates for `rows` rows of `t`
+    positions and `heads` query heads (a device's share): 2 x rows x max_segments(t) x heads x t x head_dim
+    float32 values. Measured on an H200 (jax 0.11.2, CUDA 13, 2026-12-04): at t = 32,768 and 32 heads of
+    128 the compiled temporaries grew by 1.01 GiB per segment slot (9.8 GiB at 8 slots, 34.0 at 32, 130.8
+    at 128), the formula's 1.0 GiB; with 12 heads at 128 slots, 49.0 GiB against 48.0."""
+    return 2 * rows * max_segments(t) * heads * t * head_dim * 4
+
+
+def uses_cudnn_packed(impl: str, dtype, platform: str | None = None) -> bool:
+    """Whether `attend(impl, ...)` on packed rows of `dtype` runs cuDNN's packed layout on `platform`."""
+    platform = platform or jax.default_backend()
+    on_cudnn = resolve(impl, platform) == "dot_product" and platform == "gpu"
+    return on_cudnn and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+
+
+def row_segment_cap(impl: str, dtype, t: int, platform: str | None = None) -> int | None:
+    """The most sequences a trainer row of `t` positions may hold so that cuDNN never falls back to the
+    blocked path (`max_segments(t)`), or None where attention takes any number (not cuDNN's packed layout)."""
+    return max_segments(t) if uses_cudnn_packed(impl, dtype, platform) else None
 
 
 def packed_layout(segment_ids_BxT, m: int):

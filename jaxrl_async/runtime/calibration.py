@@ -122,7 +122,9 @@ def calibrate_roles(proc, batches: int = 6) -> dict[str, Any]:
     core, loop = proc.learner.core, proc.actor.loop
     train_times, micros, update_times = [], [], []
     for i, groups in enumerate(train_batches[: batches + 1]):
-        micros.append(prepare_batch(core.train_cfg, [r for g in groups for r in g]).num_micro)
+        micros.append(
+            prepare_batch(core.train_cfg, [r for g in groups for r in g], core.row_segment_cap).num_micro
+        )
         out = []
 
         def step(groups=groups, out=out):
@@ -137,7 +139,7 @@ def calibrate_roles(proc, batches: int = 6) -> dict[str, Any]:
             update_times.append(u[0])
     med = lambda xs: float(statistics.median(xs))
     micro_s = med([t / m for (t, _), m in zip(train_times, micros[1:], strict=True)])
-    tokens, expected_micro = _steady_batches(core.train_cfg, sync_groups, b)
+    tokens, expected_micro = _steady_batches(core.train_cfg, sync_groups, b, core.row_segment_cap)
     return {
         "sampler_devices": run.mesh.sampler_devices,
         "trainer_devices": run.mesh.trainer_devices,
@@ -234,7 +236,8 @@ def corun_role(proc, role: str, seconds: float, meet: Rendezvous) -> dict[str, A
         drive.until(2 * b)  # two batches to step on in turn
         batches = [drive.groups[:b], drive.groups[b : 2 * b]]
         core = proc.learner.core
-        micros = [prepare_batch(core.train_cfg, [r for g in bt for r in g]).num_micro for bt in batches]
+        cap = core.row_segment_cap
+        micros = [prepare_batch(core.train_cfg, [r for g in bt for r in g], cap).num_micro for bt in batches]
 
         def step(i: int) -> None:
             core.dispatch(batches[i % 2])
@@ -257,7 +260,9 @@ def corun_role(proc, role: str, seconds: float, meet: Rendezvous) -> dict[str, A
     return {"role": role, "window_s": window, **out}
 
 
-def _steady_batches(train_cfg, groups: list, b: int, draws: int = 200) -> tuple[float, float]:
+def _steady_batches(
+    train_cfg, groups: list, b: int, row_segment_cap: int | None = None, draws: int = 200
+) -> tuple[float, float]:
     """Mean trained tokens and packed micro-batches of a train batch of `b` groups drawn from `groups`.
 
     A step costs its padded micro-batches, not its tokens: a batch a few tokens over a micro-batch
@@ -270,7 +275,7 @@ def _steady_batches(train_cfg, groups: list, b: int, draws: int = 200) -> tuple[
     for _ in range(draws):
         rollouts = [r for g in rng.choices(groups, k=b) for r in g]
         tokens.append(sum(len(r.prompt_tokens) + len(r.completion_tokens) for r in rollouts))
-        micro.append(prepare_batch(train_cfg, rollouts).num_micro)
+        micro.append(prepare_batch(train_cfg, rollouts, row_segment_cap).num_micro)
     return float(statistics.fmean(tokens)), float(statistics.fmean(micro))
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl_async.model import attention
 from jaxrl_async.rollouts import GroupFilter, Rollout, RolloutQueue, staleness_stats
 from jaxrl_async.run_config import CheckpointSection, LogSection, Schedule
 from jaxrl_async.runtime.learner_log import (
@@ -47,6 +48,7 @@ from jaxrl_async.runtime.metrics import MetricsWriter, summary_line
 from jaxrl_async.trainer import prepare_batch, train_step
 
 log = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
@@ -87,6 +89,11 @@ class TrainerCore:
             publisher,
             checkpoints,
         )
+        model_cfg = state.model_cfg  # its dtype is the compute dtype (train_step._with_compute_dtype)
+        # cuDNN's packed attention is built for a fixed number of sequences per row: pack no more.
+        self.row_segment_cap = attention.row_segment_cap(
+            model_cfg.attention, model_cfg.dtype, train_cfg.token_budget
+        )
 
     @property
     def version(self) -> int:
@@ -95,7 +102,7 @@ class TrainerCore:
     def dispatch(self, groups: list[list[Rollout]]):
         """Starts one train step on `groups` (asynchronously); returns (metrics, zero-adv skipped count)."""
         rollouts = [r for g in groups for r in g]
-        batch = prepare_batch(self.train_cfg, rollouts)
+        batch = prepare_batch(self.train_cfg, rollouts, self.row_segment_cap)
         self.state, metrics = train_step(self.state, batch)
         return metrics, batch.num_skipped
 
@@ -155,6 +162,7 @@ class Learner:
         self.checkpoint_stall_s: list[float] = []
         patience = cfg.dynamic_sampling_patience * cfg.schedule.prompts_per_step
         self.filter = GroupFilter(cfg.dynamic_sampling, patience)
+        self.groups_received = 0  # for the stall warning: where groups stop
         self.no_signal = False
         self.save_policy = SavePolicy(cfg.checkpoint.every, cfg.checkpoint.minutes, cfg.schedule.total_steps,
                                       saved_at=time.monotonic())  # fmt: skip
@@ -215,6 +223,7 @@ class Learner:
     def _take_groups(self, groups: list[list[Rollout]]) -> None:
         """Queues finished groups; with dynamic sampling, uninformative ones are discarded and reported to
         the coordinator (which returns their budget and admits new prompts in their place)."""
+        self.groups_received += len(groups)
         kept, filtered = self.filter.split(groups)
         for g in kept:
             self.queue.add_group(g)
@@ -333,7 +342,9 @@ class Learner:
     def describe(self) -> str:
         return (
             f"learner: version {self.version}, step in flight: {self.inflight is not None}, "
-            f"{self.queue.ready_groups()} groups ready, last eval {self.evals[-1][0] if self.evals else None}"
+            f"{self.queue.ready_groups()} groups ready ({self.groups_received} received, "
+            f"{self.filter.filtered_total} filtered, {self.queue.dropped_groups} dropped as stale), "
+            f"last eval {self.evals[-1][0] if self.evals else None}"
         )
 
     def elapsed(self) -> float:

@@ -12,8 +12,10 @@ counting the optimizer state, which is live while micro-batches run.
 Attention on the target: the memory-efficient kernels cannot be compiled for a GPU or TPU here, so the
 trainer is compiled with the splash kernel's own code in Pallas interpret mode, a flash-attention stand-in
 with the same O(T) residuals. cuDNN (GPU "dot_product") takes packed rows in its packed layout (segment
-lengths and offsets, `model.attention.packed_layout`): no [T, T] mask or bias. "reference" and "blocked"
-are compiled as they are (the reference with float32 scores, T^2 x heads).
+lengths and offsets, `model.attention.packed_layout`): no [T, T] mask or bias, but its backward holds a
+float32 workspace proportional to the segments a row may hold (measured on an H200,
+`model.attention.cudnn_workspace_bytes`), added to the micro-batch phase. "reference" and "blocked" are
+compiled as they are (the reference with float32 scores, T^2 x heads).
 
 Headroom: a role's peak against the memory JAX may use on the target (device memory x the memory
 fraction, `mem_fraction`); `headroom` refuses a role that leaves less than MIN_HEADROOM of it.
@@ -118,14 +120,28 @@ def _dtypes(tree) -> list[str]:
     return sorted({str(x.dtype) for x in jax.tree.leaves(tree) if len(x.shape)})
 
 
-def trainer_attention(cfg: TrainConfig, model_cfg: ModelConfig, platform: str) -> dict:
-    """Which attention the trainer runs on `platform` and what is compiled here for it (cuDNN takes
-    packed rows as segment lengths and offsets, O(T) int32: nothing to add beside the stand-in)."""
+def trainer_attention(
+    cfg: TrainConfig, model_cfg: ModelConfig, platform: str, trainer_shape: tuple[int, int] = (1, 1)
+) -> dict:
+    """Which attention the trainer runs on `platform` and what is compiled here for it. cuDNN takes packed
+    rows as segment lengths and offsets (O(T) int32, nothing beside the stand-in), but its backward holds
+    a float32 workspace that the stand-in lacks: `workspace_bytes` per device (a (fsdp, tensor) mesh splits
+    the rows over fsdp and the heads over tensor), `model.attention.cudnn_workspace_bytes`."""
     target = attention.resolve(model_cfg.attention, platform)
     compute = cfg.compute_dtype or model_cfg.dtype
-    if target == "dot_product" and platform == "gpu" and compute in ("bfloat16", "float16"):
-        return {"target": "cudnn", "compiled_as": "splash"}
-    return {"target": target, "compiled_as": target}
+    if attention.uses_cudnn_packed(model_cfg.attention, compute, platform):
+        fsdp, tensor = trainer_shape
+        heads = model_cfg.n_heads // tensor if model_cfg.n_heads % tensor == 0 else model_cfg.n_heads
+        rows = -(-cfg.rows_per_micro // fsdp)
+        return {
+            "target": "cudnn",
+            "compiled_as": "splash",
+            "max_segments": attention.max_segments(cfg.token_budget),
+            "workspace_bytes": attention.cudnn_workspace_bytes(
+                rows, heads, cfg.token_budget, model_cfg.head_dim
+            ),
+        }
+    return {"target": target, "compiled_as": target, "workspace_bytes": 0}
 
 
 def train_memory(
@@ -142,13 +158,14 @@ def train_memory(
     `peak_estimate` is the largest phase, counting the optimizer state (live while micro-batches run).
     """
     mesh = make_mesh(trainer_shape, ("fsdp", "tensor"), devices)
-    att = trainer_attention(cfg, model_cfg, platform)
+    att = trainer_attention(cfg, model_cfg, platform, trainer_shape)
     programs = compile_abstract(cfg, model_cfg.replace(attention=att["compiled_as"]), mesh)
     acc = compiled_memory(programs["accumulate"])
     apply = compiled_memory(programs["apply"])
     opt = programs["optimizer_state_bytes"]
     state = programs["state"]
-    phases = [acc["peak_estimate"] + opt, apply["peak_estimate"]]
+    # cuDNN's workspace is live during a micro-batch's backward (the stand-in compiled here has none).
+    phases = [acc["peak_estimate"] + opt + att["workspace_bytes"], apply["peak_estimate"]]
     prox = None
     if programs["logprobs"] is not None:  # minibatches > 1: the pi_prox forward before any update
         prox = compiled_memory(programs["logprobs"])
@@ -280,7 +297,11 @@ def decode_memory(model_cfg: ModelConfig, sampler_cfg: Any, sampler_shape: tuple
 
 
 def sampler_memory(
-    model_cfg: ModelConfig, sampler_cfg: Any, sampler_shape: tuple[int, int], devices, eval_slots: int = 64,
+    model_cfg: ModelConfig,
+    sampler_cfg: Any,
+    sampler_shape: tuple[int, int],
+    devices,
+    eval_slots: int = 64,
     eval_weights: str = "own",
 ) -> dict:
     """Every buffer one sampler device holds (see the module doc), compiled and analytic.

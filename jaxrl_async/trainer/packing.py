@@ -97,28 +97,36 @@ class PackedBatch:
 
 
 def ffd_bins(
-    lengths: Sequence[int], capacity: int, min_bins: int = 1, bins_multiple: int = 1
+    lengths: Sequence[int],
+    capacity: int,
+    min_bins: int = 1,
+    bins_multiple: int = 1,
+    max_items: int | None = None,
 ) -> list[list[int]]:
     """Assigns items to bins of `capacity`, longest first (AReaL's first-fit-decreasing variant).
 
     Each item, in decreasing length, goes to a new bin while fewer than `min_bins` exist or when no bin
     has room; otherwise to the bin with room holding the fewest items (ties: the earliest bin), which
     spreads sequences (and so attention cost) evenly. The bin count is rounded up to a multiple of
-    `bins_multiple` by raising `min_bins` (empty bins only when there are too few items).
+    `bins_multiple` by raising `min_bins` (empty bins only when there are too few items). A bin holding
+    `max_items` items (None = no limit) takes no more.
 
     Raises:
-      ValueError: an item is longer than `capacity`.
+      ValueError: an item is longer than `capacity`, or max_items < 1.
     """
     lengths = [int(x) for x in lengths]
     if any(x > capacity for x in lengths):
         raise ValueError(f"a sequence of {max(lengths)} tokens exceeds the token budget {capacity}")
+    if max_items is not None and max_items < 1:
+        raise ValueError(f"max_items must be >= 1 or None, got {max_items}")
+    full = len(lengths) + 1 if max_items is None else max_items
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     min_bins = max(min_bins, bins_multiple, 1)
     while True:
         bins: list[list[int]] = []
         loads: list[int] = []
         for i in order:
-            fits = [b for b in range(len(bins)) if loads[b] + lengths[i] <= capacity]
+            fits = [b for b in range(len(bins)) if loads[b] + lengths[i] <= capacity and len(bins[b]) < full]
             if len(bins) < min_bins or not fits:
                 bins.append([i])
                 loads.append(lengths[i])
@@ -191,6 +199,7 @@ def pack_rollouts(
     token_budget: int,
     rows_per_micro: int = 1,
     min_micro: int = 1,
+    max_row_segments: int | None = None,
 ) -> PackedBatch:
     """Packs rollouts into micro-batches of `rows_per_micro` rows of `token_budget` positions.
 
@@ -200,6 +209,8 @@ def pack_rollouts(
       token_budget: positions per packed row (the compiled sequence length).
       rows_per_micro: rows per micro-batch (a multiple of the trainer mesh's fsdp size).
       min_micro: at least this many micro-batches (e.g. the number of PPO minibatches).
+      max_row_segments: at most this many sequences per row (None = as many as fit): the attention's own
+        limit, `model.attention.row_segment_cap` (cuDNN's packed layout is built for a fixed count).
 
     Returns:
       A PackedBatch; a sequence never spans two rows, so per-sequence losses stay exact.
@@ -207,7 +218,7 @@ def pack_rollouts(
     if len(rollouts) != len(advantages):
         raise ValueError(f"{len(rollouts)} rollouts but {len(advantages)} advantages")
     lengths = [sequence_length(r) for r in rollouts]
-    rows = ffd_bins(lengths, token_budget, min_bins=min_micro * rows_per_micro, bins_multiple=rows_per_micro)
+    rows = ffd_bins(lengths, token_budget, min_micro * rows_per_micro, rows_per_micro, max_row_segments)
     return _fill(rollouts, advantages, rows, rows_per_micro, token_budget)
 
 
@@ -265,16 +276,21 @@ def pack_minibatches(
     rows_per_micro: int,
     minibatches: int,
     seed: int,
+    max_row_segments: int | None = None,
 ) -> PackedBatch:
     """`minibatches` disjoint shares of whole groups (see split_groups), each packed into micro-batches
-    of its own; the result's `updates` says how many micro-batches each optimizer update takes."""
+    of its own (at most `max_row_segments` sequences per row, see pack_rollouts); the result's `updates`
+    says how many micro-batches each optimizer update takes."""
     if len(rollouts) != len(advantages):
         raise ValueError(f"{len(rollouts)} rollouts but {len(advantages)} advantages")
     advantages = np.asarray(advantages, np.float32)
     lengths = [sequence_length(r) for r in rollouts]
     shares = split_groups([r.group_id for r in rollouts], lengths, minibatches, seed)
     parts = [
-        pack_rollouts([rollouts[i] for i in s], advantages[s], token_budget, rows_per_micro) for s in shares
+        pack_rollouts(
+            [rollouts[i] for i in s], advantages[s], token_budget, rows_per_micro, 1, max_row_segments
+        )
+        for s in shares
     ]
     arrays = {k: np.concatenate([p.arrays[k] for p in parts]) for k in FIELDS}
     return PackedBatch(

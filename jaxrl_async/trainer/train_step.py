@@ -165,13 +165,16 @@ def create_train_state(
     )
 
 
-def prepare_batch(cfg: TrainConfig, rollouts: Sequence[TrainSample]) -> PackedBatch:
+def prepare_batch(
+    cfg: TrainConfig, rollouts: Sequence[TrainSample], max_row_segments: int | None = None
+) -> PackedBatch:
     """Advantages (cfg.advantage over reward / group_id), then cfg.minibatches disjoint, seeded-shuffled,
     token-balanced shares of whole groups, each packed into micro-batches of its own (one per update).
 
     With cfg.skip_zero_advantage, sequences whose advantage is 0 are left out, unless that leaves fewer
     groups than updates (then all are kept, so every update still has a share); `batch.num_skipped`
-    counts them.
+    counts them. `max_row_segments` caps the sequences per packed row (the model's attention decides it:
+    `model.attention.row_segment_cap`; None = no cap).
 
     Raises:
       ValueError: the batch has fewer groups than cfg.minibatches (names config.trainer.minibatches).
@@ -187,7 +190,9 @@ def prepare_batch(cfg: TrainConfig, rollouts: Sequence[TrainSample]) -> PackedBa
             skipped = len(rollouts) - len(keep)
             rollouts, adv = [rollouts[i] for i in keep], adv[keep]
     seed = batch_seed(cfg.minibatch_seed, [r.group_id for r in rollouts])
-    batch = pack_minibatches(rollouts, adv, cfg.token_budget, cfg.rows_per_micro, cfg.minibatches, seed)
+    batch = pack_minibatches(
+        rollouts, adv, cfg.token_budget, cfg.rows_per_micro, cfg.minibatches, seed, max_row_segments
+    )
     return dataclasses.replace(batch, num_skipped=skipped)
 
 
