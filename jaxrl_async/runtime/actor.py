@@ -85,8 +85,12 @@ def to_rollout(c, reward: float, reason: str, tokenizer, shaping: float = 0.0) -
         versions=np.asarray(c.versions, np.int32),
         reward=float(reward) + shaping,
         finish_reason=c.finish_reason,
-        metadata={"text": tokenizer.decode(c.tokens), "prompt": c.metadata.text, "reason": reason,
-                  "overlong_penalty": shaping},  # fmt: skip
+        metadata={
+            "text": tokenizer.decode(c.tokens),
+            "prompt": c.metadata.text,
+            "reason": reason,
+            "overlong_penalty": shaping,
+        },  # fmt: skip
     )
 
 
@@ -138,6 +142,7 @@ class Actor:
         self._groups: dict[int, list[Rollout]] = {}
         self._ready: list[list[Rollout]] = []
         self.sample_tokens = 0
+        self.groups_sent = 0  # for the stall warning: where groups stop
         self.idle_s = 0.0
         self.sample_calls_during_eval = 0  # sampling generate calls made while an evaluation was running
         self._idle_since: float | None = None
@@ -373,6 +378,7 @@ class Actor:
         if self._ready or (drained and not self._drained_sent):
             self._drained_sent = drained
             self.transport.send("learner", Rollouts(self.cfg.index, self._ready, self.stats()))
+            self.groups_sent += len(self._ready)
             self._ready = []
 
     # ----- reporting -----
@@ -383,8 +389,8 @@ class Actor:
             f"{self.endpoint}: version {self.version}, {self.loop.num_live} live / "
             f"{self.loop.free_slots} free slots, {self.granted - self.loop.stats.requests_admitted} prompts "
             f"queued, {self.asked} asked, "
-            f"{len(self._pending)} rewards pending, {len(self._groups)} partial groups"
-            + (", data exhausted" if self.exhausted else "")
+            f"{len(self._pending)} rewards pending, {len(self._groups)} partial groups, "
+            f"{self.groups_sent} groups sent" + (", data exhausted" if self.exhausted else "")
         )
 
     def stats(self, final: bool = False) -> ActorStats:
