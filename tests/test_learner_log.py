@@ -98,3 +98,19 @@ def test_steady_rate_skips_the_first_fifth():
     assert steady_rate(hist) == pytest.approx((100 - 4) / (10 - 2))
     assert steady_rate(hist[:2]) == 0.0
     assert np.isfinite(steady_rate(hist, "time/trained_tokens"))
+
+
+def test_sampler_idle_fraction_is_taken_on_the_samplers_clock():
+    """A report can carry idle time from before the learner's window (an actor reports only when it sends
+    groups): per second of the actor's own clock the fraction stays within [0, 1]."""
+    # The actor idled 40 s, told only at the step-3 report; the learner's window is 3 s long.
+    hist = [{"time/elapsed_s": e, "time/sampler_idle_s": i, "time/sampler_wall_s": w}
+            for e, i, w in [(60.0, 0.0, 5.0), (61.5, 0.0, 5.0), (63.0, 40.0, 48.0), (64.5, 40.5, 50.0)]]
+    assert steady_rate(hist, "time/sampler_idle_s") > 1  # on the learner's clock: impossible
+    assert steady_rate(hist, "time/sampler_idle_s", "time/sampler_wall_s") == pytest.approx(40.5 / 45)
+    log = StepLog(_Writer(), text_samples=0)
+    keys = ("train_tokens_per_s", "sample_tokens_per_s", "trainer_idle_frac")
+    for e, i, w in [(60.0, 0.0, 5.0), (63.0, 40.0, 48.0)]:
+        out = log.rates(e, {**dict.fromkeys(keys, 1.0), "sampler_idle_frac": i, "sampler_wall_s": w})
+    assert out["perf/sampler_idle_frac"] == out["perf/sampler_idle_frac_avg"] == pytest.approx(40 / 48)
+    assert "perf/sampler_wall_s" not in out

@@ -157,6 +157,27 @@ def test_two_trainer_processes_match_one_process(tmp_path):
     _checksums_equal(summary)  # the sampler assembled the two trainer processes' shards correctly
 
 
+def test_trainer_mesh_over_three_processes_with_one_sampler(tmp_path):
+    """3 trainer processes + 1 sampler: no dimension of the small model divides by 3, so process 0 cuts
+    every piece of each version and processes 1 and 2 offer none; every trainer process still reaches the
+    first train step's collective with the others (its rendezvous gives up after 30 s)."""
+    overrides = {
+        "total_steps": 2, "eval_every": 0, "eval_prompts": 4, "checkpoint_every": 0,
+        "trainer.rows_per_micro": 3, "mesh.trainer": "(3,1)", "mesh.sampler": "(1,1)",
+        "mesh.trainer_processes": "(0,1,2)", "mesh.sampler_processes": "(3,)",
+    }  # fmt: skip
+    flags = _flags(tmp_path, **overrides)
+    res = _launch(4, 1, flags, timeout=300)
+    assert res.returncode == 0, res.stdout[-4000:]
+    with open(tmp_path / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["processes"] == 4 and summary["steps"] == 2
+    _checksums_equal(summary)
+    assert "weights from trainer process 0 through shared memory" in res.stdout
+    assert "from trainer process 1" not in res.stdout and "from trainer process 2" not in res.stdout
+    assert 0.0 <= summary["sampler_idle_frac"] <= 1.0
+
+
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_killed_process_ends_every_process(tmp_path, victim):
     """SIGKILL one process mid-run: the others exit non-zero within 60 s, and the message names it; the

@@ -260,3 +260,65 @@ def test_members_of_a_spanning_replica_pull_only_their_own_blocks(tmp_path):
     for r in res:
         assert r["equal"]
         assert r["pulled"] == r["mine"] < r["full"] * 0.6  # half, plus the replicated leaves (norms)
+
+
+IDLE_TRAINERS = r"""
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 1)
+pid, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=4, process_id=pid)
+import numpy as np
+from jax._src.distributed import global_state
+from jaxrl_async.model import init_params, presets
+from jaxrl_async.runtime.cluster import Cluster, Roles
+from jaxrl_async.runtime.messages import NewWeights
+from jaxrl_async.runtime.weight_sync import TransferPublisher, TransferReceiver, checksum
+from jaxrl_async.sharding import SAMPLER_RULES, TRAINER_RULES, make_mesh
+
+cluster = Cluster(Roles(4, (3,), (0, 1, 2)), pid, global_state.client)
+# No dimension divides by 3: the (3, 1) fsdp mesh replicates every leaf and process 0 cuts every piece.
+cfg = presets.tiny(vocab_size=64, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffw_size=128)
+t_mesh = make_mesh((3, 1), ("fsdp", "tensor"), [d for d in jax.devices() if d.process_index < 3])
+res = {}
+if pid < 3:
+    params = init_params(cfg, jax.random.key(0), t_mesh, TRAINER_RULES)
+    pub = TransferPublisher(cluster, cfg, t_mesh, (1, 1), "float32", num_actors=1, verify=True)
+    # As the trainer processes of a run: publish the first version, then a collective over all three
+    # (verify=True: `publish` itself ends in one, the checksum).
+    msg = pub.publish(0, params)
+    res = dict(processes=pub.plan.processes, slots=pub.writer is not None, checksum=msg.checksum,
+               after=checksum(params))
+else:
+    s_mesh = make_mesh((1, 1), ("data", "tensor"), jax.local_devices())
+    recv = TransferReceiver(cluster, 0, cfg, t_mesh, s_mesh, "float32")
+    got = recv.receive(NewWeights(0))
+    want = init_params(cfg, jax.random.key(0), s_mesh, SAMPLER_RULES)
+    res = dict(equal=all(np.array_equal(np.asarray(a), np.asarray(b))
+                         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))),
+               shm=sorted(recv.readers), transfer=sorted(recv.conns))
+json.dump(res, open(f"{out}.{pid}", "w"))
+cluster.barrier("end")
+"""
+
+
+def test_trainer_processes_that_offer_no_piece_do_not_wait_for_receivers(tmp_path):
+    """A (3, 1) trainer mesh over three processes whose leaves no axis divides: process 0 cuts every piece,
+    processes 1 and 2 offer none, and no receiver says how it would take theirs. They must not wait for
+    that: they publish at once and meet process 0 in the next collective (which gives up after 30 s)."""
+    port, out = _port(), str(tmp_path / "proc")
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-c", IDLE_TRAINERS]
+    procs = [subprocess.Popen([*cmd, str(i), str(port), out], env=env) for i in range(4)]
+    try:
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [0, 0, 0, 0]
+    res = [json.load(open(f"{out}.{pid}")) for pid in range(4)]
+    assert [r["processes"] for r in res[:3]] == [[0]] * 3
+    assert [r["slots"] for r in res[:3]] == [True, False, False]  # shared memory only where pieces are
+    assert len({r["checksum"] for r in res[:3]}) == 1 and res[0]["checksum"] == res[0]["after"]
+    assert res[3] == {"equal": True, "shm": [0], "transfer": []}

@@ -146,6 +146,7 @@ class Actor:
         self.idle_s = 0.0
         self.sample_calls_during_eval = 0  # sampling generate calls made while an evaluation was running
         self._idle_since: float | None = None
+        self._started = time.perf_counter()  # the clock of idle_s (ActorStats.wall_s)
         self.eval_s = 0.0
         self.weight_s = 0.0
         self.checksums: dict[int, float] = {}
@@ -396,12 +397,13 @@ class Actor:
     def stats(self, final: bool = False) -> ActorStats:
         """Counters since the start (the learner lead logs them); `final` adds the reward service's."""
         s = self.loop.stats
+        now = time.perf_counter()
         return ActorStats(
             version=self.version,
             sample_tokens=self.sample_tokens,
             completions=s.completions,
             occupancy=float(s.occupancy),
-            idle_s=self.idle_s + (time.perf_counter() - self._idle_since if self._idle_since else 0.0),
+            idle_s=self.idle_s + (now - self._idle_since if self._idle_since else 0.0),
             weight_s=self.weight_s,
             eval_s=self.eval_s,
             eval_spans=list(self.eval_spans),
@@ -411,4 +413,5 @@ class Actor:
             drained=self.exhausted and self.loop.idle and not self._pending,
             checksums=dict(self.checksums),
             reward_stats=self.rewards.stats() if final else None,
+            wall_s=now - self._started,
         )

@@ -418,6 +418,12 @@ def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
         )  # fmt: skip
         proc.closers.append(publisher.close)
         local_weights = None
+        # The first publish waits for every receiver to say how it takes the pieces; the train step and the
+        # checksum are collectives over the trainer processes, whose rendezvous gives up after 30 s. So
+        # every trainer process learns the paths first, and they meet (a coordination-service barrier,
+        # not a collective) before any of them publishes or trains.
+        publisher.resolve_paths()
+        cluster.barrier("trainers_ready", roles.trainers)
     else:
         s_mesh = sampler_mesh(run, cluster)
         sync = WeightSync(model_cfg, s_mesh, dtype=sampler_dtype(model_cfg))

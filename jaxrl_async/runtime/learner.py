@@ -360,10 +360,15 @@ class Learner:
         st = staleness_stats(groups, self.version - 1)  # against the policy the batch was trained from
         elapsed = max(self.elapsed(), 1e-9)
         n_actors = max(len(self.actor_stats), 1)
-        sampler_idle_s = self._actor_sum("idle_s") / n_actors
+        # Summed over the actors, idle seconds and the seconds of their own clocks at their last reports:
+        # a report carries idle time from before the learner's window, so the learner's seconds are not
+        # its denominator; per actor idle grows no faster than its clock, so the fraction stays <= 1
+        # (an actor that had not reported yet counts from zero on both).
+        sampler_idle_s, sampler_wall_s = self._actor_sum("idle_s"), self._actor_sum("wall_s")
         totals = {"train_tokens_per_s": float(self.trained_tokens),
                   "sample_tokens_per_s": self._actor_sum("sample_tokens"),
-                  "sampler_idle_frac": sampler_idle_s, "trainer_idle_frac": self.trainer_idle_s}  # fmt: skip
+                  "sampler_idle_frac": sampler_idle_s, "sampler_wall_s": sampler_wall_s,
+                  "trainer_idle_frac": self.trainer_idle_s}  # fmt: skip
         values = {
             **train_values(m),
             "train/skipped_updates": float(np.asarray(self.core.state.skipped.addressable_shards[0].data)),
@@ -379,14 +384,13 @@ class Learner:
         }
         times = {"time/elapsed_s": elapsed, "time/trained_tokens": float(self.trained_tokens),
                  "time/trainer_idle_s": self.trainer_idle_s,
-                 "time/sampler_idle_s": sampler_idle_s}  # fmt: skip
+                 "time/sampler_idle_s": sampler_idle_s, "time/sampler_wall_s": sampler_wall_s}  # fmt: skip
         return self.log.record(self.version, values, st, groups, times)
 
     def summary(self) -> dict[str, Any]:
         """The run's figures as the learner saw them (the orchestrator adds the other roles')."""
         hist, mean = self.log.history, self.log.mean
         train_wall = max(self.elapsed(), 1e-9)
-        actors = self.actor_stats.values()
         # When each version's weights existed: the end of its train step (version 0: the start).
         trained = {0: 0.0, **{v: end - self._t_start_mono for v, _, end in self.step_spans}}
         return {
@@ -398,10 +402,10 @@ class Learner:
             "step_spans": list(self.step_spans),
             "train_tokens_per_s": self.trained_tokens / train_wall,
             "steady_train_tokens_per_s": steady_rate(hist),
-            "steady_sampler_idle_frac": steady_rate(hist, "time/sampler_idle_s"),
+            "steady_sampler_idle_frac": steady_rate(hist, "time/sampler_idle_s", "time/sampler_wall_s"),
             "steady_trainer_idle_frac": steady_rate(hist, "time/trainer_idle_s"),
             "sample_tokens_per_s": self._actor_sum("sample_tokens") / train_wall,
-            "sampler_idle_frac": self._actor_sum("idle_s") / max(len(actors), 1) / train_wall,
+            "sampler_idle_frac": self._actor_sum("idle_s") / max(self._actor_sum("wall_s"), 1e-9),
             "trainer_idle_frac": self.trainer_idle_s / train_wall,
             "staleness_mean": mean("staleness/mean"),
             "staleness_max": max((h.get("staleness/max", 0) for h in hist), default=0),

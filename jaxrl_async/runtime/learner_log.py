@@ -14,6 +14,9 @@ from jaxrl_async.rollouts import Rollout, uninformative
 
 RATE_WINDOW = 10  # steps over which perf/* rates are taken (perf/*_avg: since the start)
 RATE_KEYS = ("train_tokens_per_s", "sample_tokens_per_s", "sampler_idle_frac", "trainer_idle_frac")
+# A rate taken per another running total than the learner's elapsed seconds, when `totals` has it: the
+# samplers' idle seconds per second of their own clocks (`ActorStats.wall_s`; their reports arrive late).
+RATE_PER = {"sampler_idle_frac": "sampler_wall_s"}
 
 SUMMARY_KEYS = (
     "reward/mean",
@@ -99,10 +102,17 @@ class StepLog:
         self._totals.append((elapsed, dict(totals)))
         t0, start = self._totals[max(0, len(self._totals) - 1 - RATE_WINDOW)]
         out = {}
+        windowed = len(self._totals) > 1
         for k, v in totals.items():
-            windowed = len(self._totals) > 1
-            out[f"perf/{k}"] = (v - start[k]) / max(elapsed - t0, 1e-9) if windowed else v / elapsed
-            out[f"perf/{k}_avg"] = v / elapsed
+            if k in RATE_PER.values():
+                continue
+            per = RATE_PER.get(k)
+            if per in totals:
+                span, whole = totals[per] - start.get(per, 0.0), totals[per]
+            else:
+                span, whole = elapsed - t0, elapsed
+            out[f"perf/{k}"] = (v - start.get(k, 0.0)) / max(span, 1e-9) if windowed else v / max(whole, 1e-9)
+            out[f"perf/{k}_avg"] = v / max(whole, 1e-9)
         return out
 
     def record(self, version: int, values: dict[str, float | None], st: dict[str, Any],
@@ -139,14 +149,16 @@ class StepLog:
         return float(np.mean(found)) if found else 0.0
 
 
-def steady_rate(hist: list[dict[str, float]], key: str = "time/trained_tokens") -> float:
-    """Growth of `key` per second after the first fifth of the steps (at least 2), which excludes
-    compilation and fill-up: trained tokens/s, or with an idle-seconds key the idle fraction."""
+def steady_rate(hist: list[dict[str, float]], key: str = "time/trained_tokens",
+                per: str = "time/elapsed_s") -> float:  # fmt: skip
+    """Growth of `key` per growth of `per` (the learner's seconds) after the first fifth of the steps (at
+    least 2), which excludes compilation and fill-up: trained tokens/s, or with an idle-seconds key and
+    the seconds of the same clock the idle fraction."""
     k = max(2, len(hist) // 5)
     if len(hist) <= k:
         return 0.0
     a, b = hist[k - 1], hist[-1]
-    return (b[key] - a[key]) / max(b["time/elapsed_s"] - a["time/elapsed_s"], 1e-9)
+    return (b[key] - a[key]) / max(b[per] - a[per], 1e-9)
 
 
 @dataclasses.dataclass

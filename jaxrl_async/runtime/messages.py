@@ -60,6 +60,10 @@ class ActorStats:
     # What this sampler process's executable store did (in `Stopped` only; a process other than 0 with
     # config.compile_cache_dir): programs loaded, compiled, kept.
     executables: dict | None = None
+    # Seconds since the actor started, on its own clock, when these counters were read: idle_s grows by
+    # at most as much, so the learner takes the idle fraction per second of this clock, not of its own
+    # (a report may come long after the idle time it carries: the actor sends none while it is idle).
+    wall_s: float = 0.0
 
     @classmethod
     def empty(cls) -> ActorStats:

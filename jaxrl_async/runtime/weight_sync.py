@@ -276,14 +276,17 @@ class TransferPublisher:
         )
         cluster.publish(f"transfer/{self.pid}", self.server.address())
         # Readers on this host take the versions from shared memory (config.mesh.weight_transport="auto").
+        # A process that offers no piece (its shards are all replicas of blocks another process cuts, e.g.
+        # a dimension the fsdp axis does not divide) has no slots: no receiver reads from it (both sides
+        # derive `_PiecePlan.processes`), so none says how it would.
         self.writer = None
-        if _TRANSPORTS[transport] and _shared_memory_ok():
+        if _TRANSPORTS[transport] and _shared_memory_ok() and self.pid in self.plan.processes:
             shapes = [o.shape for o in self.plan.offered_by(self.pid)]
             self.writer = shm_weights.SlotWriter(shapes, self.plan.dtype, num_actors, [],
                                                  check=cluster.check_peers)  # fmt: skip
         where = f"{shm_weights.host_key()}|{self.writer.directory}" if self.writer else ""
         cluster.publish(f"weights_shm/{self.pid}", where)
-        self._shm_pulls: list[int] | None = None  # the pulls that read the slots (they say so: `_paths`)
+        self._shm_pulls: list[int] | None = None  # the pulls that read the slots (`resolve_paths`)
         # Per bucket, one jitted cut + cast per local trainer device: the cast happens once, on the trainer,
         # only the pieces' bytes are written, and a bucket can be pulled as soon as its own cut is done.
         self._cuts = []
@@ -309,7 +312,7 @@ class TransferPublisher:
     def publish(self, version: int, params) -> NewWeights:
         """Offers `params` (trainer layout) as `version`; returns the message for the actors."""
         t0 = time.perf_counter()
-        shm = self._paths()
+        shm = self.resolve_paths()
         if shm:
             self._write(version, params)
         transfer_pulls = [a for a in range(self.num_actors) if a not in shm]
@@ -338,15 +341,35 @@ class TransferPublisher:
         self.last_seconds = time.perf_counter() - t0
         return NewWeights(version, None, total)
 
-    def _paths(self) -> set[int]:
+    def resolve_paths(self, timeout_s: float = 600.0) -> set[int]:
         """The pulls that read this process's shared-memory slots (each receiver says which path it
-        took, once: it may not see the slots, e.g. on another host)."""
+        took, once, as it starts: it may not see the slots, e.g. on another host). The first call waits
+        up to `timeout_s` for every receiver; call it before the trainer processes' first collective (the
+        build does, then meets the other trainer processes at a barrier), so that no trainer process waits
+        here while the others have entered a train step.
+
+        Raises:
+          PeerFailure: a receiver did not say within `timeout_s` (or a process failed meanwhile).
+        """
         if self._shm_pulls is None:
-            self._shm_pulls = []
+            pulls: list[int] = []
             if self.writer is not None:
-                said = [self.cluster.lookup(f"weights_path/{self.pid}/{a}") for a in range(self.num_actors)]
-                self._shm_pulls = [a for a, path in enumerate(said) if path == "shm"]
-                self.writer.shm_readers = self._shm_pulls
+                deadline = time.monotonic() + timeout_s
+                said = []
+                for a in range(self.num_actors):
+                    key = f"weights_path/{self.pid}/{a}"
+                    try:
+                        said.append(self.cluster.lookup(key, max(deadline - time.monotonic(), 0.0)))
+                    except PeerFailure as e:
+                        if time.monotonic() < deadline:  # another process failed: its own report
+                            raise
+                        raise PeerFailure(
+                            f"trainer process {self.pid}: pull {a} did not say how it takes this process's "
+                            f"weights ({e})"
+                        ) from None
+                pulls = [a for a, path in enumerate(said) if path == "shm"]
+                self.writer.shm_readers = pulls
+            self._shm_pulls = pulls
         return set(self._shm_pulls)
 
     def _write(self, version: int, params) -> None:
