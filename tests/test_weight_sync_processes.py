@@ -91,19 +91,25 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("transport", ["auto", "transfer"])
-def test_receiver_gets_exactly_its_blocks(tmp_path, transport):
-    """"auto" on one CPU host: shared-memory slots, mapped in place; "transfer": the transfer server."""
-    port, out = _port(), str(tmp_path / "sampler.json")
+def _run_processes(script: str, n: int, *args: str, timeout: float = 240) -> list[int]:
+    """Runs `script` as processes 0..n-1 of a localhost cluster (argv: id, port, *args); their exit codes."""
+    port = _port()
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    cmd = [sys.executable, "-c", WORKER]
-    procs = [subprocess.Popen([*cmd, str(i), str(port), out, transport], env=env) for i in range(2)]
+    cmd = [sys.executable, "-c", script]
+    procs = [subprocess.Popen([*cmd, str(i), str(port), *args], env=env) for i in range(n)]
     try:
-        codes = [p.wait(timeout=240) for p in procs]
+        return [p.wait(timeout=timeout) for p in procs]
     finally:
         for p in procs:
             p.kill()
+
+
+@pytest.mark.parametrize("transport", ["auto", "transfer"])
+def test_receiver_gets_exactly_its_blocks(tmp_path, transport):
+    """"auto" on one CPU host: shared-memory slots, mapped in place; "transfer": the transfer server."""
+    out = str(tmp_path / "sampler.json")
+    codes = _run_processes(WORKER, 2, out, transport)
     assert codes == [0, 0]
     res = json.load(open(out))
     assert res["equal"]
@@ -174,16 +180,8 @@ os._exit(0)  # the other process is gone: do not wait for the coordination servi
 
 @pytest.mark.parametrize("transport", ["auto", "transfer"])
 def test_a_sync_cut_off_by_a_dead_sender_fails_fast_and_keeps_the_old_version(tmp_path, transport):
-    port, out = _port(), str(tmp_path / "sampler.json")
-    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    cmd = [sys.executable, "-c", CUT_OFF]
-    procs = [subprocess.Popen([*cmd, str(i), str(port), out, transport], env=env) for i in range(2)]
-    try:
-        codes = [p.wait(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    out = str(tmp_path / "sampler.json")
+    codes = _run_processes(CUT_OFF, 2, out, transport)
     assert codes == [0, -9]
     res = json.load(open(out))
     # Version 1 was announced but its sender died: the receiver names the version and the trainer
@@ -245,16 +243,8 @@ cluster.barrier("end")
 def test_members_of_a_spanning_replica_pull_only_their_own_blocks(tmp_path):
     """A (1, 4) replica over two processes: each member pulls exactly the blocks its devices hold (about
     half the model: the tensor axis crosses them), with the right values, and nobody the whole model."""
-    port, out = _port(), str(tmp_path / "member")
-    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    cmd = [sys.executable, "-c", SPANNING]
-    procs = [subprocess.Popen([*cmd, str(i), str(port), out], env=env) for i in range(3)]
-    try:
-        codes = [p.wait(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    out = str(tmp_path / "member")
+    codes = _run_processes(SPANNING, 3, out)
     assert codes == [0, 0, 0]
     res = [json.load(open(f"{out}.{pid}")) for pid in (1, 2)]
     for r in res:
@@ -306,16 +296,8 @@ def test_trainer_processes_that_offer_no_piece_do_not_wait_for_receivers(tmp_pat
     """A (3, 1) trainer mesh over three processes whose leaves no axis divides: process 0 cuts every piece,
     processes 1 and 2 offer none, and no receiver says how it would take theirs. They must not wait for
     that: they publish at once and meet process 0 in the next collective (which gives up after 30 s)."""
-    port, out = _port(), str(tmp_path / "proc")
-    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    cmd = [sys.executable, "-c", IDLE_TRAINERS]
-    procs = [subprocess.Popen([*cmd, str(i), str(port), out], env=env) for i in range(4)]
-    try:
-        codes = [p.wait(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    out = str(tmp_path / "proc")
+    codes = _run_processes(IDLE_TRAINERS, 4, out, timeout=120)
     assert codes == [0, 0, 0, 0]
     res = [json.load(open(f"{out}.{pid}")) for pid in range(4)]
     assert [r["processes"] for r in res[:3]] == [[0]] * 3
