@@ -187,6 +187,23 @@ def test_dynamic_sampling_trains_informative_groups_only_within_eta_and_kl_works
     assert kl[1] == pytest.approx(0.0, abs=1e-6) and kl[4] > 1e-6
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_non_finite_steps_are_sampled_again_and_stop_the_run_saved(tmp_path, mode):
+    """A learning rate of 1e30 makes the weights overflow after the first update; every later step's
+    updates are non-finite and skipped. Such a step changes no version, so its groups must go back to be
+    sampled again (admission waits on the version: before, the run stalled for good once eta's window was
+    full), and three in a row end the run at the last finite version, saved."""
+    over = {"trainer.lr": 1e30, "trainer.warmup_steps": 0, "trainer.clip_norm": None}
+    summary = run_from_config(_small(tmp_path, mode=mode, total_steps=8, eval_every=0, **over))
+    assert summary["stopped_non_finite"] and summary["non_finite_steps"] == 3
+    assert 1 <= summary["steps"] < 8
+    assert summary["prompts_started_again"] >= 2 * 4  # the first two skipped batches were started again
+    mesh = make_mesh((1, 1), ("data", "tensor"), jax.devices()[:1])
+    _, params, _, version = load_policy(str(tmp_path), mesh, SAMPLER_RULES)
+    assert version == summary["steps"]
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+
+
 def test_sync_mode_is_eta_zero(tmp_path):
     summary = run_from_config(_small(tmp_path, mode="sync", total_steps=2, eval_every=0))
     assert summary["max_staleness"] == 0 and summary["max_admission_ahead"] == 0

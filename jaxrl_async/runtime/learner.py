@@ -48,6 +48,10 @@ from jaxrl_async.runtime.metrics import MetricsWriter, summary_line
 from jaxrl_async.trainer import prepare_batch, train_step
 
 log = logging.getLogger(__name__)
+# A step whose every update is non-finite changes no weight, and its groups are sampled again; this many
+# such steps in a row end the run (saved at the last finite version): the weights or the data, not one
+# batch, make the loss NaN/inf.
+NON_FINITE_STEPS_IN_A_ROW = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +168,8 @@ class Learner:
         self.filter = GroupFilter(cfg.dynamic_sampling, patience)
         self.groups_received = 0  # for the stall warning: where groups stop
         self.no_signal = False
+        self.non_finite_steps = 0  # steps whose every update was skipped as non-finite
+        self.non_finite_in_a_row = 0
         self.save_policy = SavePolicy(cfg.checkpoint.every, cfg.checkpoint.minutes, cfg.schedule.total_steps,
                                       saved_at=time.monotonic())  # fmt: skip
         self._stop_sent = False
@@ -195,7 +201,8 @@ class Learner:
             progress = True
         busy = self.inflight is not None
         more = self.version < self.cfg.schedule.total_steps
-        if not busy and not self.preempting and not self.no_signal and more:
+        stopped = self.preempting or self.no_signal or self.non_finite_in_a_row >= NON_FINITE_STEPS_IN_A_ROW
+        if not busy and not stopped and more:
             groups = self.queue.pop_batch(self.cfg.schedule.prompts_per_step, self.version)
             self._report_drops()
             if groups is not None:
@@ -269,7 +276,9 @@ class Learner:
         version = self.core.version
         if version == self.version:  # every update was skipped (non-finite): nothing new to publish
             self._idle_since = time.perf_counter()
+            self._non_finite(step.groups)
             return
+        self.non_finite_in_a_row = 0
         self.version = version
         self.step_spans.append((version, self._dispatched_at, time.monotonic()))
         sync = self._publish()
@@ -284,6 +293,25 @@ class Learner:
         # At once, even before this version's evaluation is in: waiting for it would idle the trainer.
         if self.save_policy.due(self.version, time.monotonic()):
             self.save()
+
+    def _non_finite(self, groups) -> None:
+        """A step changed no weight: its groups go back to the coordinator to be sampled again (on the
+        admission budget they hold; the version, on which admission waits, did not move), and enough such
+        steps in a row stop the run."""
+        self.non_finite_steps += 1
+        self.non_finite_in_a_row += 1
+        self.transport.send("coordinator", Trained(self.version, [], dropped=[g[0].group_id for g in groups]))
+        log.warning(
+            "version %d: every update of the step on %d groups had a non-finite loss or gradient and was "
+            "skipped; the groups are sampled again (%d such steps in a row, %d stop the run)",
+            self.version, len(groups), self.non_finite_in_a_row, NON_FINITE_STEPS_IN_A_ROW,
+        )  # fmt: skip
+        if self.non_finite_in_a_row >= NON_FINITE_STEPS_IN_A_ROW:
+            log.error(
+                "%d train steps in a row were non-finite: stopping at version %d (its weights are the last "
+                "finite ones and are saved); lower config.trainer.lr or check the data and rewards",
+                self.non_finite_in_a_row, self.version,
+            )  # fmt: skip
 
     def _publish(self) -> float:
         message = self.core.publish()
@@ -319,7 +347,8 @@ class Learner:
         log.info("version %d: held-out accuracy %.3f", m.version, m.accuracy)
 
     def _maybe_stop(self) -> None:
-        quit_now = self.data_exhausted or self.preempting or self.no_signal
+        non_finite = self.non_finite_in_a_row >= NON_FINITE_STEPS_IN_A_ROW
+        quit_now = self.data_exhausted or self.preempting or self.no_signal or non_finite
         finished = self.version >= self.cfg.schedule.total_steps or quit_now
         last_eval = self.evals and self.evals[-1][0] >= self.version
         if finished and self.inflight is None and not self._stop_sent and (last_eval or quit_now):
@@ -421,6 +450,8 @@ class Learner:
             "dropped_groups": self.queue.dropped_groups,
             "filtered_groups": self.filter.filtered_total,
             "stopped_no_signal": self.no_signal,
+            "non_finite_steps": self.non_finite_steps,
+            "stopped_non_finite": self.non_finite_in_a_row >= NON_FINITE_STEPS_IN_A_ROW,
             "dropped_lengths": self.queue.dropped_lengths,
             "evals": [{"step": s, "accuracy": a, "elapsed_s": e, "trained_s": trained.get(s)}
                       for s, a, e in self.evals],  # fmt: skip
