@@ -201,8 +201,7 @@ class Learner:
             progress = True
         busy = self.inflight is not None
         more = self.version < self.cfg.schedule.total_steps
-        stopped = self.preempting or self.no_signal or self.non_finite_in_a_row >= NON_FINITE_STEPS_IN_A_ROW
-        if not busy and not stopped and more:
+        if not busy and not (self.preempting or self.no_signal or self.non_finite_stop) and more:
             groups = self.queue.pop_batch(self.cfg.schedule.prompts_per_step, self.version)
             self._report_drops()
             if groups is not None:
@@ -306,12 +305,17 @@ class Learner:
             "skipped; the groups are sampled again (%d such steps in a row, %d stop the run)",
             self.version, len(groups), self.non_finite_in_a_row, NON_FINITE_STEPS_IN_A_ROW,
         )  # fmt: skip
-        if self.non_finite_in_a_row >= NON_FINITE_STEPS_IN_A_ROW:
+        if self.non_finite_stop:
             log.error(
                 "%d train steps in a row were non-finite: stopping at version %d (its weights are the last "
                 "finite ones and are saved); lower config.trainer.lr or check the data and rewards",
                 self.non_finite_in_a_row, self.version,
             )  # fmt: skip
+
+    @property
+    def non_finite_stop(self) -> bool:
+        """Enough non-finite steps in a row to end the run."""
+        return self.non_finite_in_a_row >= NON_FINITE_STEPS_IN_A_ROW
 
     def _publish(self) -> float:
         message = self.core.publish()
@@ -347,8 +351,7 @@ class Learner:
         log.info("version %d: held-out accuracy %.3f", m.version, m.accuracy)
 
     def _maybe_stop(self) -> None:
-        non_finite = self.non_finite_in_a_row >= NON_FINITE_STEPS_IN_A_ROW
-        quit_now = self.data_exhausted or self.preempting or self.no_signal or non_finite
+        quit_now = self.data_exhausted or self.preempting or self.no_signal or self.non_finite_stop
         finished = self.version >= self.cfg.schedule.total_steps or quit_now
         last_eval = self.evals and self.evals[-1][0] >= self.version
         if finished and self.inflight is None and not self._stop_sent and (last_eval or quit_now):
@@ -451,7 +454,7 @@ class Learner:
             "filtered_groups": self.filter.filtered_total,
             "stopped_no_signal": self.no_signal,
             "non_finite_steps": self.non_finite_steps,
-            "stopped_non_finite": self.non_finite_in_a_row >= NON_FINITE_STEPS_IN_A_ROW,
+            "stopped_non_finite": self.non_finite_stop,
             "dropped_lengths": self.queue.dropped_lengths,
             "evals": [{"step": s, "accuracy": a, "elapsed_s": e, "trained_s": trained.get(s)}
                       for s, a, e in self.evals],  # fmt: skip
