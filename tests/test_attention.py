@@ -266,3 +266,47 @@ def test_cudnn_packed_layout_describes_the_reference_mask(layout):
         np.testing.assert_array_equal(_mask_from_packed_layout(seqlen, offsets, t), ref)
     else:
         assert layout == "many short" and count.max() > m  # these rows go to blocked_attention
+
+
+def test_what_cudnn_leaves_at_padding_never_reaches_the_output_or_the_gradients(monkeypatch):
+    """cuDNN's packed layout writes neither the output nor dQ/dK/dV at padding positions. A stand-in for the
+    kernel (exact attention on real tokens, NaN wherever cuDNN writes nothing) shows that the packed path's
+    loss and gradients are finite and equal the blocked path's, with zero gradients at padding."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    rng = np.random.default_rng(3)
+    q, k, v, seg = _packed_row(rng)
+    real_BxT = seg != 0
+    assert not bool(real_BxT.all())  # the row has padding to leave unwritten
+    mask = attention.packed_causal_mask(seg, q.shape[1], q.shape[0]) & real_BxT[:, :, None]
+
+    def unwritten(x):  # what the kernel leaves at padding positions: anything, here NaN
+        return jnp.where(real_BxT[:, :, None, None], x, jnp.nan)
+
+    @jax.custom_vjp
+    def kernel(q, k, v):
+        return unwritten(attention.reference_attention(q, k, v, mask))
+
+    def kernel_fwd(q, k, v):
+        return kernel(q, k, v), (q, k, v)
+
+    def kernel_bwd(res, d_out):
+        _, vjp = jax.vjp(lambda q, k, v: attention.reference_attention(q, k, v, mask), *res)
+        return tuple(unwritten(d) for d in vjp(d_out))
+
+    kernel.defvjp(kernel_fwd, kernel_bwd)
+    monkeypatch.setattr(fa, "dot_product_attention", lambda q, k, v, *layout, **kw: kernel(q, k, v))
+    w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32) * real_BxT[:, :, None, None]  # loss: real only
+
+    def loss(fn, q, k, v):
+        return jnp.sum(fn(q, k, v) * w)
+
+    packed = functools.partial(attention._cudnn_packed, segment_ids_BxT=seg)
+    blocked = functools.partial(attention.blocked_attention, segment_ids_BxT=seg)
+    lp, gp = jax.jit(jax.value_and_grad(functools.partial(loss, packed), argnums=(0, 1, 2)))(q, k, v)
+    lb, gb = jax.jit(jax.value_and_grad(functools.partial(loss, blocked), argnums=(0, 1, 2)))(q, k, v)
+    assert np.isfinite(float(lp)) and abs(float(lp) - float(lb)) < 1e-3
+    for a, b in zip(gp, gb, strict=True):
+        assert bool(jnp.isfinite(a).all())
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
+        assert not bool(jnp.any(a[~real_BxT] != 0))

@@ -44,6 +44,10 @@ def test_device_check_smoke_runs_every_stage_and_writes_its_json(tmp_path):
     assert res["sync_1p5b"]["colocated"]["sync_GBps"] > 0 and res["sync_8b"]["colocated"]["sync_s"] > 0
     assert res["run"]["tags_missing"] == [] and res["run"]["last_step"] == 3
     assert set(res["bars"]) == set(BARS)
+    # Correctness checks: attention (forward and backward, padding included) and the run's steps.
+    assert res["checks"] == {
+        "attention_one_segment_agrees": True, "attention_packed_agrees": True, "run_steps_finite": True
+    }  # fmt: skip
 
 
 def test_the_wheel_list_covers_the_imports_the_lent_machine_lacks():

@@ -21,8 +21,9 @@
 # with the rest for installing the wheels and the report. Sized from the first run on an H200 (2026-12-04,
 # docs/benchmarks.md "First run on an H200"): the decode stage measured three points in 145 s (each batch
 # compiles its own decode), the stages after it needed 8-33 s, and the run's version-0 evaluation alone
-# ended 40 s in. OUT/device_check.json combines the stages and the bars.
-# Exits non-zero when a stage failed or timed out (not for a missed bar).
+# ended 40 s in. OUT/device_check.json combines the stages, the bars and the correctness checks
+# (attention against the blocked path, no non-finite step). Exits non-zero when a stage failed or timed
+# out or a check failed (not for a missed bar).
 #
 #   tools/build_device_wheels.sh                  # here, once: device_wheels/ (git-ignored)
 #   tools/device_check.sh [--hardware h200|h100|...] [--out DIR] [--wheels DIR]

@@ -38,6 +38,19 @@ def _decode_fraction(decode: dict | None, batch: int, context: int):
     return None
 
 
+def _checks(out_dir: str, attention: dict | None) -> dict:
+    """Correctness, beside the speed bars: the run's attention agrees with the blocked path, forward and
+    backward, padding included (device_probe's ATTENTION_GRAD_TOLERANCE), and the run skipped no step for a
+    non-finite loss or gradient. None where the stage left nothing to judge."""
+    checks = {
+        f"attention_{layout.replace(' ', '_')}_agrees": res.get("agrees")
+        for layout, res in (attention or {}).get("layouts", {}).items()
+    }
+    summary = _load(os.path.join(out_dir, "run", "summary.json"))
+    checks["run_steps_finite"] = None if summary is None else summary.get("non_finite_steps", 0) == 0
+    return checks
+
+
 def report(out_dir: str) -> dict:
     parts = {name: _load(os.path.join(out_dir, f"{name}.json")) for name in STAGES if name != "run"}
     stages = _load(os.path.join(out_dir, "stages.json")) or {}
@@ -61,7 +74,8 @@ def report(out_dir: str) -> dict:
         value = measured[name]
         ok = None if value is None else (value <= bar if name.endswith("_s") else value >= bar)
         bars[name] = {"measured": value, "bar": bar, "met": ok}
-    return {"stages": stages, **parts, "run": run, "bars": bars}
+    checks = _checks(out_dir, parts["attention"])
+    return {"stages": stages, **parts, "run": run, "bars": bars, "checks": checks}
 
 
 def main(argv) -> int:
@@ -73,12 +87,14 @@ def main(argv) -> int:
     res = report(out_dir)
     with open(os.path.join(out_dir, "device_check.json"), "w") as f:
         json.dump(res, f, indent=1)
-    print(json.dumps({"stages": res["stages"], "run": res["run"], "bars": res["bars"]}, indent=1))
+    print(json.dumps({k: res[k] for k in ("stages", "run", "bars", "checks")}, indent=1))
     failed = [name for name, st in res["stages"].items() if st["rc"] != 0]
     absent = [name for name in STAGES if name not in res["stages"]]
-    if failed or absent or res["run"]["tags_missing"]:
+    wrong = [name for name, ok in res["checks"].items() if ok is False]
+    if failed or absent or res["run"]["tags_missing"] or wrong:
         missing = res["run"]["tags_missing"]
-        print(f"device check incomplete: failed {failed}, not run {absent}, missing tags {missing}")
+        print(f"device check incomplete: failed {failed}, not run {absent}, missing tags {missing}, "
+              f"checks failed {wrong}")  # fmt: skip
         return 1
     return 0
 

@@ -240,6 +240,11 @@ def _packed_row(t: int, rng) -> np.ndarray:
     return seg
 
 
+# The attention stage's agreement check: the largest gradient difference from the blocked path, over the
+# largest blocked gradient. bf16 rounding stays far below it; wrong masking or unwritten memory does not.
+ATTENTION_GRAD_TOLERANCE = 0.1
+
+
 def stage_attention(rec: Record, args) -> None:
     from jaxrl_async.model import attention, presets
 
@@ -273,7 +278,12 @@ def stage_attention(rec: Record, args) -> None:
             float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
             for a, b in zip(go, gb, strict=True)
         )
+        scale = max(float(jnp.max(jnp.abs(b.astype(jnp.float32)))) for b in gb)
+        res["max_grad_rel_diff"] = res["max_grad_diff"] / max(scale, 1e-30)
         res["loss"], res["loss_blocked"] = float(lo), float(lb)
+        # Gradients at every position, padding included (a kernel that leaves them unwritten shows here).
+        res["finite"] = bool(np.isfinite(float(lo)) and all(bool(jnp.isfinite(a).all()) for a in go))
+        res["agrees"] = res["finite"] and res["max_grad_rel_diff"] <= ATTENTION_GRAD_TOLERANCE
         rec.put(layouts={**rec.data["layouts"], layout: res})
 
 

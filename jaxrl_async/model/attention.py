@@ -19,7 +19,7 @@
 Every implementation masks a packed row the same way for real tokens: a token attends to itself and to
 earlier tokens of its own segment. Segments are contiguous runs of one id, as packing writes them (the
 cuDNN packed layout relies on it). Padding positions (segment id 0) get finite outputs that differ between
-implementations and are never used.
+implementations and are never used; where the loss ignores them, their gradients are zero.
 
 Einsum letters as in the model: B batch, T query positions, S key positions, H query heads, G KV heads,
 R = H / G, K head dim.
@@ -194,7 +194,14 @@ def _cudnn_packed(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT):
     if g != h and not _PACKED_GQA_OK:
         k, v = jnp.repeat(k, h // g, axis=2), jnp.repeat(v, h // g, axis=2)
 
+    real_BxTx1x1 = (segment_ids_BxT != 0)[:, :, None, None]
+
     def cudnn(q, k, v):
+        # cuDNN writes nothing at padding positions: neither the output nor, in the backward, dQ/dK/dV, which
+        # then hold whatever the buffers held (NaN included). Selecting zeros there on the way in and out
+        # makes both the output and the gradients zero at padding (a select drops the unwritten values, where
+        # a multiply by 0 would keep a NaN).
+        q, k, v = (jnp.where(real_BxTx1x1, x, 0) for x in (q, k, v))
         try:
             out = fa.dot_product_attention(
                 q, k, v, None, None, seqlen_BxM, seqlen_BxM, offsets_BxM1, offsets_BxM1,
@@ -205,8 +212,7 @@ def _cudnn_packed(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT):
                 f"config.model.attention: 'dot_product' on packed rows needs cuDNN's packed layout, which "
                 f"this GPU cannot run ({e}); use 'blocked'"
             ) from e
-        real = (segment_ids_BxT != 0)[:, :, None, None]
-        return jnp.where(real, out, 0).astype(q.dtype)  # cuDNN leaves padding positions unwritten
+        return jnp.where(real_BxTx1x1, out, 0).astype(q.dtype)
 
     def fallback(q, k, v):
         return blocked_attention(q, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT)
