@@ -40,16 +40,21 @@ class Rules:
             if mesh_axis is not None and mesh_axis not in self.mesh_axes:
                 raise ValueError(f"rules {self.name!r}: {logical!r} -> unknown mesh axis {mesh_axis!r}")
 
-    def spec(
+    def mesh_sizes(self, mesh_shape: Sequence[int]) -> dict[str, int]:
+        """{mesh axis: size} of this role's mesh of `mesh_shape`, e.g. a config's (data, tensor)."""
+        return dict(zip(self.mesh_axes, mesh_shape, strict=True))
+
+    def placement(
         self,
         logical_axes: Sequence[str | None],
         shape: Sequence[int] | None = None,
-        mesh: Mesh | None = None,
-    ) -> PartitionSpec:
-        """PartitionSpec for an array with these logical axes.
+        mesh_sizes: Mapping[str, int] | None = None,
+    ) -> tuple[str | None, ...]:
+        """The mesh axis of each dimension of an array with these logical axes (None: replicated).
 
-        With `shape` and `mesh`, a dimension that the mesh axis does not divide is replicated instead
-        (e.g. 2 KV heads on a tensor axis of 4): JAX needs even shards.
+        With `shape` and `mesh_sizes`, a dimension that its mesh axis does not divide is replicated instead
+        (e.g. 2 KV heads on a tensor axis of 4): JAX needs even shards. The one place that decides it: the
+        shardings (`spec`) and the plan check's per-device bytes (`local_shape`) both come from here.
 
         Raises:
           ValueError: two dimensions of one array map to the same mesh axis.
@@ -58,8 +63,8 @@ class Rules:
         out, used = [], {}
         for i, logical in enumerate(logical_axes):
             mesh_axis = table.get(logical) if logical is not None else None
-            if mesh_axis is not None and shape is not None and mesh is not None:
-                if not _divides(mesh.shape[mesh_axis], shape[i]):
+            if mesh_axis is not None and shape is not None and mesh_sizes is not None:
+                if not _divides(mesh_sizes[mesh_axis], shape[i]):
                     mesh_axis = None
             if mesh_axis is not None:
                 if mesh_axis in used:
@@ -69,7 +74,24 @@ class Rules:
                     )
                 used[mesh_axis] = logical
             out.append(mesh_axis)
-        return PartitionSpec(*out)
+        return tuple(out)
+
+    def spec(
+        self,
+        logical_axes: Sequence[str | None],
+        shape: Sequence[int] | None = None,
+        mesh: Mesh | None = None,
+    ) -> PartitionSpec:
+        """PartitionSpec for an array with these logical axes (`placement`; with `shape` and `mesh`, a
+        dimension the mesh axis does not divide is replicated)."""
+        return PartitionSpec(*self.placement(logical_axes, shape, None if mesh is None else mesh.shape))
+
+    def local_shape(
+        self, logical_axes: Sequence[str | None], shape: Sequence[int], mesh_sizes: Mapping[str, int]
+    ) -> tuple[int, ...]:
+        """Each device's block of an array of `shape` on a mesh of `mesh_sizes` (what `spec` gives it)."""
+        axes = self.placement(logical_axes, shape, mesh_sizes)
+        return tuple(d if a is None else d // mesh_sizes[a] for d, a in zip(shape, axes, strict=True))
 
     def sharding(self, mesh: Mesh, logical_axes, shape=None) -> NamedSharding:
         """NamedSharding on `mesh` for an array with these logical axes."""

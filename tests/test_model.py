@@ -14,6 +14,7 @@ from jaxrl_async.model import (
     from_hf_config,
     init_params,
     load_hf,
+    param_specs,
     presets,
     save_hf,
 )
@@ -198,6 +199,25 @@ def test_sharded_forward_equals_single_device(shape, rules):
         np.asarray(forward_logits(TINY, params, tokens)),
         atol=2e-5,
     )
+
+
+@pytest.mark.parametrize(
+    "shape,rules", [((2, 4), TRAINER_RULES), ((1, 8), SAMPLER_RULES), ((4, 2), SAMPLER_RULES)]
+)
+def test_local_shape_is_the_shard_each_device_holds(shape, rules):
+    """The plan check's per-device bytes (`Rules.local_shape`) are the shards the rules really place,
+    including a dimension the mesh axis does not divide (TINY's KV heads on a tensor axis of 4 or 8)."""
+    specs = jax.tree.leaves(param_specs(TINY), is_leaf=lambda x: hasattr(x, "logical_axes"))
+    params = jax.tree.leaves(init_params(TINY, jax.random.key(1), make_mesh(shape, rules.mesh_axes), rules))
+    sizes = rules.mesh_sizes(shape)
+    replicated = 0
+    for spec, x in zip(specs, params, strict=True):
+        local = rules.local_shape(spec.logical_axes, spec.shape, sizes)
+        assert local == x.addressable_shards[0].data.shape, spec
+        replicated += rules.placement(spec.logical_axes) != rules.placement(
+            spec.logical_axes, spec.shape, sizes
+        )
+    assert replicated > 0  # the case the divide-or-replicate rule exists for is among them
 
 
 def test_rules_reject_colliding_axes():

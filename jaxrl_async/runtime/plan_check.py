@@ -130,8 +130,9 @@ def trainer_attention(
     target = attention.resolve(model_cfg.attention, platform)
     compute = cfg.compute_dtype or model_cfg.dtype
     if attention.uses_cudnn_packed(model_cfg.attention, compute, platform):
-        fsdp, tensor = trainer_shape
-        heads = model_cfg.n_heads // tensor if model_cfg.n_heads % tensor == 0 else model_cfg.n_heads
+        fsdp = trainer_shape[0]
+        sizes = TRAINER_RULES.mesh_sizes(trainer_shape)
+        (heads,) = TRAINER_RULES.local_shape(("q_heads",), (model_cfg.n_heads,), sizes)
         rows = -(-cfg.rows_per_micro // fsdp)
         return {
             "target": "cudnn",
@@ -200,25 +201,20 @@ def kv_cache_bytes(
     dtype_bytes: int = 2,
 ) -> int:
     """Per-device KV-cache bytes: slots split over the data axis, KV heads over tensor when divisible."""
-    data, tensor = sampler_shape
-    heads = model_cfg.n_kv_heads // tensor if model_cfg.n_kv_heads % tensor == 0 else model_cfg.n_kv_heads
+    data = sampler_shape[0]
+    (heads,) = SAMPLER_RULES.local_shape(
+        ("kv_heads",), (model_cfg.n_kv_heads,), SAMPLER_RULES.mesh_sizes(sampler_shape)
+    )
     per_slot = 2 * model_cfg.n_layers * heads * model_cfg.head_dim * slot_len * dtype_bytes
     return -(-num_slots // data) * per_slot
 
 
 def sampler_weight_bytes(model_cfg: ModelConfig, sampler_shape: tuple[int, int], dtype_bytes: int = 2) -> int:
     """Per-device sampler weight bytes under SAMPLER_RULES (replicated over data, split over tensor)."""
-    mesh_sizes = {"data": sampler_shape[0], "tensor": sampler_shape[1]}
-    table = dict(SAMPLER_RULES.mapping)
-    total = 0
-    for spec in jax.tree.leaves(param_specs(model_cfg), is_leaf=lambda x: hasattr(x, "logical_axes")):
-        n = int(np.prod(spec.shape))
-        for dim, axis in zip(spec.shape, spec.logical_axes, strict=True):
-            mesh_axis = table.get(axis)
-            if mesh_axis and dim % mesh_sizes[mesh_axis] == 0:
-                n //= mesh_sizes[mesh_axis]
-        total += n * dtype_bytes
-    return total
+    mesh_sizes = SAMPLER_RULES.mesh_sizes(sampler_shape)
+    leaves = jax.tree.leaves(param_specs(model_cfg), is_leaf=lambda x: hasattr(x, "logical_axes"))
+    blocks = (SAMPLER_RULES.local_shape(s.logical_axes, s.shape, mesh_sizes) for s in leaves)
+    return sum(int(np.prod(b)) for b in blocks) * dtype_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,11 +233,10 @@ def sharding_fallbacks(model_cfg: ModelConfig, sampler_cfg: Any, mesh: Any) -> d
     specs = param_specs(model_cfg)
     cache = _Buffer((sampler_cfg.num_slots, model_cfg.n_kv_heads, sampler_cfg.slot_len, model_cfg.head_dim),
                     CACHE_AXES)  # fmt: skip
-    sizes = lambda rules, shape: dict(zip(rules.mesh_axes, shape, strict=True))  # noqa: E731
     return {
-        "trainer": TRAINER_RULES.fallbacks(specs, sizes(TRAINER_RULES, mesh.trainer)),
+        "trainer": TRAINER_RULES.fallbacks(specs, TRAINER_RULES.mesh_sizes(mesh.trainer)),
         "sampler": SAMPLER_RULES.fallbacks(
-            {"params": specs, "kv_cache": cache}, sizes(SAMPLER_RULES, mesh.sampler)
+            {"params": specs, "kv_cache": cache}, SAMPLER_RULES.mesh_sizes(mesh.sampler)
         ),
     }
 
