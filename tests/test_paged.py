@@ -194,6 +194,43 @@ def test_pallas_paged_kernels_in_interpret_mode_match_the_reference():
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=atol, rtol=0)
 
 
+def test_device_kernels_run_whole_8_page_blocks_at_every_length():
+    """On a device both kernels take 8 pages a block whatever the sequence length (8k-token sequences
+    once ran in 1-page blocks); the GPU kernel splits a sequence in up to 16, and the table width is a
+    multiple of both, at most twice the pages plus a block."""
+    for pages in (*range(1, 200), 516, 1000, 2049):
+        for impl in ("gpu", "tpu"):
+            width = paged.table_width(pages, impl, False)
+            splits, per_block = paged.PagedLayout(MESH1, 2, 16, 16, 4, width, impl, False).blocks
+            assert per_block == 8 and width % (splits * per_block) == 0 and pages <= width <= 2 * pages + 8
+            assert splits == 1 if impl == "tpu" else 1 <= splits <= 16
+    width = paged.table_width(516, "gpu", False)  # 8,256 positions: 65 blocks of 8 pages -> 80
+    assert width == 640 and paged.PagedLayout(MESH1, 2, 16, 16, 4, width, "gpu", False).blocks == (16, 8)
+
+
+def test_the_gpu_kernel_with_its_device_blocks_matches_the_reference():
+    """The blocks a GPU runs (several splits, 8-page blocks) give the reference's attention (the kernel
+    interpreted here), lengths ending mid-block, mid-split and at one token."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
+
+    rng = np.random.default_rng(1)
+    b, h, g, k, ps, pages = 3, 4, 2, 32, 4, 40
+    width = paged.table_width(20, "gpu", False)
+    splits, per_block = paged.PagedLayout(MESH1, g, k, ps, pages, width, "gpu", False).blocks
+    assert (width, splits, per_block) == (32, 4, 8)
+    q = jnp.asarray(rng.standard_normal((b, h, k), np.float32)) * k**-0.5
+    kpool, vpool = (jnp.asarray(rng.standard_normal((g, pages, ps, k), np.float32)) for _ in range(2))
+    rows = [rng.permutation(np.arange(1, pages))[:width] for _ in range(b)]
+    table = jnp.asarray(np.stack(rows).astype(np.int32))
+    lengths = jnp.asarray([1, 37, 80], jnp.int32)
+    out = gpu_paged.paged_attention(
+        q, kpool, vpool, table, lengths, block_h=16, pages_per_compute_block=per_block, k_splits=splits,
+        interpret=True,
+    )  # fmt: skip
+    ref = paged.reference_attention(q * k**0.5, kpool, vpool, lengths, table)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("mesh", [MESH1, MESH4], ids=["1dev", "data2_tensor2"])
 def test_paged_decode_equals_slotted_and_the_trainer(params, mesh):
     p = params if mesh is MESH1 else _params(mesh=mesh)

@@ -92,19 +92,50 @@ class PagedLayout:
 
     @property
     def blocks(self) -> tuple[int, int]:
-        """(k_splits, pages per compute block) of the kernels, both dividing the table width."""
-        splits = 2 if self.interpret else 16  # interpret mode loops over the grid: keep it small
+        """(k_splits, pages per compute block) of the kernels, both dividing the table width.
+
+        On a device, 8 pages a block (128 keys a tile at 16 positions a page, the kernels' own default), and
+        for the GPU kernel up to 16 splits of a sequence's pages (its default; they parallelize one
+        sequence at small batch). The table width (`table_width`) is a multiple of both, so neither shrinks
+        with the sequence length: with the width merely a multiple of 16 pages, 8k-token sequences had run
+        in 1-page (16-key) blocks. The TPU kernel does not split. In interpret mode (CPU) the grid is a
+        Python loop: small splits, and blocks that divide whatever width a test builds."""
+        if not self.interpret:
+            return (1 if self.impl == "tpu" else _splits(self.width)), PAGES_PER_BLOCK
+        splits = 2
         while self.width % splits:
             splits //= 2
-        per_block = 8
+        per_block = PAGES_PER_BLOCK
         while (self.width // splits) % per_block:
             per_block //= 2
         return splits, per_block
 
 
+PAGES_PER_BLOCK = 8  # pages per compute block of both kernels on a device
+MAX_SPLITS = 16  # the GPU kernel's k_splits at most
+
+
+def _splits(width: int) -> int:
+    """The GPU kernel's k_splits for a table `width` (a multiple of PAGES_PER_BLOCK): the most, up to
+    MAX_SPLITS, that divide its blocks."""
+    splits = MAX_SPLITS
+    while (width // PAGES_PER_BLOCK) % splits:
+        splits //= 2
+    return splits
+
+
 def table_width(pages_per_seq: int, impl: str, interpret: bool) -> int:
-    """Page-table columns: pages of the longest sequence, rounded up so the kernels' blocks divide them."""
-    multiple = 2 if interpret else (8 if impl == "tpu" else 16)
+    """Page-table columns: pages of the longest sequence, rounded up so that the kernels' blocks divide
+    them (`PagedLayout.blocks`). On a GPU that is whole blocks times the splits the sequence can use, so
+    a 1,088-token sequence (68 pages) gets 128 columns, 16 splits of one block (the splits past its length
+    return at once), and a 4-page one 8 columns, one split."""
+    if interpret:
+        multiple = 2
+    elif impl == "tpu":
+        multiple = PAGES_PER_BLOCK
+    else:
+        blocks = -(-pages_per_seq // PAGES_PER_BLOCK)
+        multiple = PAGES_PER_BLOCK * min(MAX_SPLITS, 1 << (blocks.bit_length() - 1))
     return -(-pages_per_seq // multiple) * multiple
 
 
