@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -188,7 +189,7 @@ def test_dynamic_sampling_trains_informative_groups_only_within_eta_and_kl_works
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_non_finite_steps_are_sampled_again_and_stop_the_run_saved(tmp_path, mode):
+def test_non_finite_steps_are_sampled_again_and_stop_the_run_saved(tmp_path, mode, caplog):
     """A learning rate of 1e30 makes the weights overflow after the first update; every later step's
     updates are non-finite and skipped. Such a step changes no version, so its groups must go back to be
     sampled again (admission waits on the version: before, the run stalled for good once eta's window was
@@ -198,6 +199,9 @@ def test_non_finite_steps_are_sampled_again_and_stop_the_run_saved(tmp_path, mod
     assert summary["stopped_non_finite"] and summary["non_finite_steps"] == 3
     assert 1 <= summary["steps"] < 8
     assert summary["prompts_started_again"] >= 2 * 4  # the first two skipped batches were started again
+    # Each skipped step's warning says which was non-finite: the loss, the gradient norm, or both.
+    skipped = re.findall(r"skipped \(loss (\S+), gradient norm (\S+)\)", caplog.text)
+    assert len(skipped) == 3 and all("nan" in (lo + gn).lower() or "inf" in (lo + gn) for lo, gn in skipped)
     mesh = make_mesh((1, 1), ("data", "tensor"), jax.devices()[:1])
     _, params, _, version = load_policy(str(tmp_path), mesh, SAMPLER_RULES)
     assert version == summary["steps"]

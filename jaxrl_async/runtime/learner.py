@@ -275,7 +275,7 @@ class Learner:
         version = self.core.version
         if version == self.version:  # every update was skipped (non-finite): nothing new to publish
             self._idle_since = time.perf_counter()
-            self._non_finite(step.groups)
+            self._non_finite(step.groups, metrics)
             return
         self.non_finite_in_a_row = 0
         self.version = version
@@ -293,17 +293,20 @@ class Learner:
         if self.save_policy.due(self.version, time.monotonic()):
             self.save()
 
-    def _non_finite(self, groups) -> None:
+    def _non_finite(self, groups, metrics: dict[str, float]) -> None:
         """A step changed no weight: its groups go back to the coordinator to be sampled again (on the
         admission budget they hold; the version, on which admission waits, did not move), and enough such
-        steps in a row stop the run."""
+        steps in a row stop the run. The warning gives the step's loss and gradient norm: a finite loss
+        with a non-finite gradient points at a backward pass, not at the data."""
         self.non_finite_steps += 1
         self.non_finite_in_a_row += 1
         self.transport.send("coordinator", Trained(self.version, [], dropped=[g[0].group_id for g in groups]))
         log.warning(
             "version %d: every update of the step on %d groups had a non-finite loss or gradient and was "
-            "skipped; the groups are sampled again (%d such steps in a row, %d stop the run)",
-            self.version, len(groups), self.non_finite_in_a_row, NON_FINITE_STEPS_IN_A_ROW,
+            "skipped (loss %s, gradient norm %s); the groups are sampled again (%d such steps in a row, %d "
+            "stop the run)",
+            self.version, len(groups), metrics.get("loss"), metrics.get("grad_norm"),
+            self.non_finite_in_a_row, NON_FINITE_STEPS_IN_A_ROW,
         )  # fmt: skip
         if self.non_finite_stop:
             log.error(
