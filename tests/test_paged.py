@@ -317,6 +317,20 @@ def test_paged_recompute_kv_matches_slotted(params):
         np.testing.assert_allclose(c.logprobs, ref.logprobs, atol=1e-5)
 
 
+def test_the_default_budget_holds_every_slot_in_whole_pages(params):
+    """max_prompt_len + max_new_tokens = 28 positions need 7 pages of 4, or 2 of 16: the default budget
+    rounds each slot up to them (28 x 4 slots in 16-position pages had been 7 pages for 8)."""
+    for page_size, pages in ((4, 7), (16, 2)):
+        cfg = SamplerConfig(num_slots=4, max_prompt_len=16, max_new_tokens=12, attention="paged_kernel",
+                            page_size=page_size)  # fmt: skip
+        assert cfg.token_budget == 4 * pages * page_size
+    assert SamplerConfig(num_slots=4, max_prompt_len=16, max_new_tokens=12).token_budget == 4 * 28  # slotted
+    # One slot of 16 + 8 = 24 positions: the old default of 24 gave one page of 16, and the engine refused.
+    loop = _loop(params, num_slots=1, page_size=16, max_new_tokens=8)
+    loop.add_request(Request(0, _prompts(1, seed=5)[0], n_samples=1, max_new_tokens=8))
+    assert len(_by_uid(loop.run())) == 1 and _all_free(loop)
+
+
 def test_paged_config_errors(params):
     with pytest.raises(ValueError, match="token_budget=24 gives 6 pages.*needs 7"):
         _loop(params, token_budget=24)

@@ -219,6 +219,9 @@ def stage_decode(rec: Record, args) -> None:
         for b in (int(x) for x in args.batches.split(",")):
             eng = bench_engine(cfg, params, mesh, b, ctx, new, k, attention=attention)
             p = {"batch": b, "context": ctx, **_decode_point(eng, ctx, args.reps)}
+            if eng.paged:  # the paged kernel's blocking: page-table columns, k_splits, pages per block
+                lay = eng.spec.cache.layout
+                p["table_width"], (p["k_splits"], p["pages_per_block"]) = lay.width, lay.blocks
             del eng
             p["step_s"] = p["pipelined_call_s"] / k
             p["tok_s"] = b / p["step_s"]

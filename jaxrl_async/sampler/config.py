@@ -30,7 +30,8 @@ class SamplerConfig:
       token_budget: KV-cache capacity in tokens over all slots. Slotted cache: each slot holds
         token_budget // num_slots positions. Paged cache: the page pool, split evenly over the data axis
         (each data shard also keeps one scratch page). None = num_slots * (max_prompt_len + max_new_tokens),
-        so every request fits (and the paged cache never runs out of pages).
+        so every request fits; with the paged cache each sequence's length is rounded up to whole pages, so
+        that it never runs out of pages.
       prompt_buckets: prompt lengths are padded up to one of these (one prefill compilation each).
       prefill_batch: at most this many prompts (of one bucket) are prefilled in one call when several
         are admitted at once; batches are padded to a power of two (all compiled on a bucket's first use).
@@ -99,10 +100,9 @@ class SamplerConfig:
                 f"SamplerConfig.prompt_buckets must end with max_prompt_len={self.max_prompt_len}, "
                 f"got {buckets}"
             )
-        if self.token_budget is None:
-            object.__setattr__(
-                self, "token_budget", self.num_slots * (self.max_prompt_len + self.max_new_tokens)
-            )
+        if self.token_budget is None:  # every sequence in whole pages with the paged cache (module doc)
+            ps = self.page_size if self.attention == "paged_kernel" else 1
+            object.__setattr__(self, "token_budget", self.num_slots * -(-self.max_seq_len // ps) * ps)
         if self.attention in ("xla", "cpu_kernel"):  # the slotted cache ("auto": checked by the engine)
             self.check_slotted()
         if self.token_budget < self.max_prompt_len + 1:
