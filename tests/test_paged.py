@@ -324,7 +324,12 @@ def test_the_default_budget_holds_every_slot_in_whole_pages(params):
         cfg = SamplerConfig(num_slots=4, max_prompt_len=16, max_new_tokens=12, attention="paged_kernel",
                             page_size=page_size)  # fmt: skip
         assert cfg.token_budget == 4 * pages * page_size
-    assert SamplerConfig(num_slots=4, max_prompt_len=16, max_new_tokens=12).token_budget == 4 * 28  # slotted
+    auto = SamplerConfig(num_slots=4, max_prompt_len=16, max_new_tokens=12)
+    assert auto.token_budget == 4 * 28  # slotted until the engine resolves "auto"
+    assert auto.with_kernels("xla", "xla").token_budget == 4 * 28
+    assert auto.with_kernels("paged_kernel", "xla").token_budget == 4 * 2 * 16  # "auto" on TPU and GPU
+    explicit = SamplerConfig(num_slots=4, max_prompt_len=16, max_new_tokens=12, token_budget=100)
+    assert explicit.with_kernels("paged_kernel", "xla").token_budget == 100  # a budget set stays as set
     # One slot of 16 + 8 = 24 positions: the old default of 24 gave one page of 16, and the engine refused.
     loop = _loop(params, num_slots=1, page_size=16, max_new_tokens=8)
     loop.add_request(Request(0, _prompts(1, seed=5)[0], n_samples=1, max_new_tokens=8))

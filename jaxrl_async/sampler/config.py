@@ -124,6 +124,13 @@ class SamplerConfig:
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
         self._refuse_unread()
 
+    def with_kernels(self, attention: str, linear: str) -> SamplerConfig:
+        """This config with its "auto" kernels resolved. A budget of every slot at full length (the
+        default's) stays that in whole pages when the cache turns out paged (`"auto"` on TPU and GPU)."""
+        full = self.token_budget == self.num_slots * self.max_seq_len
+        budget = None if full and attention == "paged_kernel" else self.token_budget
+        return dataclasses.replace(self, attention=attention, linear=linear, token_budget=budget)
+
     def _refuse_unread(self) -> None:
         """A knob set away from its default that this configuration never reads is an error."""
         default = {f.name: f.default for f in dataclasses.fields(SamplerConfig)}

@@ -153,9 +153,7 @@ class Engine:
         check_slot_count(mesh, cfg)
         runner = None if params is None else functools.partial(_timing_runner, model_cfg, params, mesh)
         self.kernel_choice = kernel_choice.resolve(model_cfg, mesh, cfg, runner)
-        cfg = dataclasses.replace(
-            cfg, attention=self.kernel_choice.attention, linear=self.kernel_choice.linear
-        )
+        cfg = cfg.with_kernels(self.kernel_choice.attention, self.kernel_choice.linear)
         self.spec = engine_spec(model_cfg, mesh, cfg)
         self.model_cfg, self.cfg, self.mesh = model_cfg, cfg, mesh
         self._jit = jit_entry_points(self.spec)
