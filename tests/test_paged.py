@@ -194,17 +194,20 @@ def test_pallas_paged_kernels_in_interpret_mode_match_the_reference():
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=atol, rtol=0)
 
 
-def test_device_kernels_run_whole_8_page_blocks_at_every_length():
-    """On a device both kernels take 8 pages a block whatever the sequence length (8k-token sequences
-    once ran in 1-page blocks); the GPU kernel splits a sequence in up to 16, and the table width is a
-    multiple of both, at most twice the pages plus a block."""
-    for pages in (*range(1, 200), 516, 1000, 2049):
-        for impl in ("gpu", "tpu"):
-            width = paged.table_width(pages, impl, False)
-            splits, per_block = paged.PagedLayout(MESH1, 2, 16, 16, 4, width, impl, False).blocks
-            assert per_block == 8 and width % (splits * per_block) == 0 and pages <= width <= 2 * pages + 8
-            assert splits == 1 if impl == "tpu" else 1 <= splits <= 16
-    width = paged.table_width(516, "gpu", False)  # 8,256 positions: 65 blocks of 8 pages -> 80
+def test_device_kernels_run_whole_128_key_blocks_at_every_length():
+    """On a device both kernels take blocks of 128 positions whatever the sequence length (8k-token
+    sequences once ran in 1-page blocks); the GPU kernel splits a sequence in up to 16, and the table width
+    is a multiple of both, at most twice the pages plus a block."""
+    for ps, per in ((16, 8), (4, 32), (128, 1), (256, 1)):
+        assert paged.pages_per_block(ps) == per
+        for pages in (*range(1, 200), 516, 1000, 2049):
+            for impl in ("gpu", "tpu"):
+                width = paged.table_width(pages, ps, impl, False)
+                splits, per_block = paged.PagedLayout(MESH1, 2, 16, ps, 4, width, impl, False).blocks
+                assert per_block == per and width % (splits * per_block) == 0
+                assert pages <= width <= 2 * pages + per
+                assert splits == 1 if impl == "tpu" else 1 <= splits <= 16
+    width = paged.table_width(516, 16, "gpu", False)  # 8,256 positions: 65 blocks of 8 pages -> 80
     assert width == 640 and paged.PagedLayout(MESH1, 2, 16, 16, 4, width, "gpu", False).blocks == (16, 8)
 
 
@@ -215,8 +218,8 @@ def test_the_gpu_kernel_with_its_device_blocks_matches_the_reference():
 
     rng = np.random.default_rng(1)
     b, h, g, k, ps, pages = 3, 4, 2, 32, 4, 40
-    width = paged.table_width(20, "gpu", False)
-    splits, per_block = paged.PagedLayout(MESH1, g, k, ps, pages, width, "gpu", False).blocks
+    width = paged.table_width(20, 16, "gpu", False)  # the blocks of 16-position pages, on pages of 4
+    splits, per_block = paged.PagedLayout(MESH1, g, k, 16, pages, width, "gpu", False).blocks
     assert (width, splits, per_block) == (32, 4, 8)
     q = jnp.asarray(rng.standard_normal((b, h, k), np.float32)) * k**-0.5
     kpool, vpool = (jnp.asarray(rng.standard_normal((g, pages, ps, k), np.float32)) for _ in range(2))
@@ -356,7 +359,7 @@ def test_paged_config_errors(params):
     mem = Engine(TINY, None, MESH1, cfg).compile_generate().memory_analysis()
     pool_bytes = 2 * TINY.n_layers * TINY.n_kv_heads * (4 * 28 + 4) * TINY.head_dim * 4  # + scratch page
     assert mem.argument_size_in_bytes >= pool_bytes
-    assert not SCRATCH and paged.table_width(7, "gpu", True) == 8
+    assert not SCRATCH and paged.table_width(7, 4, "gpu", True) == 8
 
 
 def test_plan_sizes_paged_kv():

@@ -94,48 +94,54 @@ class PagedLayout:
     def blocks(self) -> tuple[int, int]:
         """(k_splits, pages per compute block) of the kernels, both dividing the table width.
 
-        On a device, 8 pages a block (128 keys a tile at 16 positions a page, the kernels' own default), and
-        for the GPU kernel up to 16 splits of a sequence's pages (its default; they parallelize one
-        sequence at small batch). The table width (`table_width`) is a multiple of both, so neither shrinks
-        with the sequence length: with the width merely a multiple of 16 pages, 8k-token sequences had run
-        in 1-page (16-key) blocks. The TPU kernel does not split. In interpret mode (CPU) the grid is a
-        Python loop: small splits, and blocks that divide whatever width a test builds."""
+        On a device, blocks of `KEYS_PER_BLOCK` positions (8 pages of 16, the kernels' own default), and for
+        the GPU kernel up to 16 splits of a sequence's pages (its default; they parallelize one sequence at
+        small batch). The table width (`table_width`) is a multiple of both, so neither shrinks with the
+        sequence length: with the width merely a multiple of 16 pages, 8k-token sequences had run in 1-page
+        (16-key) blocks. The TPU kernel does not split. In interpret mode (CPU) the grid is a Python loop:
+        small splits, and blocks that divide whatever width a test builds."""
+        per_block = pages_per_block(self.page_size)
         if not self.interpret:
-            return (1 if self.impl == "tpu" else _splits(self.width)), PAGES_PER_BLOCK
+            return (1 if self.impl == "tpu" else _splits(self.width, per_block)), per_block
         splits = 2
         while self.width % splits:
             splits //= 2
-        per_block = PAGES_PER_BLOCK
         while (self.width // splits) % per_block:
             per_block //= 2
         return splits, per_block
 
 
-PAGES_PER_BLOCK = 8  # pages per compute block of both kernels on a device
+KEYS_PER_BLOCK = 128  # positions per compute block of both kernels on a device (one 128-key tile)
 MAX_SPLITS = 16  # the GPU kernel's k_splits at most
 
 
-def _splits(width: int) -> int:
-    """The GPU kernel's k_splits for a table `width` (a multiple of PAGES_PER_BLOCK): the most, up to
-    MAX_SPLITS, that divide its blocks."""
+def pages_per_block(page_size: int) -> int:
+    """Pages per compute block: KEYS_PER_BLOCK positions (a larger page is a block of its own)."""
+    return max(1, KEYS_PER_BLOCK // page_size)
+
+
+def _splits(width: int, per_block: int) -> int:
+    """The GPU kernel's k_splits for a table `width` (whole blocks): the most, up to MAX_SPLITS, that
+    divide its blocks."""
     splits = MAX_SPLITS
-    while (width // PAGES_PER_BLOCK) % splits:
+    while (width // per_block) % splits:
         splits //= 2
     return splits
 
 
-def table_width(pages_per_seq: int, impl: str, interpret: bool) -> int:
+def table_width(pages_per_seq: int, page_size: int, impl: str, interpret: bool) -> int:
     """Page-table columns: pages of the longest sequence, rounded up so that the kernels' blocks divide
     them (`PagedLayout.blocks`). On a GPU that is whole blocks times the splits the sequence can use, so
-    a 1,088-token sequence (68 pages) gets 128 columns, 16 splits of one block (the splits past its length
-    return at once), and a 4-page one 8 columns, one split."""
+    a 1,088-token sequence (68 pages of 16) gets 128 columns, 16 splits of one block (the splits past its
+    length return at once), and a 4-page one 8 columns, one split."""
+    per_block = pages_per_block(page_size)
     if interpret:
         multiple = 2
     elif impl == "tpu":
-        multiple = PAGES_PER_BLOCK
+        multiple = per_block
     else:
-        blocks = -(-pages_per_seq // PAGES_PER_BLOCK)
-        multiple = PAGES_PER_BLOCK * min(MAX_SPLITS, 1 << (blocks.bit_length() - 1))
+        blocks = -(-pages_per_seq // per_block)
+        multiple = per_block * min(MAX_SPLITS, 1 << (blocks.bit_length() - 1))
     return -(-pages_per_seq // multiple) * multiple
 
 
@@ -156,7 +162,7 @@ def engine_layout(mesh: Mesh, model_cfg, cfg) -> PagedLayout:
             f"positions per data shard ({data} shards); one sequence of max_prompt_len + "
             f"max_new_tokens = {cfg.max_seq_len} needs {pages_per_seq}"
         )
-    width = table_width(pages_per_seq, impl, interpret)
+    width = table_width(pages_per_seq, cfg.page_size, impl, interpret)
     return PagedLayout(
         mesh, model_cfg.n_kv_heads, model_cfg.head_dim, cfg.page_size, usable + 1, width, impl, interpret
     )
