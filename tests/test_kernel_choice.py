@@ -120,6 +120,20 @@ def test_auto_times_real_engines_and_decodes_like_xla(params):
     assert outs[0] == outs[1]
 
 
+def test_an_engine_built_before_its_weights_times_auto_on_random_ones():
+    """The runtime builds its engines before the first version arrives (params=None). With time_kernels
+    they still time "auto" (here the size limit answers first; with no limit the timing runs on random
+    weights); a compile-only engine has nothing to time with."""
+    _need_cxx()
+    cfg = SamplerConfig(num_slots=2, max_prompt_len=8, max_new_tokens=6, steps_per_call=2)
+    assert "compile-only" in Engine(TINY, None, MESH1, cfg).kernel_choice.reason
+    assert "MiB of weights" in Engine(TINY, None, MESH1, cfg, time_kernels=True).kernel_choice.reason
+    model = TINY.replace(n_layers=1)  # a model config no other test times
+    runner = lambda c: _timing_runner(model, None, MESH1, c)
+    choice = kernel_choice.resolve(model, MESH1, cfg, runner, rounds=1, min_bytes=0)
+    assert choice.how == "timed" and len(choice.step_ms) == 4 and all(t > 0 for t in choice.step_ms.values())
+
+
 @pytest.fixture(scope="module")
 def params():
     return _params()

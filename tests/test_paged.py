@@ -339,6 +339,18 @@ def test_the_default_budget_holds_every_slot_in_whole_pages(params):
     assert len(_by_uid(loop.run())) == 1 and _all_free(loop)
 
 
+def test_the_engine_says_what_its_cache_holds(params):
+    """The line the runtime logs for each engine: the kernels it resolved, and how many longest sequences
+    its pages hold beside the slots that may ask for them (a smaller token_budget holds fewer)."""
+    text = _loop(params).engine.describe()  # 4 slots of 16 + 12 = 28 positions in pages of 4
+    assert text.startswith("attention paged_kernel, linear xla (explicit); KV cache paged, 1 data shard(s) ")
+    assert "of 28 pages of 4 positions" in text
+    assert "4 sequences of 28 positions a shard for its 4 slots" in text
+    assert "2 sequences of 28 positions" in _loop(params, token_budget=64).engine.describe()  # 16 pages
+    slotted = _loop(params, attention="xla").engine.describe()
+    assert slotted.endswith("KV cache slotted, 4 slots of 28 positions (token_budget 112)")
+
+
 def test_paged_config_errors(params):
     with pytest.raises(ValueError, match="token_budget=24 gives 6 pages.*needs 7"):
         _loop(params, token_budget=24)

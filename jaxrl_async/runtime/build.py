@@ -170,10 +170,14 @@ def build_engines(run: RunConfig, model_cfg: ModelConfig, mesh, sampler_cfg: Sam
     evaluation runs beside sampling with the version it evaluates, runtime/evaluation.py), or shares the
     sampler's with config.eval_weights="shared". `compile_fn`: see `Engine`."""
     weights_cfg = model_cfg.compute_copy()
-    engine = Engine(weights_cfg, None, mesh, sampler_cfg, compile_fn=compile_fn)
+    # Built before the first version arrives: "auto" kernels are timed on random weights (sampler/engine.py).
+    engine = Engine(weights_cfg, None, mesh, sampler_cfg, compile_fn=compile_fn, time_kernels=True)
     eval_cfg = eval_sampler_config(engine.cfg, mesh.shape["data"], run.eval.slots)  # the kernels it chose
     shared = engine if run.eval.weights == "shared" else None  # config.eval_weights
-    return engine, Engine(weights_cfg, None, mesh, eval_cfg, weights_from=shared, compile_fn=compile_fn)
+    eval_engine = Engine(weights_cfg, None, mesh, eval_cfg, weights_from=shared, compile_fn=compile_fn)
+    log.info("sampling engine: %s", engine.describe())
+    log.info("evaluation engine: %s", eval_engine.describe())
+    return engine, eval_engine
 
 
 # ----- trainer side -----

@@ -43,6 +43,11 @@ class SlottedCache:
         c = self.cfg
         return f"the slot length {c.slot_len} (token_budget={c.token_budget} over {c.num_slots} slots)"
 
+    def describe(self) -> str:
+        """What the cache holds, in words (logged once per engine)."""
+        c = self.cfg
+        return f"slotted, {c.num_slots} slots of {c.slot_len} positions (token_budget {c.token_budget})"
+
     def extra_shardings(self, table_sharding) -> tuple:
         """Shardings of the extra argument of insert, generate and recompute_kv (none)."""
         return ()
@@ -108,6 +113,21 @@ class PagedCache:
 
     def limit(self) -> str:
         return f"the longest sequence max_prompt_len + max_new_tokens = {self.capacity}"
+
+    def describe(self) -> str:
+        """What the cache holds, in words (logged once per engine): the pages, how many sequences of the
+        longest length they hold beside the slots that could ask for them (a smaller token_budget admits
+        fewer at a time), and the kernel's blocks."""
+        lay, c = self.layout, self.cfg
+        usable, per_seq = lay.pages_per_shard - 1, pages_for(self.capacity, c.page_size)
+        splits, per_block = lay.blocks
+        kernel = f"{lay.impl} kernel" + (", interpreted" if lay.interpret else "")
+        return (
+            f"paged, {lay.data} data shard(s) of {usable} pages of {c.page_size} positions and a scratch "
+            f"page (token_budget {c.token_budget}): {usable // per_seq} sequences of {self.capacity} "
+            f"positions a shard for its {c.num_slots // lay.data} slots; page tables of {lay.width} columns, "
+            f"{splits} splits of {per_block}-page blocks ({kernel})"
+        )
 
     def _dest_shape(self, bucket: int) -> tuple[int, int]:
         return (self.layout.data, pages_for(bucket, self.cfg.page_size))

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxrl_async.model import ModelConfig
+from jaxrl_async.model import ModelConfig, init_params
 from jaxrl_async.sampler import kernel_choice, layout
 from jaxrl_async.sampler.config import SamplerConfig
 from jaxrl_async.sampler.layout import DecodeState
@@ -45,6 +45,7 @@ from jaxrl_async.sampler.spec import (
     jit_entry_points,
     timing_state_body,
 )
+from jaxrl_async.sharding import SAMPLER_RULES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,11 +135,15 @@ class Engine:
         version: int = 0,
         weights_from: Engine | None = None,
         compile_fn=None,
+        time_kernels: bool = False,
     ):
         """Validates and converts `params` (already in the sampler layout on `mesh`); resolves "auto" kernels
         (on one float32 CPU device by timing `generate`, which compiles it; see `kernel_choice`).
 
-        With `params=None` nothing is allocated: only `compile_generate` may be called (plan checks).
+        With `params=None` nothing is allocated until `update_params` brings the first version (the runtime's
+        engines), and a compile-only engine (plan checks) calls only `compile_generate`. There is nothing to
+        time "auto" kernels with then, and they resolve as on a compile-only engine; `time_kernels=True`
+        times them on random weights instead (a decode step costs the same whatever the values).
         With `weights_from` (an engine of the same model and mesh, e.g. the sampler's, for a greedy eval
         engine) this engine holds no weights of its own: it decodes with that engine's, and an update of
         either is seen by both. It still has its own decode state (KV cache).
@@ -151,7 +156,9 @@ class Engine:
             or `weights_from` has another model, mesh or weight layout.
         """
         check_slot_count(mesh, cfg)
-        runner = None if params is None else functools.partial(_timing_runner, model_cfg, params, mesh)
+        runner = None
+        if params is not None or time_kernels:
+            runner = functools.partial(_timing_runner, model_cfg, params, mesh)
         self.kernel_choice = kernel_choice.resolve(model_cfg, mesh, cfg, runner)
         cfg = cfg.with_kernels(self.kernel_choice.attention, self.kernel_choice.linear)
         self.spec = engine_spec(model_cfg, mesh, cfg)
@@ -201,6 +208,12 @@ class Engine:
         """Whether the KV cache is paged (attention="paged_kernel": insert, generate and recompute_kv then
         take the planner's page tables)."""
         return self.spec.cache.paged
+
+    def describe(self) -> str:
+        """The kernels the engine resolved and what its KV cache holds, in words (the runtime logs it)."""
+        k = self.kernel_choice
+        how = f"{k.how}: {k.reason}" if k.reason else k.how
+        return f"attention {k.attention}, linear {k.linear} ({how}); KV cache {self.spec.cache.describe()}"
 
     @property
     def capacity(self) -> int:
@@ -402,7 +415,9 @@ class Engine:
 
 def _timing_runner(model_cfg: ModelConfig, params: dict, mesh: Mesh, cfg: SamplerConfig):
     """An engine for a concrete `cfg` and a function that runs one `generate` call on a state with every
-    slot live (what `kernel_choice` times)."""
+    slot live (what `kernel_choice` times). `params` None: random weights in the sampler layout."""
+    if params is None:
+        params = init_params(model_cfg, jax.random.key(0), mesh, SAMPLER_RULES)
     eng = Engine(model_cfg, params, mesh, cfg)
     box = [jax.jit(functools.partial(timing_state_body, eng.spec), out_shardings=eng.spec.state_sh)()]
 
