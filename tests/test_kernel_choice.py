@@ -132,6 +132,8 @@ def test_an_engine_built_before_its_weights_times_auto_on_random_ones():
     runner = lambda c: _timing_runner(model, None, MESH1, c)
     choice = kernel_choice.resolve(model, MESH1, cfg, runner, rounds=1, min_bytes=0)
     assert choice.how == "timed" and len(choice.step_ms) == 4 and all(t > 0 for t in choice.step_ms.values())
+    assert choice.describe().startswith(f"attention {choice.attention}, linear {choice.linear} (timed: ")
+    assert choice.describe().count(" ms a step: ") == 1 and "xla/xla " in choice.describe()
 
 
 @pytest.fixture(scope="module")

@@ -211,9 +211,7 @@ class Engine:
 
     def describe(self) -> str:
         """The kernels the engine resolved and what its KV cache holds, in words (the runtime logs it)."""
-        k = self.kernel_choice
-        how = f"{k.how}: {k.reason}" if k.reason else k.how
-        return f"attention {k.attention}, linear {k.linear} ({how}); KV cache {self.spec.cache.describe()}"
+        return f"{self.kernel_choice.describe()}; KV cache {self.spec.cache.describe()}"
 
     @property
     def capacity(self) -> int:

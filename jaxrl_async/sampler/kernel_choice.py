@@ -53,6 +53,13 @@ class Choice:
     reason: str = ""
     step_ms: dict | None = None
 
+    def describe(self) -> str:
+        """The choice in words, with the timed candidates' step times."""
+        how = f"{self.how}: {self.reason}" if self.reason else self.how
+        if self.step_ms:
+            how += "; ms a step: " + ", ".join(f"{name} {ms:.3g}" for name, ms in self.step_ms.items())
+        return f"attention {self.attention}, linear {self.linear} ({how})"
+
 
 def cpu_kernels_unavailable(model_cfg, mesh) -> str | None:
     """Why the CPU kernels cannot run on this mesh and model (None when they can)."""
