@@ -149,6 +149,64 @@ def test_step0_check_time_to_target_and_table():
         pb.parse_frameworks("trl,vllm")
 
 
+def _seed_run(out, sync, asyn, trl, step0=0.3):
+    """A finished run's bench_peers.json: each framework's accuracies at steps 0, 50 and 100 (25 s a step
+    for TRL, 1 s for ours)."""
+    def evals(accs, s_per_step):
+        steps = (0, 50, 100)
+        pairs = zip(steps, accs, strict=True)
+        return [{"step": k, "accuracy": a, "elapsed_s": k * s_per_step} for k, a in pairs]
+
+    results = {"ours_sync": {"evals": evals((step0, *sync), 1.0), "train_tokens_per_s": 100.0, "version": ""},
+               "ours_async": {"evals": evals((step0, *asyn), 0.5), "train_tokens_per_s": 180.0,
+                              "version": "(eta 2, 2 processes)"},
+               "trl": {"evals": evals((step0, *trl), 2.5), "trained_tokens": 500, "train_s": 250.0,
+                       "version": "1.16.0", "process_s": 300.0}}  # fmt: skip
+    rep = {**pb.report(results, None), "step0": {"accuracies": {"ours": step0, "trl": step0}},
+           "results": results}  # fmt: skip
+    os.makedirs(out)
+    with open(os.path.join(out, "bench_peers.json"), "w") as f:
+        json.dump(rep, f)
+    return rep
+
+
+def test_seeds_read_back_together_at_their_own_or_one_target(tmp_path):
+    a = _seed_run(tmp_path / "s0", sync=(0.40, 0.45), asyn=(0.46, 0.44), trl=(0.38, 0.46))
+    b = _seed_run(tmp_path / "s1", sync=(0.42, 0.50), asyn=(0.40, 0.45), trl=(0.41, 0.43))
+    own = pb.seeds_summary([a, b], None)  # targets 0.44 and 0.49
+    assert [r["target"] for r in own["runs"]] == pytest.approx([0.44, 0.49])
+    assert own["runs"][0]["hit"]["ours_async"]["step"] == 50 and own["runs"][1]["hit"]["ours_async"] is None
+    # seed 0: TRL at 250 s, sync at 100 s, async at 25 s; seed 1: TRL missed (its clock stopped at 250 s)
+    assert own["ratios"][("ours_sync", "trl")] == [("", 2.5), (">", 2.5)]
+    assert own["ratios"][("ours_async", "trl")] == [("", 10.0), None]
+    assert own["per"]["trl"]["finals"] == [0.46, 0.43] and own["per"]["trl"]["tok_s"] == [2.0, 2.0]
+    assert own["per"]["ours_sync"]["mean_eval"] == pytest.approx((0.40 + 0.45 + 0.42 + 0.50) / 4)
+    text = pb.seeds_tables(own, ["s0", "s1"])
+    assert "| s1 | 0.490 | 100.0 (step 100) | not reached (> 50.0) | not reached (> 250.0) |" in text
+    assert "| trl / ours_sync | 2.50x | >2.50x |" in text
+    assert "| trl / ours_async | 10.00x | not reached by ours |" in text
+    assert "| trl 1.16.0 | 0.460 / 0.430 (0.445) |" in text
+    one = pb.seeds_summary([a, b], 0.40)  # one target for both: TRL at step 100 in seed 0, 50 in seed 1
+    assert [r["hit"]["trl"]["step"] for r in one["runs"]] == [100, 50]
+    assert one["ratios"][("ours_sync", "trl")] == [("", 5.0), ("", 2.5)]
+
+
+def test_report_flag_prints_finished_runs_and_refuses_a_missing_one(tmp_path):
+    import subprocess
+    import sys
+
+    _seed_run(tmp_path / "s0", sync=(0.40, 0.45), asyn=(0.46, 0.44), trl=(0.38, 0.46))
+    _seed_run(tmp_path / "s1", sync=(0.42, 0.50), asyn=(0.40, 0.45), trl=(0.41, 0.43))
+    tool = os.path.join(REPO, "tools", "bench_peers.py")
+    res = subprocess.run([sys.executable, tool, f"--report={tmp_path / 's0'},{tmp_path / 's1'}"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "target 0.4900" in res.stdout and "| trl / ours_sync | 2.50x | >2.50x |" in res.stdout
+    res = subprocess.run([sys.executable, tool, f"--report={tmp_path / 'nope'}"], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert res.returncode != 0 and "--report" in res.stderr and "bench_peers.json" in res.stderr
+
+
 def test_drivers_import_nothing_of_this_package():
     """The drivers run in the peers' venvs, where jaxrl_async is not installed: common.py imports only the
     standard library, and each driver only common, the standard library and its peer's stack."""

@@ -2,6 +2,7 @@
 
   python tools/bench_peers.py --venvs ~/.cache/jaxrl_async/peer_venvs --out runs/bench_peers --steps 150
   python tools/bench_peers.py --venvs ... --smoke --peers trl,ours_sync     # a few steps: do the drivers run?
+  python tools/bench_peers.py --report runs/bp_s0,runs/bp_s1,runs/bp_s2      # finished runs (seeds), together
 
 1. Builds each selected peer's venv under --venvs (never inside the checkout), unless one built from the
    same requirements is there: TRL at the version pip serves with CPU torch; Tunix 0.1.7 in a venv of its
@@ -25,6 +26,11 @@ Timing: a peer's driver blocks its loop to evaluate, so its clock leaves the eva
 evaluate beside training, and an evaluation's time is when its version was trained, so neither counts
 evaluations. Our clock starts with the learner (compilation included), a peer's after loading. The
 patches a peer needed are listed in its result (Tunix: see peer_drivers/tunix_grpo.py).
+
+--report reads finished runs' OUT/bench_peers.json back (one --out per seed) and prints them together at
+--target-accuracy (0: each run's own target): every framework's time to the target per run, or the clock
+at its last evaluation where it missed (a lower bound), its finals, steady seconds per step and trained
+tokens/s over the runs, and each peer's time to the target over ours per run. It trains nothing.
 """
 
 from __future__ import annotations
@@ -57,7 +63,8 @@ _ASYNC_PROCS = flags.DEFINE_integer(
     "on its own block of --cores (jaxrl-local-cluster --pin-cores; needs 2 or more cores)."
 )
 _TIMEOUT = flags.DEFINE_float("timeout-s", 7200.0, "Seconds a framework's run may take.")
-flags.mark_flags_as_required(["venvs"])
+_REPORT = flags.DEFINE_list("report", [], "Finished runs' --out directories (seeds) to read back and print "
+                            "together at --target-accuracy; trains nothing (--venvs not needed).")
 
 _SMOKE_SET = {"total_steps": 3, "prompts_per_step": 8, "eval_every": 1, "eval_prompts": 40}
 
@@ -125,8 +132,30 @@ def _our_command(name: str, workdir: str, user: list[str]) -> list[str]:
     return module_command("local_cluster", "--num-processes", "2", "--pin-cores", "--", *run_flags)
 
 
+def _report(outs: list[str]) -> None:
+    reps = []
+    for out in outs:
+        path = os.path.join(out, "bench_peers.json")
+        if not os.path.exists(path):
+            raise app.UsageError(f"--report: {path} does not exist (not a finished bench_peers --out)")
+        with open(path) as f:
+            reps.append(json.load(f))
+        if "ours_sync" not in reps[-1]["results"] and not _TARGET.value:
+            raise app.UsageError(f"--report: {path} has no ours_sync run to set its target; give "
+                                 "--target-accuracy")  # fmt: skip
+    summary = pb.seeds_summary(reps, _TARGET.value or None)
+    for out, run in zip(outs, summary["runs"], strict=True):
+        step0 = ", ".join(f"{k} {v:.4f}" for k, v in run["step0"].items() if v is not None)
+        print(f"{out}: step-0 accuracy {step0}; target {run['target']:.4f}")
+    print(pb.seeds_tables(summary, [os.path.basename(os.path.normpath(o)) for o in outs]))
+
+
 def main(argv):
     del argv
+    if _REPORT.value:
+        return _report(_REPORT.value)
+    if not _VENVS.value:
+        raise app.UsageError("--venvs: required to run the benchmark (a directory outside the checkout)")
     frameworks = pb.parse_frameworks(_PEERS.value)
     venvs = os.path.abspath(os.path.expanduser(_VENVS.value))
     if os.path.commonpath([venvs, REPO]) == REPO:

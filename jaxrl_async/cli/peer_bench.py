@@ -18,6 +18,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 
@@ -278,4 +279,92 @@ def table(rep: dict) -> str:
                 f(r["train_tokens_per_s"], 0), f(r["steady_s_per_step"], 3),
                 f(r["process_s"], 0)]  # fmt: skip
         lines.append("| " + " | ".join(cols) + " |")
+    return "\n".join(lines)
+
+
+# ----- several runs (seeds) read back together -----
+
+
+def _reached(evals: list[dict], target: float) -> dict | None:
+    """The first evaluation at or above `target` ({step, accuracy, elapsed_s}), or None."""
+    return next((e for e in sorted(evals, key=lambda e: e["step"]) if e["accuracy"] >= target), None)
+
+
+def seeds_summary(reps: list[dict], target: float | None) -> dict:
+    """Finished runs of `bench_peers.json` (one per seed) read back at one target: `target`, or None for
+    each run's own (ours_sync's final accuracy minus one point). Per run and framework: the first evaluation
+    at the target, else the clock at its last evaluation (the time to the target is longer than that: a
+    lower bound). Per framework: finals, the mean of the evaluations after step 0, steady seconds per step,
+    trained tokens/s and process seconds. Per pair (ours, peer): the peer's time to the target over ours,
+    per run, '>' where only the peer missed it (its last clock over our time)."""
+    runs, frameworks = [], []
+    for rep in reps:
+        res = rep["results"]
+        frameworks += [f for f in res if f not in frameworks]
+        want = target if target is not None else res["ours_sync"]["evals"][-1]["accuracy"] - 0.01
+        hit = {f: _reached(r["evals"], want) for f, r in res.items()}
+        last = {f: max(r["evals"], key=lambda e: e["step"])["elapsed_s"] for f, r in res.items()}
+        runs.append({"target": want, "step0": rep["step0"]["accuracies"], "hit": hit, "last_s": last})
+    per = {}
+    for f in frameworks:
+        rows = [next(r for r in rep["rows"] if r["framework"] == f) for rep in reps if f in rep["results"]]
+        later = [sum(e["accuracy"] for e in ev) / len(ev) for rep in reps if f in rep["results"]
+                 for ev in [[e for e in rep["results"][f]["evals"] if e["step"] > 0]] if ev]  # fmt: skip
+        per[f] = {"version": rows[0]["version"], "finals": [r["final_accuracy"] for r in rows],
+                  "mean_eval": sum(later) / len(later) if later else None,
+                  "steady": [r["steady_s_per_step"] for r in rows if r["steady_s_per_step"] is not None],
+                  "tok_s": [r["train_tokens_per_s"] for r in rows if r["train_tokens_per_s"] is not None],
+                  "process_s": [r["process_s"] for r in rows if r["process_s"] is not None]}  # fmt: skip
+    ratios = {}
+    for ours in (f for f in frameworks if f in OURS):
+        for peer in (f for f in frameworks if f in PEERS):
+            cells = []
+            for run in runs:
+                mine, theirs = run["hit"].get(ours), run["hit"].get(peer)
+                if mine is None or peer not in run["last_s"]:
+                    cells.append(None)
+                elif theirs is None:
+                    cells.append((">", run["last_s"][peer] / mine["elapsed_s"]))
+                else:
+                    cells.append(("", theirs["elapsed_s"] / mine["elapsed_s"]))
+            ratios[(ours, peer)] = cells
+    return {"runs": runs, "frameworks": frameworks, "per": per, "ratios": ratios}
+
+
+def seeds_tables(summary: dict, labels: list[str]) -> str:
+    """Three markdown tables of `seeds_summary`: time to the target per run, each framework over the runs,
+    and the peers' times over ours."""
+    fws, runs = summary["frameworks"], summary["runs"]
+    mean = statistics.fmean
+    lines = ["| run | target | " + " | ".join(fws) + " |", "|" + "---|" * (len(fws) + 2)]
+    for label, run in zip(labels, runs, strict=True):
+        cells = []
+        for f in fws:
+            e = run["hit"].get(f)
+            if f not in run["last_s"]:
+                cells.append("")
+            elif e is None:
+                cells.append(f"not reached (> {run['last_s'][f]:.1f})")
+            else:
+                cells.append(f"{e['elapsed_s']:.1f} (step {e['step']})")
+        lines.append(f"| {label} | {run['target']:.3f} | " + " | ".join(cells) + " |")
+    lines += ["", "| framework | final acc per run (mean) | mean of evaluations after step 0 "
+              "| s/step (steady) median (range) | trained tok/s (mean) | process s (mean) |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    for f in fws:
+        p = summary["per"][f]
+        steady = sorted(p["steady"])
+        cols = [f"{f} {p['version']}".strip(),
+                " / ".join(f"{a:.3f}" for a in p["finals"]) + f" ({mean(p['finals']):.3f})",
+                f"{p['mean_eval']:.3f}" if p["mean_eval"] is not None else "",
+                f"{statistics.median(steady):.2f} ({steady[0]:.2f}-{steady[-1]:.2f})" if steady else "",
+                f"{mean(p['tok_s']):,.0f}" if p["tok_s"] else "",
+                f"{mean(p['process_s']):.0f}" if p["process_s"] else ""]  # fmt: skip
+        lines.append("| " + " | ".join(cols) + " |")
+    if summary["ratios"]:
+        lines += ["", "| peer's time to the target / ours | " + " | ".join(labels) + " |",
+                  "|" + "---|" * (len(labels) + 1)]  # fmt: skip
+        for (ours, peer), cells in summary["ratios"].items():
+            text = ["not reached by ours" if c is None else f"{c[0]}{c[1]:.2f}x" for c in cells]
+            lines.append(f"| {peer} / {ours} | " + " | ".join(text) + " |")
     return "\n".join(lines)
