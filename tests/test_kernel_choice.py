@@ -11,7 +11,7 @@ from test_sampler import MESH1, TINY, _by_uid, _params, _prompts
 
 from jaxrl_async.model import presets
 from jaxrl_async.sampler import Engine, Request, SamplerConfig, SamplerLoop, cpu_kernels, kernel_choice
-from jaxrl_async.sampler.engine import _timing_runner
+from jaxrl_async.sampler.engine import _kernel_timing, _timing_runner
 from jaxrl_async.sharding import make_mesh
 
 X86 = platform.machine() in ("x86_64", "AMD64")
@@ -129,7 +129,8 @@ def test_an_engine_built_before_its_weights_times_auto_on_random_ones():
     assert "compile-only" in Engine(TINY, None, MESH1, cfg).kernel_choice.reason
     assert "MiB of weights" in Engine(TINY, None, MESH1, cfg, time_kernels=True).kernel_choice.reason
     model = TINY.replace(n_layers=1)  # a model config no other test times
-    runner = lambda c: _timing_runner(model, None, MESH1, c)
+    runner = _kernel_timing(model, None, MESH1, time_kernels=True)  # what such an engine times with
+    assert _kernel_timing(model, None, MESH1, time_kernels=False) is None
     choice = kernel_choice.resolve(model, MESH1, cfg, runner, rounds=1, min_bytes=0)
     assert choice.how == "timed" and len(choice.step_ms) == 4 and all(t > 0 for t in choice.step_ms.values())
     assert choice.describe().startswith(f"attention {choice.attention}, linear {choice.linear} (timed: ")

@@ -217,10 +217,15 @@ def read_ours(workdir: str, name: str) -> dict:
             "max_staleness": s["max_staleness"]}  # fmt: skip
 
 
+def _reached(evals: list[dict], target: float) -> dict | None:
+    """The first evaluation at or above `target` ({step, accuracy, elapsed_s}), or None."""
+    return next((e for e in sorted(evals, key=lambda e: e["step"]) if e["accuracy"] >= target), None)
+
+
 def time_to_target(evals: list[dict], target: float) -> float | None:
     """Seconds to the first evaluation at or above `target` (None: never reached)."""
-    hits = [e["elapsed_s"] for e in sorted(evals, key=lambda e: e["step"]) if e["accuracy"] >= target]
-    return hits[0] if hits else None
+    hit = _reached(evals, target)
+    return None if hit is None else hit["elapsed_s"]
 
 
 def steady_s_per_step(evals: list[dict]) -> float | None:
@@ -285,11 +290,6 @@ def table(rep: dict) -> str:
 # ----- several runs (seeds) read back together -----
 
 
-def _reached(evals: list[dict], target: float) -> dict | None:
-    """The first evaluation at or above `target` ({step, accuracy, elapsed_s}), or None."""
-    return next((e for e in sorted(evals, key=lambda e: e["step"]) if e["accuracy"] >= target), None)
-
-
 def seeds_summary(reps: list[dict], target: float | None) -> dict:
     """Finished runs of `bench_peers.json` (one per seed) read back at one target: `target`, or None for
     each run's own (ours_sync's final accuracy minus one point). Per run and framework: the first evaluation
@@ -308,10 +308,11 @@ def seeds_summary(reps: list[dict], target: float | None) -> dict:
     per = {}
     for f in frameworks:
         rows = [next(r for r in rep["rows"] if r["framework"] == f) for rep in reps if f in rep["results"]]
-        later = [sum(e["accuracy"] for e in ev) / len(ev) for rep in reps if f in rep["results"]
-                 for ev in [[e for e in rep["results"][f]["evals"] if e["step"] > 0]] if ev]  # fmt: skip
+        later = [[e["accuracy"] for e in rep["results"][f]["evals"] if e["step"] > 0] for rep in reps
+                 if f in rep["results"]]  # fmt: skip
+        later = [statistics.fmean(accs) for accs in later if accs]  # each run's mean, then their mean
         per[f] = {"version": rows[0]["version"], "finals": [r["final_accuracy"] for r in rows],
-                  "mean_eval": sum(later) / len(later) if later else None,
+                  "mean_eval": statistics.fmean(later) if later else None,
                   "steady": [r["steady_s_per_step"] for r in rows if r["steady_s_per_step"] is not None],
                   "tok_s": [r["train_tokens_per_s"] for r in rows if r["train_tokens_per_s"] is not None],
                   "process_s": [r["process_s"] for r in rows if r["process_s"] is not None]}  # fmt: skip

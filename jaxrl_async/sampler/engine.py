@@ -156,9 +156,7 @@ class Engine:
             or `weights_from` has another model, mesh or weight layout.
         """
         check_slot_count(mesh, cfg)
-        runner = None
-        if params is not None or time_kernels:
-            runner = functools.partial(_timing_runner, model_cfg, params, mesh)
+        runner = _kernel_timing(model_cfg, params, mesh, time_kernels)
         self.kernel_choice = kernel_choice.resolve(model_cfg, mesh, cfg, runner)
         cfg = cfg.with_kernels(self.kernel_choice.attention, self.kernel_choice.linear)
         self.spec = engine_spec(model_cfg, mesh, cfg)
@@ -411,11 +409,21 @@ class Engine:
         return {name: len(self._executables.get(name, {})) for name in names}
 
 
+def _kernel_timing(model_cfg: ModelConfig, params: dict | None, mesh: Mesh, time_kernels: bool):
+    """What `kernel_choice` times "auto" kernels with (None: nothing, a compile-only engine): `params`, or
+    with `params` None and `time_kernels`, one set of random weights in the sampler layout, made when the
+    first candidate is timed (never where nothing is timed) and shared by every candidate."""
+    if params is not None:
+        return functools.partial(_timing_runner, model_cfg, params, mesh)
+    if not time_kernels:
+        return None
+    random_weights = functools.cache(lambda: init_params(model_cfg, jax.random.key(0), mesh, SAMPLER_RULES))
+    return lambda cfg: _timing_runner(model_cfg, random_weights(), mesh, cfg)
+
+
 def _timing_runner(model_cfg: ModelConfig, params: dict, mesh: Mesh, cfg: SamplerConfig):
     """An engine for a concrete `cfg` and a function that runs one `generate` call on a state with every
-    slot live (what `kernel_choice` times). `params` None: random weights in the sampler layout."""
-    if params is None:
-        params = init_params(model_cfg, jax.random.key(0), mesh, SAMPLER_RULES)
+    slot live (what `kernel_choice` times)."""
     eng = Engine(model_cfg, params, mesh, cfg)
     box = [jax.jit(functools.partial(timing_state_body, eng.spec), out_shardings=eng.spec.state_sh)()]
 
