@@ -2,8 +2,9 @@
 
 Why this task: asynchronous RL gains wall time when some completions are much longer than the others
 (a synchronous step waits for its longest sequence while the rest of the batch is done). 2-digit
-addition has answers of 2-4 tokens, so the demo cannot show it; configs/bench_async.py draws lengths from
-a sampler, so it shows throughput, not learning. Here the tail comes from the problems: a range's span,
+addition has answers of 2-4 tokens, so the demo cannot show it; benchmarks/configs/bench_async.py draws
+lengths from a sampler, so it shows throughput, not learning. Here the tail comes from the problems: a
+range's span,
 the answer's length, is exp(u^1.5 ln 53) letters for u uniform, so short ranges are common and long ones
 rare but present. The reference completions (stop token included) have median 4 and p99 50 tokens
 (tests/test_letter_range.py checks p99/median >= 4), and the policy's own keep that tail: p99/median
@@ -11,7 +12,7 @@ rare but present. The reference completions (stop token included) have median 4 
 stop from the prompt's last letter, so a tiny character model learns the task from a short supervised
 warm start; RL then raised held-out accuracy from 0.30 to 0.39-0.50 in 100 steps (3 seeds, sync and
 async). Its misses are on short ranges (it runs past the stop, often the wrong way;
-`tools/evaluate.py --by_length`). The verifier (rewards "letter_range") rebuilds the answer from the
+`jaxrl-evaluate --by_length`). The verifier (rewards "letter_range") rebuilds the answer from the
 prompt's metadata: 1.0 for the exact answer, else 0.
 
 Two settings make the policy's own tail and the held-out figure trustworthy (docs/benchmarks.md, "Time to
@@ -35,7 +36,7 @@ LONGEST = 52  # letters in the longest answer (the whole alphabet, a..z then A..
 def get_config():
     c = tiny_arith.get_config()
     c.workdir = "runs/letter_range"  # TensorBoard events, checkpoints, summary.json
-    c.mode = "async"  # sampling and training overlap (tools/bench_learning.py also runs "sync")
+    c.mode = "async"  # sampling and training overlap (benchmarks/bench_learning.py also runs "sync")
     # eta: tiny_arith's. At the learning rate below async ends level with sync at 2 (+1.0 points, six
     # seeds) and at 5 (-0.9), and 5 ends 1.9 points under 2 (docs/benchmarks.md, runs X to Z2).
     c.max_staleness = 2

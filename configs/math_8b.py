@@ -38,12 +38,12 @@ def get_config(layout: str = "v5p"):
 
     # Long context: completions of up to 27,648 tokens after prompts of up to 1,024 (AReaL's boba math
     # setting); a trainer row (token_budget) must hold the longest sequence. Sizes checked with
-    # tools/plan_check.py (compiled train step and sampler programs per device; docs/performance-model.md).
+    # jaxrl-plan-check (compiled train step and sampler programs per device; docs/performance-model.md).
     if layout == "v5p":
         # One replica per host: a v5p host has 4 chips (launch/tpu_pod.sh: v5p-N counts TensorCores, two
         # per chip), and a replica of 4 chips holds Qwen3-8B with KV heads split over tensor=4. Twelve
         # such replicas keep the plan-checked per-chip load of one 48-chip (12, 4) replica (64 slots per
-        # data shard: 75.6 GiB of 95 at 28k positions, tools/plan_check.py --hardware tpu-v5p) and need
+        # data shard: 75.6 GiB of 95 at 28k positions, jaxrl-plan-check --hardware tpu-v5p) and need
         # no collective between hosts while decoding. The trainer keeps 16 chips on 4 hosts: (16, 1)
         # compiled to ~166 GiB/chip of temporaries at 8k-token rows, (8, 2) to 37.8 GiB at 32k.
         c.mesh.sampler = (1, 4)
@@ -70,7 +70,7 @@ def get_config(layout: str = "v5p"):
         c.trainer.rows_per_micro = 2
     else:
         raise ValueError(f"math_8b: unknown layout {layout!r} (v5p, h100)")
-    c.mesh.fake_cpu_devices = 1  # accelerator layouts: check on CPU with tools/plan_check.py
+    c.mesh.fake_cpu_devices = 1  # accelerator layouts: check on CPU with jaxrl-plan-check
 
     c.data.task = "jsonl"
     c.data.path = ""  # REQUIRED: JSONL with "prompt" and "answer" fields (see data.prompt_field/answer_field)

@@ -44,7 +44,7 @@ def get_config():
     c.reward.num_workers = 4
 
     # Long context: completions of up to 27,648 tokens (AReaL's boba math setting); 32 slots per sampler
-    # GPU hold 25 GiB of bf16 KV (0.77 GiB per 28k-position slot). Checked with tools/plan_check.py.
+    # GPU hold 25 GiB of bf16 KV (0.77 GiB per 28k-position slot). Checked with jaxrl-plan-check.
     c.sampler.num_slots = 192
     c.sampler.max_prompt_len = 512
     c.sampler.max_new_tokens = 27648

@@ -2,7 +2,7 @@
 # One multi-GPU host (e.g. 8 x H100): every GPU is a device of the one controller process.
 #   launch/gpu_node.sh configs/math_8b.py:h100 --config.model.checkpoint=/ckpt/Qwen3-8B \
 #       --config.data.path=/data/math.jsonl --config.workdir=/runs/math_8b
-# Check first that the layout fits:  python tools/plan_check.py --config configs/math_8b.py:h100 \
+# Check first that the layout fits:  jaxrl-plan-check --config configs/math_8b.py:h100 \
 #       --preset qwen3-8b --hardware h100
 set -euo pipefail
 cd "$(dirname "$0")/.."

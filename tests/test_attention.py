@@ -3,7 +3,7 @@
 "splash" runs here in Pallas interpret mode (the TPU kernel's own code, interpreted on CPU); "dot_product"
 runs jax.nn.dot_product_attention's XLA implementation (cuDNN needs a GPU: its packed layout's segment
 lengths and offsets are checked against the reference mask here, the kernel itself by
-tools/device_check.sh); "blocked" is plain JAX.
+benchmarks/device_check.sh); "blocked" is plain JAX.
 """
 
 import functools

@@ -1,7 +1,7 @@
-"""tools/bench_delta.py counts the sampler-dtype values a version changes: none at rate 0, more at a
+"""benchmarks/bench_delta.py counts the sampler-dtype values a version changes: none at rate 0, more at a
 larger rate, and a delta's bytes follow from the count."""
 
-from jaxrl_async.cli.bench_delta import measure
+from benchmarks.bench_delta import measure
 
 
 def test_changed_values_follow_the_learning_rate():

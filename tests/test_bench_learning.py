@@ -1,4 +1,4 @@
-"""tools/bench_learning.py: its statistics (time to target, pairing, the default target) and a smoke run of
+"""benchmarks.bench_learning: its statistics (time to target, pairing, the default target) and a smoke run of
 the command (sync and the pinned two-process async run, the report). The smoke leaves out the role benches
 and the prediction (--nopredict): with them it took about 5 minutes on the loaded 2-core machine."""
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from jaxrl_async.cli import learning_study as ls
+from benchmarks import learning_study as ls
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -101,9 +101,9 @@ def test_report_reads_kept_runs_back_without_running_anything(tmp_path):
             (tmp_path / f"{mode}_s{seed}" / "summary.json").write_text(json.dumps(summary))
     (tmp_path / "warm_up_sync").mkdir()  # not a seed's run: left out
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    tool = os.path.join(REPO, "tools", "bench_learning.py")
+    tool = ["-m", "benchmarks.bench_learning"]
     out = tmp_path / "report.json"
-    res = subprocess.run([sys.executable, tool, f"--report={tmp_path}", "--margin=0.01", f"--out={out}"],
+    res = subprocess.run([sys.executable, *tool, f"--report={tmp_path}", "--margin=0.01", f"--out={out}"],
                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -112,23 +112,23 @@ def test_report_reads_kept_runs_back_without_running_anything(tmp_path):
     assert report["own_targets"]["paired"]["1"]["speedup"] == pytest.approx(4.0)
     assert "target held-out accuracy 0.690" in res.stdout and "sync reached it in 2 of 2" in res.stdout
     # --seeds picks; a directory without the runs is refused, named.
-    res = subprocess.run([sys.executable, tool, f"--report={tmp_path}", "--seeds=1", f"--out={out}"],
+    res = subprocess.run([sys.executable, *tool, f"--report={tmp_path}", "--seeds=1", f"--out={out}"],
                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert res.returncode == 0 and json.loads(out.read_text())["settings"]["seeds"] == [1], res.stderr[-2000:]
     empty = tmp_path / "empty"
     empty.mkdir()
-    res = subprocess.run([sys.executable, tool, f"--report={empty}"], env=env, capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    res = subprocess.run([sys.executable, *tool, f"--report={empty}"], env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
     assert res.returncode != 0 and f"--report={empty}: no sync_s<seed>/summary.json" in res.stderr
     # Two directories' seeds pool; a seed in both is refused.
     more = tmp_path / "more"
     for mode, summary in (("sync", _two_seeds()["sync"][0]), ("async", _two_seeds()["async"][0])):
         (more / f"{mode}_s7").mkdir(parents=True)
         (more / f"{mode}_s7" / "summary.json").write_text(json.dumps(summary))
-    res = subprocess.run([sys.executable, tool, f"--report={tmp_path},{more}", f"--out={out}"], env=env,
+    res = subprocess.run([sys.executable, *tool, f"--report={tmp_path},{more}", f"--out={out}"], env=env,
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert res.returncode == 0 and json.loads(out.read_text())["settings"]["seeds"] == [0, 1, 7], res.stderr
-    res = subprocess.run([sys.executable, tool, f"--report={tmp_path},{tmp_path}"], env=env,
+    res = subprocess.run([sys.executable, *tool, f"--report={tmp_path},{tmp_path}"], env=env,
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert res.returncode != 0 and f"sync seed 0 is in both {tmp_path} and {tmp_path}" in res.stderr
 
@@ -143,7 +143,7 @@ def test_overlap_bound_is_the_core_count_over_how_well_sync_uses_the_cores():
 def test_smoke_runs_every_part_of_the_command(tmp_path):
     out = tmp_path / "report.json"
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, os.path.join(REPO, "tools", "bench_learning.py"), "--smoke", "--nopredict",
+    cmd = [sys.executable, "-m", "benchmarks.bench_learning", "--smoke", "--nopredict",
            "--one-core", "--out", str(out), "--keep", str(tmp_path / "runs")]  # fmt: skip
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -191,19 +191,19 @@ def test_smoke_runs_every_part_of_the_command(tmp_path):
 
 def test_a_bad_async_cpu_sets_is_refused_before_anything_runs(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    tool = os.path.join(REPO, "tools", "bench_learning.py")
+    tool = ["-m", "benchmarks.bench_learning"]
     cases = [(["--async-cpu-sets=0"], "--async-cpu-sets=0: 1 core lists for 2 processes"),
              (["--async-cpu-sets=0:0", "--async-processes=1"], "needs --async-processes 2"),
              ([f"--workload-from={tmp_path}"], "the ones this command reports or makes, not earlier runs"),
              (["--workload-from=/nonexistent", "--nopredict"], "--nopredict leaves out")]  # fmt: skip
     for flags_, msg in cases:
-        res = subprocess.run([sys.executable, tool, "--smoke", "--keep", str(tmp_path), *flags_], env=env,
+        res = subprocess.run([sys.executable, *tool, "--smoke", "--keep", str(tmp_path), *flags_], env=env,
                              capture_output=True, text=True, timeout=120)  # fmt: skip
         assert res.returncode != 0 and msg in res.stderr, res.stderr[-2000:]
         assert not os.listdir(tmp_path)  # no role bench, warm start or run began
 
 
-# A role bench as tools/bench_roles.py writes it (figures of a letter_range run on one core).
+# A role bench as benchmarks/bench_roles.py writes it (figures of a letter_range run on one core).
 _DECODE = {
     "slots": 128,
     "busy_of_run_engine": [[1, 0.0038], [4, 0.0036], [16, 0.0026], [64, 0.0026], [128, 0.0025]],
@@ -351,7 +351,7 @@ def _kept(root, seeds, eta, step=(0.5, 0.7), benches=True):
 
 def test_report_predicts_again_from_each_directorys_own_role_benches(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    tool = os.path.join(REPO, "tools", "bench_learning.py")
+    tool = ["-m", "benchmarks.bench_learning"]
     benches = {"every": {**_BENCH, "cores": 2, "train_step_s": 0.705}, "one": _BENCH}
     # A directory with the settings a run writes: its prediction is the model's on its benches exactly.
     recorded, lengths = tmp_path / "recorded", {"median": 8.0, "p99": 51.0, "max": 53}
@@ -364,7 +364,7 @@ def test_report_predicts_again_from_each_directorys_own_role_benches(tmp_path):
     _kept(older, [2, 3], eta=2, step=(0.3, 0.6))
     (older / "roles_every_core.json").write_text(json.dumps({**_BENCH, "cores": 2, "train_step_s": 0.9}))
     out = tmp_path / "report.json"
-    res = subprocess.run([sys.executable, tool, f"--report={recorded},{older}", f"--out={out}"], env=env,
+    res = subprocess.run([sys.executable, *tool, f"--report={recorded},{older}", f"--out={out}"], env=env,
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     first, second = json.loads(out.read_text())["predictions"]
@@ -389,7 +389,7 @@ def test_report_predicts_again_from_each_directorys_own_role_benches(tmp_path):
     assert line in res.stdout
     assert f"({older} has no settings.json: η = 2 and 2 process(es) from its runs" in res.stdout
     # --workload-from: the same prediction given the train steps and lengths that earlier runs realized.
-    res = subprocess.run([sys.executable, tool, f"--report={recorded}", f"--workload-from={older}",
+    res = subprocess.run([sys.executable, *tool, f"--report={recorded}", f"--workload-from={older}",
                           f"--out={out}"], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     (made,) = json.loads(out.read_text())["predictions"]
@@ -402,16 +402,16 @@ def test_report_predicts_again_from_each_directorys_own_role_benches(tmp_path):
     for flags_, msg in (([f"--report={recorded}", f"--workload-from={recorded}"], "not earlier runs"),
                         ([f"--report={recorded}", f"--workload-from={tmp_path}"],
                          f"--workload-from={tmp_path}: no sync_s<seed>/summary.json")):  # fmt: skip
-        res = subprocess.run([sys.executable, tool, *flags_], env=env, capture_output=True, text=True,
+        res = subprocess.run([sys.executable, *tool, *flags_], env=env, capture_output=True, text=True,
                              timeout=300)  # fmt: skip
         assert res.returncode != 0 and msg in res.stderr, res.stderr[-2000:]
     # η from the runs, and no pooling across η.
     eta3 = tmp_path / "eta3"
     _kept(eta3, [4], eta=3)
-    res = subprocess.run([sys.executable, tool, f"--report={eta3}", f"--out={out}"], env=env,
+    res = subprocess.run([sys.executable, *tool, f"--report={eta3}", f"--out={out}"], env=env,
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert res.returncode == 0 and json.loads(out.read_text())["predictions"][0]["setup"]["eta"] == 3
-    res = subprocess.run([sys.executable, tool, f"--report={recorded},{eta3}"], env=env, capture_output=True,
+    res = subprocess.run([sys.executable, *tool, f"--report={recorded},{eta3}"], env=env, capture_output=True,
                          text=True, timeout=300)  # fmt: skip
     assert res.returncode != 0
     assert f"different staleness bounds ({recorded}: η = 2; {eta3}: η = 3); they do not pool" in res.stderr

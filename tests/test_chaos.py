@@ -1,4 +1,4 @@
-"""The chaos suite's short form (tools/chaos.py): a stranger attacking the hub of a real 2-process run, a
+"""The chaos suite's short form (benchmarks/chaos.py): a stranger attacking the hub of a real 2-process run, a
 hung (SIGSTOPped) sampler process, a hung trainer follower (3 processes), a reward worker killed while it
 grades, checkpoint writes that fail (the checkpoint manager alone, and inside a running run). Random kills
 with restarts (seven 3-process runs) is a benchmark command (docs/benchmarks.md)."""
@@ -16,7 +16,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.parametrize("scenario", ["hostile", "hang", "reward", "disk", "disk-run", "hang-follower"])
 def test_chaos_short_form(tmp_path, scenario):
     out = tmp_path / "chaos.json"
-    cmd = [sys.executable, os.path.join(REPO, "tools", "chaos.py"), f"--scenario={scenario}",
+    cmd = [sys.executable, "-m", "benchmarks.chaos", f"--scenario={scenario}",
            f"--workdir={tmp_path}", f"--out={out}", "--timeout-s=400", "--restart-steps=12"]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=REPO)
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

@@ -1,5 +1,5 @@
-"""tools/device_check.sh runs end to end on CPU in --smoke mode (tiny shapes, nothing downloaded), and
-tools/build_device_wheels.sh names exactly the packages the device check imports beyond the machine's."""
+"""benchmarks/device_check.sh runs end to end on CPU in --smoke mode (tiny shapes, nothing downloaded), and
+benchmarks/build_device_wheels.sh names exactly the packages the device check imports beyond the machine's."""
 
 import json
 import os
@@ -7,8 +7,8 @@ import re
 import subprocess
 import sys
 
-from jaxrl_async.cli.device_check_report import BARS, STAGES
-from jaxrl_async.cli.device_probe import PACKAGES
+from benchmarks.device_check_report import BARS, STAGES
+from benchmarks.device_probe import PACKAGES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,7 +19,7 @@ def test_device_check_smoke_runs_every_stage_and_writes_its_json(tmp_path):
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHON=sys.executable)
     out = tmp_path / "dc"
     proc = subprocess.run(
-        ["bash", "tools/device_check.sh", "--smoke", "--out", str(out), "--wheels", str(tmp_path / "none")],
+        ["bash", "benchmarks/device_check.sh", "--smoke", "--out", str(out), "--wheels", str(tmp_path / "-")],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -51,7 +51,7 @@ def test_device_check_smoke_runs_every_stage_and_writes_its_json(tmp_path):
 
 
 def test_the_wheel_list_covers_the_imports_the_lent_machine_lacks():
-    with open(os.path.join(REPO, "tools", "build_device_wheels.sh")) as f:
+    with open(os.path.join(REPO, "benchmarks", "build_device_wheels.sh")) as f:
         script = f.read()
     pins = re.finditer(r"^\s+([A-Za-z0-9_.-]+)==", script, re.M)
     wheels = {m.group(1).lower().replace("-", "_") for m in pins}

@@ -1,4 +1,4 @@
-"""tools/eta_sweep.py: paired cells, the confidence interval, and the report from the cells' summaries."""
+"""benchmarks.eta_sweep: paired cells, the confidence interval, and the report from the cells' summaries."""
 
 import json
 import os
@@ -8,15 +8,15 @@ import sys
 import jax
 import pytest
 
-from configs import eta_sweep as sweep_config
-from jaxrl_async.cli import eta_study
+from benchmarks import eta_study
+from benchmarks.configs import eta_sweep as sweep_config
 from jaxrl_async.data import make_prompt_iterator
 from jaxrl_async.run_config import validate
 from jaxrl_async.runtime import build
 from jaxrl_async.trainer.warmstart import cache_key
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOL = os.path.join(REPO, "tools", "eta_sweep.py")
+TOOL = ["-m", "benchmarks.eta_sweep"]
 
 
 def test_mean_ci_golden():
@@ -96,7 +96,7 @@ def test_report_gives_paired_differences_gaps_to_sync_and_collapses(tmp_path):
         os.makedirs(tmp_path / name)
         (tmp_path / name / "summary.json").write_text(json.dumps(_summary(a)))
     arms = "ppo,m2po,decoupled_mask"
-    cmd = [sys.executable, TOOL, "--out", str(tmp_path), "--grid", "1e-4:0,8", "--arms", arms,
+    cmd = [sys.executable, *TOOL, "--out", str(tmp_path), "--grid", "1e-4:0,8", "--arms", arms,
            "--seeds", "0,1", "--report-only"]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=REPO)
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)

@@ -1,4 +1,4 @@
-"""tools/evaluate.py scores a run's saved versions as the run itself scored them (same prompts, weights,
+"""jaxrl-evaluate scores a run's saved versions as the run itself scored them (same prompts, weights,
 greedy engine and reward)."""
 
 import json
@@ -40,14 +40,14 @@ def test_evaluate_gives_the_accuracies_the_run_logged(tmp_path):
     config = tmp_path / "config.py"
     config.write_text(CONFIG)
     work = tmp_path / "run"
-    run_py, evaluate = os.path.join(REPO, "launch", "run.py"), os.path.join(REPO, "tools", "evaluate.py")
+    run_py, evaluate = os.path.join(REPO, "launch", "run.py"), ("-m", "jaxrl_async.cli.evaluate")
     rc, out = _python(run_py, f"--config={config}", f"--config.workdir={work}")
     assert rc == 0, out[-3000:]
     logged = dict(read_scalars(str(work / "tb"))["eval/accuracy"])
     assert {1, 2} <= set(logged) and any(0 < a < 1 for a in logged.values()), logged  # not 0 == 0
     report = tmp_path / "eval.json"
     flags = [f"--config={config}", f"--checkpoint={work}", "--steps=1,2", f"--out={report}"]
-    rc, out = _python(evaluate, *flags)
+    rc, out = _python(*evaluate, *flags)
     assert rc == 0, out[-3000:]
     got = {int(v): a for v, a in json.loads(report.read_text()).items()}
     assert got == pytest.approx({v: logged[v] for v in (1, 2)}, abs=1e-6), (got, logged)
@@ -55,7 +55,7 @@ def test_evaluate_gives_the_accuracies_the_run_logged(tmp_path):
     # The training split, per band of answer length: the bands weigh back to the version's accuracy.
     report = tmp_path / "train.json"
     flags = [f"--config={config}", f"--checkpoint={work}", "--split=train", "--by_length", f"--out={report}"]
-    rc, out = _python(evaluate, *flags)
+    rc, out = _python(*evaluate, *flags)
     assert rc == 0, out[-3000:]
     (version, got), = json.loads(report.read_text()).items()
     assert version == "2" and f"version 2: train-split accuracy {got['accuracy']:.4f} (24 prompts)" in out
@@ -63,5 +63,5 @@ def test_evaluate_gives_the_accuracies_the_run_logged(tmp_path):
     assert len(bands) >= 3 and sum(b["prompts"] for b in bands.values()) == 24
     assert sum(b["weight"] * b["accuracy"] for b in bands.values()) == pytest.approx(got["accuracy"])
     assert all(f"  answer {band} tokens: accuracy" in out for band in bands)
-    rc, out = _python(evaluate, f"--config={config}", f"--checkpoint={tmp_path / 'nowhere'}")
+    rc, out = _python(*evaluate, f"--config={config}", f"--checkpoint={tmp_path / 'nowhere'}")
     assert rc != 0 and "--checkpoint" in out and "not a run of ours" in out

@@ -138,7 +138,7 @@ def test_async_run_trains_syncs_respects_eta_and_writes_tags(tmp_path):
     assert load_policy(os.path.join(tmp_path, "checkpoints", "4"), mesh, SAMPLER_RULES)[3] == 4
     with pytest.raises(FileNotFoundError, match=r"no checkpoint step 2 \(saved: \[4\]\)"):
         load_policy(str(tmp_path), mesh, SAMPLER_RULES, step=2)
-    cmd = [sys.executable, os.path.join(REPO, "tools", "generate.py"), "--checkpoint", str(tmp_path)]
+    cmd = [sys.executable, "-m", "jaxrl_async.cli.generate", "--checkpoint", str(tmp_path)]
     cmd += ["--prompt", "12+34=", "--max-new-tokens", "4", "--cpu-kernels"]
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
@@ -148,7 +148,7 @@ def test_async_run_trains_syncs_respects_eta_and_writes_tags(tmp_path):
 
     # Export to Hugging Face: transformers loads it and gives our logits.
     out = str(tmp_path / "hf")
-    cmd = [sys.executable, os.path.join(REPO, "tools", "export_hf.py"), str(tmp_path), "--out", out]
+    cmd = [sys.executable, "-m", "jaxrl_async.cli.export_hf", str(tmp_path), "--out", out]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert res.returncode == 0 and "policy version 4" in res.stdout, res.stderr
     import torch

@@ -1,4 +1,4 @@
-"""The peer benchmark's shared task (tools/bench_peers.py): the Hugging Face export with our token ids, the
+"""The peer benchmark's shared task (benchmarks.bench_peers): the Hugging Face export with our token ids, the
 prompt dump, the spec, and the drivers' schedule and reward against ours. No peer venv is needed."""
 
 import importlib.util
@@ -9,8 +9,8 @@ import jax
 import numpy as np
 import pytest
 
+from benchmarks import peer_bench as pb
 from configs import tiny_arith
-from jaxrl_async.cli import peer_bench as pb
 from jaxrl_async.data import held_out_prompts, make_prompt_iterator
 from jaxrl_async.model import forward_logits, init_params
 from jaxrl_async.rewards.registry import get_reward
@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _common():
     """The drivers' common.py, loaded as the drivers load it (a file, not a package module)."""
-    path = os.path.join(REPO, "jaxrl_async", "cli", "peer_drivers", "common.py")
+    path = os.path.join(REPO, "benchmarks", "peer_drivers", "common.py")
     spec = importlib.util.spec_from_file_location("peer_common", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -197,13 +197,13 @@ def test_report_flag_prints_finished_runs_and_refuses_a_missing_one(tmp_path):
 
     _seed_run(tmp_path / "s0", sync=(0.40, 0.45), asyn=(0.46, 0.44), trl=(0.38, 0.46))
     _seed_run(tmp_path / "s1", sync=(0.42, 0.50), asyn=(0.40, 0.45), trl=(0.41, 0.43))
-    tool = os.path.join(REPO, "tools", "bench_peers.py")
-    res = subprocess.run([sys.executable, tool, f"--report={tmp_path / 's0'},{tmp_path / 's1'}"],
+    tool = ["-m", "benchmarks.bench_peers"]
+    res = subprocess.run([sys.executable, *tool, f"--report={tmp_path / 's0'},{tmp_path / 's1'}"], cwd=REPO,
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     assert "target 0.4900" in res.stdout and "| trl / ours_sync | 2.50x | >2.50x |" in res.stdout
-    res = subprocess.run([sys.executable, tool, f"--report={tmp_path / 'nope'}"], capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+    res = subprocess.run([sys.executable, *tool, f"--report={tmp_path / 'nope'}"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
     assert res.returncode != 0 and "--report" in res.stderr and "bench_peers.json" in res.stderr
 
 
@@ -213,7 +213,7 @@ def test_drivers_import_nothing_of_this_package():
     import ast
     import sys
 
-    folder = os.path.join(REPO, "jaxrl_async", "cli", "peer_drivers")
+    folder = os.path.join(REPO, "benchmarks", "peer_drivers")
     for name in ("common.py", *pb.DRIVERS.values()):
         with open(os.path.join(folder, name)) as f:
             tree = ast.parse(f.read())

@@ -287,7 +287,8 @@ def test_cli_writes_report_and_plots(tmp_path):
     out = tmp_path / "out"
     cmd = [
         sys.executable,
-        os.path.join(ROOT, "tools", "perf_model.py"),
+        "-m",
+        "jaxrl_async.cli.perf_model",
         "--scenario",
         str(paths["scenario"]),
         "--decode-bench",
@@ -323,7 +324,7 @@ def test_cli_writes_report_and_plots(tmp_path):
 def test_scenario_files_load_and_sweep(name):
     from jaxrl_async.perf.scenario import load_scenario
 
-    sc = load_scenario(os.path.join(ROOT, "tools", "scenarios", f"{name}.json"))
+    sc = load_scenario(os.path.join(ROOT, "configs", "scenarios", f"{name}.json"))
     system = build_system(
         sc.hardware, sc.shape, sc.workload, sc.total_devices, sc.max_staleness, **sc.options
     )

@@ -33,6 +33,9 @@ from jaxrl_async.trainer import TrainConfig
 
 CFG = presets.tiny(vocab_size=256, n_layers=2)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The console script a user types, from this interpreter's environment (its module where none is installed).
+_SCRIPT = os.path.join(os.path.dirname(sys.executable), "jaxrl-plan-check")
+PLAN_CHECK = [_SCRIPT] if os.path.exists(_SCRIPT) else [sys.executable, "-m", "jaxrl_async.cli.plan_check"]
 
 
 def test_the_dimensions_replicated_for_want_of_an_even_split_are_listed_as_spec_replicates_them():
@@ -206,7 +209,7 @@ def _documented_plan_checks() -> list[str]:
     for path in [os.path.join(REPO, "README.md"), *sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))]:
         with open(path) as f:
             for line in f:
-                m = re.match(r"\s*(python tools/plan_check\.py [^#`]*)", line)
+                m = re.match(r"\s*(jaxrl-plan-check [^#`]*)", line)
                 if m and m.group(1).strip() not in commands:
                     commands.append(m.group(1).strip())
     return commands
@@ -216,7 +219,7 @@ def test_the_documented_plan_check_commands_succeed_verbatim():
     """README's "will it fit?" lines and the performance-model doc's, run as written (a fresh shell: no
     XLA flags, no memory fraction set, no data file): each exits 0 with both roles inside the margin."""
     commands = _documented_plan_checks()
-    readme = "python tools/plan_check.py --config configs/math_8b.py:h100 --preset qwen3-8b --hardware h100"
+    readme = "jaxrl-plan-check --config configs/math_8b.py:h100 --preset qwen3-8b --hardware h100"
     assert readme in commands
     assert len(commands) >= 3
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION")}
@@ -224,8 +227,8 @@ def test_the_documented_plan_check_commands_succeed_verbatim():
     procs = []
     for cmd in commands:  # all at once: each is mostly one compile thread
         argv = shlex.split(cmd)
-        assert argv[0] == "python"
-        procs.append(subprocess.Popen([sys.executable, *argv[1:]], cwd=REPO, env=env, text=True,
+        assert argv[0] == "jaxrl-plan-check"
+        procs.append(subprocess.Popen([*PLAN_CHECK, *argv[1:]], cwd=REPO, env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))  # fmt: skip
     for cmd, proc in zip(commands, procs, strict=True):
         out, _ = proc.communicate(timeout=1800)
@@ -243,7 +246,7 @@ def test_a_layout_under_the_margin_is_refused_with_the_numbers_and_fields():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = REPO
     cmd = [
-        "tools/plan_check.py",
+        *PLAN_CHECK,
         "--config",
         "configs/tiny_arith.py",
         "--hardware",
@@ -252,7 +255,7 @@ def test_a_layout_under_the_margin_is_refused_with_the_numbers_and_fields():
         "1e-6",
     ]
     res = subprocess.run(
-        [sys.executable, *cmd], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900
     )
     assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
     assert "plan check refuses this layout" in res.stdout

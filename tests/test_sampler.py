@@ -385,7 +385,8 @@ def test_generate_cli_on_hf_checkpoint(tmp_path, params):
     prompt = "12+34="
     cmd = [
         sys.executable,
-        os.path.join(REPO, "tools", "generate.py"),
+        "-m",
+        "jaxrl_async.cli.generate",
         "--checkpoint",
         str(tmp_path / "ckpt"),
         "--tokenizer",
@@ -419,7 +420,8 @@ def test_generate_cli_prompt_ids_need_no_tokenizer(tmp_path):
     assert not (tmp_path / "ckpt" / "tokenizer.json").exists()
     base = [
         sys.executable,
-        os.path.join(REPO, "tools", "generate.py"),
+        "-m",
+        "jaxrl_async.cli.generate",
         "--checkpoint",
         str(tmp_path / "ckpt"),
     ]

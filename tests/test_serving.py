@@ -1,6 +1,6 @@
 """Serving through JetStream (the optional "serve" extra): the engine adapter under JetStream's own engine
 test patterns, the driver under JetStream's orchestrator test patterns (with JetStream's mock engine and
-with ours), and a gRPC request to launch/serve.py against tools/generate.py.
+with ours), and a gRPC request to launch/serve.py against jaxrl-generate.
 
 Skipped where jetstream is not installed (the main environment). To run them (what .ci/run does):
   python3 -m venv .venv-serve && .venv-serve/bin/pip install -e ".[serve]" "pytest>=8,<10"
@@ -223,7 +223,7 @@ def test_driver_serves_our_engine(params):
 
 
 def _generate_cli(ckpt, prompt, n):
-    cmd = [sys.executable, os.path.join(REPO, "tools", "generate.py"), "--checkpoint", ckpt]
+    cmd = [sys.executable, "-m", "jaxrl_async.cli.generate", "--checkpoint", ckpt]
     cmd += ["--tokenizer", "char", "--prompt", prompt, "--max-new-tokens", str(n), "--temperature", "0"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
     assert res.returncode == 0, res.stderr
@@ -239,7 +239,7 @@ def _env():
 
 def test_grpc_server_returns_the_generate_cli_text(tmp_path):
     # A tiny Hugging Face checkpoint, served by launch/serve.py on localhost; a gRPC Decode request gets
-    # the text (and ids) that tools/generate.py prints for the same prompt.
+    # the text (and ids) that jaxrl-generate prints for the same prompt.
     cfg = presets.tiny(vocab_size=TOK.vocab_size, n_layers=1, max_seq_len=64)
     ckpt = str(tmp_path / "ckpt")
     save_hf(cfg, init_params(cfg, jax.random.key(3)), ckpt)

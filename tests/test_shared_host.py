@@ -138,8 +138,8 @@ def test_cli_shared_host_sweep(tmp_path):
         p.write_text(json.dumps(dataclasses.asdict(_bench(devices=k, w_s=w_s, c_s=w_s, w_t=w_t, c_t=w_t))))
         paths.append(str(p))
     out = tmp_path / "out"
-    tool = os.path.join(REPO, "tools", "perf_model.py")
-    cmd = [sys.executable, tool, "--roles-bench", ",".join(paths), "--devices", "4", "--eta", "2"]
+    tool = ["-m", "jaxrl_async.cli.perf_model"]
+    cmd = [sys.executable, *tool, "--roles-bench", ",".join(paths), "--devices", "4", "--eta", "2"]
     cmd += ["--out", str(out)]
     env = dict(os.environ, PYTHONPATH=REPO)  # the package of this checkout
     printed = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout

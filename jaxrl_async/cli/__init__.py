@@ -1,20 +1,18 @@
-"""Command-line programs. Each is a module here with absl flags and two entry points:
+"""The product's command-line programs (benchmarks and studies live in the checkout's `benchmarks/`).
+Each is a module here with absl flags and two entry points:
 
   main(argv)  the program (absl passes the positional arguments left after the flags);
   run()       `run_command(main, __name__)` (absl's `app.run`): what `[project.scripts]` in
-              pyproject.toml and the shim call.
+              pyproject.toml (and launch/'s three scripts) call.
 
 Conventions for a new command `x`:
   - `jaxrl_async/cli/x.py` defines its flags at module level with absl (`flags.DEFINE_*`), named as a user
     types them (`--max-new-tokens`, hyphens kept), and a docstring whose first line says what it does.
-  - `tools/x.py` (or `launch/x.py`) is a shim of three lines, `from jaxrl_async.cli.x import run` and
-    `run()` under `if __name__ == "__main__":`, so `python tools/x.py` keeps working; no `sys.path` edits:
-    the package is installed (`pip install -e .`).
-  - A console script `jaxrl-x = "jaxrl_async.cli.x:run"` in `[project.scripts]`, for the commands run often.
+  - One way to start it: a console script `jaxrl-x = "jaxrl_async.cli.x:run"` in `[project.scripts]`.
+    The main job, the local cluster and the server also have `launch/x.py`, the launchers' entry points.
   - absl flags are process-global: one command per process, and a command never imports another command's
-    module: what several commands share lives in a module here that is no command (`bench_workload`: flags
-    defined once, each command setting its own defaults; `decode_timing`) or in the library. A command
-    starts another in a process of its own with `module_command`; that module ends with
+    module: what several commands share lives in a module that is no command, or in the library. A
+    command starts another in a process of its own with `module_command`; that module ends with
     `if __name__ == "__main__": run()`.
 Config files (configs/*.py) that build on another config load it with `config_file.sibling`, so they need
 no checkout on `sys.path` either.
@@ -46,11 +44,12 @@ def run_command(main: Callable[[list[str]], None], module_name: str) -> None:
 
 
 def module_command(module: str, *args: str, python: str = sys.executable) -> list[str]:
-    """The command line that runs the command `jaxrl_async.cli.<module>` in a fresh interpreter: how one
-    command starts another (no checkout paths, so an installed package works too). `-P`: the package comes
-    from PYTHONPATH or the installation, as for a script, never from a directory the user happens to be in.
+    """The command line that runs a command in a fresh interpreter: `module` is a product command here
+    (`"run"`: `jaxrl_async.cli.run`) or a dotted module (`"benchmarks.bench_roles"`, which needs the
+    checkout on PYTHONPATH: `command_env`). `-P`: the code comes from PYTHONPATH or the installation, never
+    from a directory the user happens to be in.
     """
-    return [python, "-P", "-m", f"jaxrl_async.cli.{module}", *args]
+    return [python, "-P", "-m", module if "." in module else f"jaxrl_async.cli.{module}", *args]
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/ lives here

@@ -1,9 +1,9 @@
 """Checks a config's process layout against a cluster before anyone pays for it (the launchers run it).
 
-  python tools/check_layout.py --accelerator=v5p-128 --config=configs/math_8b.py \\
+  jaxrl-check-layout --accelerator=v5p-128 --config=configs/math_8b.py \\
       --config.workdir=gs://BUCKET/runs/m8b --config.model.checkpoint=/data/Qwen3-8B \\
       --config.data.path=/data/math.jsonl
-  python tools/check_layout.py --hosts=2 --devices-per-host=8 --config=configs/math_8b.py:h100 ...
+  jaxrl-check-layout --hosts=2 --devices-per-host=8 --config=configs/math_8b.py:h100 ...
 
 Validates the config (as `launch/run.py` does before it connects), derives the roles from the hosts and
 the devices per host (`jaxrl_async.runtime.cluster.Roles`) and checks that every mesh fits the processes

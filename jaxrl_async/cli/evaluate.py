@@ -1,6 +1,6 @@
 """Held-out greedy accuracy of a run's checkpoints, on the held-out set its config defines.
 
-  python tools/evaluate.py --config=configs/letter_range.py --checkpoint RUN [--steps 50,100]
+  jaxrl-evaluate --config=configs/letter_range.py --checkpoint RUN [--steps 50,100]
       [--split train] [--by_length]
 
 RUN: one of our runs (its workdir, its checkpoints/ directory or a step in it). `--config` is the run's

@@ -1,6 +1,6 @@
 """Export a run's checkpoint as a Hugging Face directory (config.json + safetensors + tokenizer files).
 
-  jaxrl-export-hf WORKDIR [--step V] --out DIR        (or python tools/export_hf.py ...)
+  jaxrl-export-hf WORKDIR [--step V] --out DIR        (or jaxrl-export-hf ...)
 
 WORKDIR: a run's workdir, its checkpoints/ directory or one step in it (default: the newest version).
 The result loads with `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and serves with vLLM or
@@ -51,3 +51,7 @@ def main(argv) -> None:
 
 def run() -> None:
     run_command(main, __name__)
+
+
+if __name__ == "__main__":  # `python -m jaxrl_async.cli.export_hf`, as the tests start it
+    run()

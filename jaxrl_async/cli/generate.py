@@ -7,7 +7,7 @@
 DIR: a Hugging Face directory (config.json + safetensors), or one of our runs (its workdir, its
 checkpoints/ directory or a step in it: the policy weights of that version, newest by default).
 Prints each completion as text and as a line `ids: ...` (generated ids only). Temperature 0 = greedy.
-`python tools/generate.py` runs the same program.
+`jaxrl-generate` runs the same program.
 """
 
 from __future__ import annotations
@@ -95,3 +95,7 @@ def main(argv) -> None:
 
 def run() -> None:
     run_command(main, __name__)
+
+
+if __name__ == "__main__":  # `python -m jaxrl_async.cli.generate`, as the tests start it
+    run()

@@ -4,18 +4,18 @@ Sweeps every split with the analytic model, prunes splits over the staleness bou
 rates, reports the best one and its speedup over sync RL, and optionally checks both with the
 discrete-event simulator. Writes report.json and PNG plots to --out.
 
-  jaxrl-perf --scenario tools/scenarios/areal_1p5b_math.json --out /tmp/perf --simulate
+  jaxrl-perf --scenario configs/scenarios/areal_1p5b_math.json --out /tmp/perf --simulate
   jaxrl-perf --scenario S.json --decode-bench decode.json --train-bench train.json --out D
   jaxrl-perf --hardware cpu --devices 8 --eta 2 --model-json config.json \\
       --prompts 64 --samples-per-prompt 8 --prompt-len 16 --lengths lognormal:median=8,p99=24 --out D
 
-Roles sharing one host (fake CPU devices, or `mesh.colocate`): give tools/bench_roles.py files instead;
+Roles sharing one host (fake CPU devices, or `mesh.colocate`): give benchmarks/bench_roles.py files instead;
 with --devices, every benched split summing to it is swept (docs/performance-model.md, "Shared host"):
 
   jaxrl-perf --roles-bench roles_1.json --eta 2 --out D
   jaxrl-perf --roles-bench r1.json,r2.json,r3.json --devices 4 --eta 2 --out D
 
-`python tools/perf_model.py` runs the same program.
+`jaxrl-perf` runs the same program.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from jaxrl_async.perf.simulator import simulate
 from jaxrl_async.perf.system import build_system, load_train_bench
 from jaxrl_async.perf.weight_sync import sync_report
 
-_SCENARIO = flags.DEFINE_string("scenario", None, "scenario JSON (tools/scenarios/)")
+_SCENARIO = flags.DEFINE_string("scenario", None, "scenario JSON (configs/scenarios/)")
 _HARDWARE = flags.DEFINE_string(
     "hardware", None, "preset (tpu-v5e, tpu-v5p, tpu-v6e, h100, h800, h200) or 'cpu' to measure"
 )
@@ -51,10 +51,10 @@ _LENGTHS = flags.DEFINE_string(
     "lengths", None, "kind:k=v,... | JSON file (list or distribution) | tb:LOGDIR:TAG"
 )
 _DECODE_BENCH = flags.DEFINE_string(
-    "decode-bench", None, "tools/bench_decode.py JSON: {devices, context_len, points}"
+    "decode-bench", None, "benchmarks/bench_decode.py JSON: {devices, context_len, points}"
 )
 _TRAIN_BENCH = flags.DEFINE_string(
-    "train-bench", None, "tools/bench_train.py JSON: {devices, train_tokens_per_s}"
+    "train-bench", None, "benchmarks/bench_train.py JSON: {devices, train_tokens_per_s}"
 )
 _TRAIN_MFU = flags.DEFINE_float("train-mfu", None, "trainer model FLOPs utilisation")
 _BALANCE_TOL = flags.DEFINE_float("balance-tol", None, "allowed sampler/trainer rate imbalance")
@@ -66,7 +66,7 @@ _SIMULATE = flags.DEFINE_bool("simulate", False, "check the best split and sync 
 _SIM_STEPS = flags.DEFINE_integer("sim-steps", 30, "simulated train steps")
 _OUT = flags.DEFINE_string("out", None, "output directory")
 _ROLES_BENCH = flags.DEFINE_list(
-    "roles-bench", None, "comma-separated tools/bench_roles.py JSON files: the shared-host model"
+    "roles-bench", None, "comma-separated benchmarks/bench_roles.py JSON files: the shared-host model"
 )
 flags.mark_flags_as_required(["out"])
 
@@ -252,3 +252,7 @@ def split_report() -> dict:
 
 def run() -> None:
     run_command(main, __name__)
+
+
+if __name__ == "__main__":  # `python -m jaxrl_async.cli.perf_model`, as the tests start it
+    run()

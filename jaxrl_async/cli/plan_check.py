@@ -10,7 +10,7 @@ role fits.
 Also the paged KV cache an accelerator sampler gets in the memory left beside the weights, the eval
 engine's cache and the decode temporaries: pages per device and the sequences that run at once (full
 length, and a long-tailed length mix: --median-len, --p99-len, --prompt-len; the group size is the
-config's samples_per_prompt). `python tools/plan_check.py` runs the same program.
+config's samples_per_prompt). `jaxrl-plan-check` runs the same program.
 """
 
 from __future__ import annotations
@@ -211,3 +211,7 @@ def summary(report: dict, config, train_cfg, sampler_cfg) -> str:
 
 def run() -> None:
     run_command(main, __name__)
+
+
+if __name__ == "__main__":  # `python -m jaxrl_async.cli.plan_check`, as the tests start it
+    run()

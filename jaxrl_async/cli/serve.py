@@ -112,3 +112,7 @@ def main(argv) -> None:
 
 def run() -> None:
     run_command(main, __name__)
+
+
+if __name__ == "__main__":  # `python -m jaxrl_async.cli.serve`, as the tests start it
+    run()

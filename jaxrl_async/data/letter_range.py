@@ -9,7 +9,7 @@ rare but present (the reference answers' median is 8 tokens, stop token included
 because of the problems themselves, not because a length cap was drawn. Each answer letter follows from the
 previous one (the next or the previous letter of the alphabet) and the stop from a comparison with the
 prompt's last letter, so a tiny character model learns it from a short supervised warm start. Its misses are
-mostly on short ranges (it runs past the stop; `tools/evaluate.py --by_length` shows where), which is also
+mostly on short ranges (it runs past the stop; `jaxrl-evaluate --by_length` shows where), which is also
 why its own completions are less skewed than the references (at p = 1 their p99/median was 2.7-3.0; at 1.5,
 7.3-8.7).
 

@@ -1,4 +1,4 @@
-"""The split model fed with measurements of a run's own roles (the role bench of tools/bench_roles.py with
+"""The split model fed with measurements of a run's own roles (the role bench of benchmarks.bench_roles with
 `--decode_curve`), for runs whose roles own their hardware (separate processes on separate cores).
 
 The sampler's decode latency t(b) is fitted to an engine of b slots at each b; `static_batch` charges
@@ -33,9 +33,9 @@ def calibrated_system(
     """A `System` of one sampler replica per sampler device and the measured trainer.
 
     Args:
-      roles: a role bench with its "decode" curve (tools/bench_roles.py --decode_curve).
+      roles: a role bench with its "decode" curve (benchmarks/bench_roles.py --decode_curve).
       prompts, samples: B and G; median, p99, max_len: the lognormal completion lengths.
-      shared_length: the samples of a prompt share one length (tools/bench_async.py's caps).
+      shared_length: the samples of a prompt share one length (benchmarks/bench_async.py's caps).
       admit_lag_s: see `Sampler` (`engine_lag_s` gives the slotted engine's).
     """
     b, t = zip(*roles["decode"]["engine_of_b_slots"], strict=True)

@@ -1,6 +1,6 @@
 """Decode step latency t(b): a roofline-shaped curve, derived from hardware or fitted to benchmark points.
 
-Decode-bench JSON (written by tools/bench_decode.py, read by `load_decode_bench`)::
+Decode-bench JSON (written by benchmarks/bench_decode.py, read by `load_decode_bench`)::
 
     {"devices": 1,                # devices of one sampler replica the points were measured on
      "context_len": 1024,          # optional: mean context (prompt + generated) during the measurement

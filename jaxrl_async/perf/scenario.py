@@ -1,6 +1,6 @@
 """Scenario files: one JSON describing hardware, model, workload and options for `build_system`.
 
-Format (see tools/scenarios/*.json)::
+Format (see configs/scenarios/*.json)::
 
     {"name": "...", "hardware": "h800" | {"preset": "h100", "mem_bytes": 8e10} | {all Hardware fields},
      "total_devices": 128, "max_staleness": 8,

@@ -2,7 +2,7 @@
 
 The split model (`model.py`) assumes each role owns its devices. On a CPU host, fake devices share the
 same cores, and on one accelerator `mesh.colocate` puts both roles on it: async RL can then only fill each
-role's idle gaps with the other's work. Inputs are role benches (`tools/bench_roles.py`, which measures
+role's idle gaps with the other's work. Inputs are role benches (`benchmarks/bench_roles.py`, which measures
 each role alone on the run's devices): per train batch, the sampler's wall time W_s and CPU seconds C_s,
 the trainer's W_t and C_t (step + weight sync), and the sampler's weight swap U.
 
@@ -61,7 +61,7 @@ _FIELDS = (
 
 @dataclasses.dataclass(frozen=True)
 class RoleBench:
-    """One `tools/bench_roles.py` measurement (seconds per train batch; CPU seconds over all threads)."""
+    """One `benchmarks/bench_roles.py` measurement (seconds per train batch; CPU seconds over all threads)."""
 
     sampler_devices: int
     trainer_devices: int

@@ -2,7 +2,7 @@
 
 `build_system` turns physical inputs (hardware, model shape, optional benchmark files) into it.
 
-Train-bench JSON (written by tools/bench_train.py, read by `load_train_bench`)::
+Train-bench JSON (written by benchmarks/bench_train.py, read by `load_train_bench`)::
 
     {"devices": 8, "train_tokens_per_s": 12345.0}   # tokens (prompt + response) per second, all devices
 """

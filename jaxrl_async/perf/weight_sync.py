@@ -5,7 +5,7 @@ trainer device sending its share to one sampler device over its own link (NVLink
 loopback are one lane per host pair. The bandwidths are per direction. Where they come from
 (docs/performance-model.md, "Weight sync"):
 
-  loopback  measured on this project's 2-core CPU host: `tools/bench_transport.py`, cross-process
+  loopback  measured on this project's 2-core CPU host: `benchmarks/bench_transport.py`, cross-process
             transfer-server pull (the figure in docs/benchmarks.md's weight-sync section); what processes
             on different hosts, or with config.mesh.weight_transport="transfer", pay
   shm       measured the same way: the shared-memory slots that processes of one CPU host use (one
@@ -50,8 +50,8 @@ class Link:
 
 
 LINKS: dict[str, Link] = {
-    "loopback": Link("loopback", 0.61e9, 0.02, False, "measured: tools/bench_transport.py, 2-core CPU host"),
-    "shm": Link("shm", 6.1e9, 2e-3, False, "measured: tools/bench_transport.py, shared-memory slots, 2-core"),
+    "loopback": Link("loopback", 0.61e9, 0.02, False, "measured: benchmarks.bench_transport, 2-core"),
+    "shm": Link("shm", 6.1e9, 2e-3, False, "measured: benchmarks.bench_transport, shm slots, 2-core"),
     "pcie": Link("pcie", 0.8 * 63e9, 1e-3, True, "PCIe 5.0 x16 spec, 80% achieved"),
     "nvlink": Link("nvlink", 0.8 * 450e9, 1e-3, True, "NVIDIA H100 SXM datasheet, 80% achieved"),
     "nvlink-h800": Link("nvlink-h800", 0.8 * 200e9, 1e-3, True, "H800: NVLink cut to 400 GB/s bidirectional"),
@@ -94,7 +94,7 @@ def sync_seconds(weight_bytes: float, link: Link, trainer_devices: int = 1, samp
 
 
 def sync_report(weight_bytes: float, trainer_devices: int, sampler_devices: int, replicas: int = 1) -> dict:
-    """Predicted seconds per version over every link kind (what tools/perf_model.py prints): `replicas`
+    """Predicted seconds per version over every link kind (what jaxrl-perf prints): `replicas`
     sampler replicas over `sampler_devices` devices each receive `weight_bytes`."""
     return {
         name: sync_seconds(weight_bytes * replicas, link, trainer_devices, sampler_devices)

@@ -289,7 +289,7 @@ class Workload:
     """One RL train batch: B prompts x G samples, prompt length P, response lengths L ~ `lengths`.
 
     `shared_length`: the G samples of a prompt have one length (a per-prompt generation cap with the stop
-    token disabled, as tools/bench_async.py imposes); by default each sample's length is its own draw.
+    token disabled, as benchmarks/bench_async.py imposes); by default each sample's length is its own draw.
     """
 
     prompts_per_batch: int

@@ -7,7 +7,7 @@ steady rate of a never-drained stream, as async RL does), how long one train ste
 takes, and how much of the host's cores each keeps busy meanwhile (process CPU seconds, which include
 XLA's worker threads). Part of the orchestrator layer: it builds the run's own actor, coordinator and
 trainer (`jaxrl_async.runtime.build.build_process`) and drives them one at a time through their
-messages (`tools/bench_roles.py` is the CLI). Where two processes share a core, `corun_role` gives each
+messages (`benchmarks/bench_roles.py` is the CLI). Where two processes share a core, `corun_role` gives each
 role's pace while the other runs: the shared paces of `shared_host.predict_lent_core`.
 """
 

@@ -7,7 +7,7 @@ process 0 only (a run whose trainer state lives on one process saves it through 
 `_host_local`).
 
 Beside the steps, `model.json` records the model config and tokenizer, so a policy can be loaded from a run
-directory alone (`load_policy`, used by tools/generate.py).
+directory alone (`load_policy`, used by jaxrl-generate).
 """
 
 from __future__ import annotations

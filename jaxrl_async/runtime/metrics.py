@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-# Scalar tags every run writes (README "Configs"); tests and tools/device_check.sh check for them.
+# Scalar tags every run writes (README "Configs"); tests and benchmarks/device_check.sh check for them.
 SCALAR_TAGS = (
     "eval/accuracy",
     "reward/mean",

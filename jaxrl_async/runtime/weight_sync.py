@@ -17,7 +17,7 @@ Why the transfer server and not a cross-process `jax.device_put`: `device_put` a
 collective point (both sides must enter it together, only between same-spec shardings, and a sender that
 enters another collective while the receiver still waits deadlocks), which would make the trainer wait for
 the sampler every step. A pull lets the trainer offer a version and go on training; the actor takes it
-between decode calls. `tools/bench_transport.py` measures both against a local copy of the same bytes.
+between decode calls. `benchmarks/bench_transport.py` measures both against a local copy of the same bytes.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ class LocalWeights:
     The sync is dispatched, not waited for (`WeightSync(wait=False)`): no host read of the event loop
     waits for the copy, so the trainer's next step and the sampler's next decode call are dispatched at
     once and the copy runs on the devices between them. `last_seconds` is then the trainer's stall (the
-    dispatch), not the transfer (`tools/bench_sync_one_process.py` times the transfer).
+    dispatch), not the transfer (`benchmarks/bench_sync_one_process.py` times the transfer).
     """
 
     def __init__(self, sync: WeightSync, verify: bool = False):

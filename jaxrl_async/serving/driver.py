@@ -13,7 +13,7 @@ Differences from JetStream's Driver, on purpose:
   - A request that cannot be served (a prompt too long, a failed prefill) fails alone: its stream ends
     with the error, and the server goes on. JetStream truncates a long prompt to its end, silently.
   - Token-id requests (client-side tokenization) are prefilled as given: no BOS is prepended, as with
-    `tools/generate.py --prompt-ids`; the client adds BOS if its model wants one.
+    `jaxrl-generate --prompt-ids`; the client adds BOS if its model wants one.
   - A cancelled request frees its slot at the next step.
 """
 

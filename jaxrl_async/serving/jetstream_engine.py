@@ -50,7 +50,7 @@ class JetStreamTokenizer(tokenizer_api.Tokenizer):
     """One of our tokenizers (Hugging Face or "char") behind JetStream's tokenizer API.
 
     Text prompts get the generate CLI's tokens (`encode_prompt`: BOS rule included), so the server and
-    `tools/generate.py` see the same prompt. Streaming decode is one token at a time, as JetStream asks.
+    `jaxrl-generate` see the same prompt. Streaming decode is one token at a time, as JetStream asks.
     """
 
     def __init__(self, tok: Tokenizer, prompt_buckets: tuple[int, ...], stop_ids: tuple[int, ...]):

@@ -1,4 +1,4 @@
-"""A suite of hostile programs for the code sandbox, shared by the tests and `tools/bench_rewards.py`.
+"""A suite of hostile programs for the code sandbox, shared by the tests and `benchmarks/bench_rewards.py`.
 
 Each case prints BREACH_MARKER only if it escaped containment, so a code-reward test case expecting that
 output passes (reward 1) exactly when the sandbox failed.

@@ -1,4 +1,4 @@
-"""A suite of reward hacks, shared by the tests and `tools/bench_rewards.py --hostile`.
+"""A suite of reward hacks, shared by the tests and `benchmarks/bench_rewards.py --hostile`.
 
 Each case is a completion a policy could emit, graded through `get_reward(case.reward)`. `expected` is
 the reward an uncompromised grader gives: 0.0 for every hack, and 1.0 / 0.0 for the honest programs that

@@ -1,0 +1,1 @@
+"""The benchmarks' run configs (loaded by path with `--config=benchmarks/configs/NAME.py`)."""

@@ -1,0 +1,247 @@
+"""The staleness study's design and statistics, shared by `benchmarks.eta_sweep` and its tests (a module here
+that is no command, so importing it defines no flags): the arms, the grid of cells, each cell's config
+overrides, reading a finished cell, paired differences with t intervals, the table and the plot.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+
+# The objectives compared: name -> config overrides. "robust" combines the staleness options of
+# jaxrl_async/trainer/losses.py on top of AReaL's masked decoupled PPO.
+ARMS = {
+    "ppo": {"trainer.loss": "ppo"},
+    "decoupled_mask": {"trainer.loss": "decoupled_ppo", "trainer.behav_mode": "mask"},
+    "decoupled_truncate": {"trainer.loss": "decoupled_ppo", "trainer.behav_mode": "truncate"},
+    "m2po": {"trainer.loss": "m2po"},
+    "robust": {
+        "trainer.loss": "decoupled_ppo",
+        "trainer.behav_mode": "mask",
+        "trainer.offpolicy_seq_mask": 0.1,
+        "trainer.ess_scaled_step": True,
+    },  # fmt: skip
+}
+
+
+SYNC = "sync"  # the lag-0 reference cell: masked decoupled PPO, which lag 0 makes on-policy
+
+
+NAIVE = "ppo"
+
+
+COLLAPSE_DROP = 0.10  # final accuracy this far below the start: the cell collapsed
+
+
+# Per-step TensorBoard scalars averaged over a cell's steps: the objectives' diagnostics.
+TB_MEANS = (
+    "train/kl_behav",
+    "train/ess",
+    "train/behav_dropped_frac",
+    "train/offpolicy_masked_frac",
+    "train/clip_low_frac",
+    "train/clip_high_frac",
+    "train/entropy",
+    "train/updates",
+    "staleness/token_mean",
+)
+
+
+def parse_grid(text: str) -> list[tuple[float, list[int]]]:
+    """ "1e-4:0,8,32;3e-4:0,8" -> [(1e-4, [0, 8, 32]), (3e-4, [0, 8])]."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        lr, _, lags = part.partition(":")
+        try:
+            out.append((float(lr), [int(x) for x in lags.split(",") if x.strip()]))
+        except ValueError:
+            raise ValueError(f"--grid: {part!r} is not LR:LAG,LAG,...") from None
+        if not out[-1][1] or min(out[-1][1]) < 0:
+            raise ValueError(f"--grid: {part!r} needs lags >= 0")
+    return out
+
+
+def _name(c: dict) -> str:
+    where = f"eta{c['eta']}" if c["eta"] else f"lag{c['lag']}"
+    return f"lr{c['lr']:g}_{where}_{c['arm']}_s{c['seed']}"
+
+
+def cells(grid, etas, arms, seeds) -> list[dict]:
+    """Every cell: per rate, lag 0 runs the sync reference only, lags > 0 every arm; eta cells every arm
+    at the first rate; each for every seed."""
+    for a in arms:
+        if a not in ARMS:
+            raise ValueError(f"--arms: unknown arm {a!r}; known: {sorted(ARMS)}")
+    out = []
+    for lr, lags in grid:
+        for lag in lags:
+            for arm in [SYNC] if lag == 0 else arms:
+                out += [dict(lr=lr, lag=lag, eta=0, arm=arm, seed=s) for s in seeds]
+    for eta in etas:
+        out += [dict(lr=grid[0][0], lag=0, eta=eta, arm=arm, seed=s) for arm in arms for s in seeds]
+    for c in out:
+        c["name"] = _name(c)
+    return out
+
+
+def cell_overrides(cell: dict, workdir: str, steps: int) -> dict:
+    """The config overrides of a cell. Everything a seed decides (init, warm start, data order, sampling
+    keys) comes from `seed` and `data.seed` only, so the cells of one seed are paired."""
+    arm = ARMS["decoupled_mask"] if cell["arm"] == SYNC else ARMS[cell["arm"]]
+    values = {"workdir": workdir, "seed": cell["seed"], "data.seed": cell["seed"], "total_steps": steps,
+              "trainer.lr": cell["lr"], **arm}  # fmt: skip
+    if cell["eta"]:
+        values.update({"mode": "async", "max_staleness": cell["eta"]})
+    else:
+        values.update({"mode": "sync", "trainer.controlled_lag": cell["lag"]})
+    return values
+
+
+def _tb_means(workdir: str) -> dict[str, float]:
+    from jaxrl_async.runtime.metrics import read_scalars
+
+    try:
+        scalars = read_scalars(os.path.join(workdir, "tb"))
+    except Exception:  # noqa: BLE001 - a cell without events reports none
+        return {}
+    return {k: float(np.mean([v for _, v in scalars[k]])) for k in TB_MEANS if scalars.get(k)}
+
+
+def read_cell(cell: dict, workdir: str) -> dict:
+    """A cell's evaluations (summary.json, else its TensorBoard events) and diagnostics; an "error" entry
+    when it has neither."""
+    path = os.path.join(workdir, "summary.json")
+    evals = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            evals = {int(e["step"]): float(e["accuracy"]) for e in json.load(f).get("evals", [])}
+    else:
+        from jaxrl_async.runtime.metrics import read_scalars
+
+        try:
+            evals = {int(s): float(a) for s, a in read_scalars(os.path.join(workdir, "tb"))["eval/accuracy"]}
+        except Exception:  # noqa: BLE001 - no events at all
+            evals = {}
+    if not evals or max(evals) == 0:  # nothing to compare: it stopped before its first evaluation
+        return {**cell, "error": f"no evaluation after step 0 in {workdir} (see {workdir}.log)"}
+    return {**cell, "evals": evals, "no_summary": not os.path.exists(path), **_tb_means(workdir)}
+
+
+def mean_ci(xs, level: float = 0.95) -> dict:
+    """Mean and two-sided t confidence interval of a sample (None bounds below two values)."""
+    from scipy import stats
+
+    xs = np.asarray([x for x in xs if x is not None], np.float64)
+    n = xs.size
+    if n == 0:
+        return {"n": 0, "mean": None, "lo": None, "hi": None}
+    m = float(xs.mean())
+    if n < 2:
+        return {"n": 1, "mean": m, "lo": None, "hi": None}
+    half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * float(xs.std(ddof=1)) / math.sqrt(n)
+    return {"n": int(n), "mean": m, "lo": m - half, "hi": m + half}
+
+
+def run_mean(evals: dict[int, float], upto: int) -> float | None:
+    """Mean accuracy over the run: the evaluations after step 0 up to step `upto`."""
+    xs = [a for s, a in evals.items() if 0 < s <= upto]
+    return float(np.mean(xs)) if xs else None
+
+
+def collapsed(evals: dict[int, float], upto: int) -> bool:
+    steps = [s for s in evals if s <= upto]
+    return bool(steps) and evals[max(steps)] < evals.get(0, evals[min(steps)]) - COLLAPSE_DROP
+
+
+def _setting(r: dict) -> tuple:
+    return (r["lr"], r["lag"], r["eta"])
+
+
+def compare(results: list[dict]) -> dict:
+    """Rows per (lr, lag, eta, arm) with the paired comparisons; see the module docstring."""
+    ok = [r for r in results if "error" not in r]
+    common = min((max(r["evals"]) for r in ok), default=0)
+    by = {(_setting(r), r["arm"], r["seed"]): r for r in ok}
+    for r in ok:
+        r["run_mean"], r["collapsed"] = run_mean(r["evals"], common), collapsed(r["evals"], common)
+    rows = []
+    for setting, arm in dict.fromkeys((_setting(r), r["arm"]) for r in ok):
+        mine = [r for r in ok if _setting(r) == setting and r["arm"] == arm]
+        naive = [(setting, NAIVE, r["seed"]) for r in mine]
+        sync = [((r["lr"], 0, 0), SYNC, r["seed"]) for r in mine]
+        row = {
+            "lr": setting[0], "lag": setting[1], "eta": setting[2], "arm": arm, "seeds": len(mine),
+            "run_mean": mean_ci([r["run_mean"] for r in mine]),
+            "vs_naive": None if arm in (NAIVE, SYNC) else mean_ci(_paired(mine, naive, by)),
+            "gap_to_sync": None if arm == SYNC else mean_ci(_paired(mine, sync, by)),
+            "collapses": sum(r["collapsed"] for r in mine),
+            **{k: _mean([r.get(k) for r in mine]) for k in TB_MEANS},
+        }  # fmt: skip
+        rows.append(row)
+    return {"common_eval_step": common, "rows": rows}
+
+
+def _paired(mine: list[dict], keys: list[tuple], by: dict) -> list[float]:
+    """Per seed, this cell's run mean minus that of the cell `keys` names (seeds without one are left out)."""
+    pairs = [(r["run_mean"], by[k]["run_mean"]) for r, k in zip(mine, keys, strict=True) if k in by]
+    return [a - b for a, b in pairs if a is not None and b is not None]
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return float(np.mean(xs)) if xs else None
+
+
+def _ci(c: dict | None) -> str:
+    if not c or c["mean"] is None:
+        return ""
+    if c["lo"] is None:
+        return f"{c['mean']:+.3f} (n=1)"
+    return f"{c['mean']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"
+
+
+def table(report: dict) -> str:
+    f = lambda v, p=3: "" if v is None else f"{v:.{p}f}"
+    head = ("| lr | lag / eta | arm | seeds | mean acc | arm - ppo [95% CI] | arm - sync [95% CI] | "
+            "collapses | kl_behav | ESS | dropped | clip low / high | entropy | updates | token staleness |")
+    lines = [head, "|" + "---|" * 15]
+    for r in report["rows"]:
+        where = f"eta {r['eta']}" if r["eta"] else f"lag {r['lag']}"
+        cols = [
+            f"{r['lr']:g}", where, r["arm"], str(r["seeds"]), f(r["run_mean"]["mean"]), _ci(r["vs_naive"]),
+            _ci(r["gap_to_sync"]), str(r["collapses"]), f(r["train/kl_behav"], 4), f(r["train/ess"]),
+            f(r["train/behav_dropped_frac"], 4),
+            f"{f(r['train/clip_low_frac'], 4)} / {f(r['train/clip_high_frac'], 4)}", f(r["train/entropy"]),
+            f(r["train/updates"], 1), f(r["staleness/token_mean"], 2),
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cols) + " |")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    rows = [r for r in report["rows"] if r["vs_naive"] and r["vs_naive"]["mean"] is not None and not r["eta"]]
+    for lr, arm in dict.fromkeys((r["lr"], r["arm"]) for r in rows):
+        line = sorted((r for r in rows if (r["lr"], r["arm"]) == (lr, arm)), key=lambda r: r["lag"])
+        xs = [r["lag"] for r in line]
+        ys = [r["vs_naive"]["mean"] for r in line]
+        err = [[y - (r["vs_naive"]["lo"] if r["vs_naive"]["lo"] is not None else y) for y, r in zip(ys, line,
+               strict=True)], [(r["vs_naive"]["hi"] if r["vs_naive"]["hi"] is not None else y) - y
+               for y, r in zip(ys, line, strict=True)]]  # fmt: skip
+        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=f"{arm}, lr {lr:g}")
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set_xlabel("controlled lag k (every token k versions stale)")
+    ax.set_ylabel(f"mean accuracy over the run - naive PPO (to step {report['common_eval_step']})")
+    ax.set_title("Paired difference to naive PPO, 95% CI over seeds")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,179 @@
+"""The staleness study: paired seeds, controlled lag, five objectives, paired differences with 95% CIs.
+
+  python -m benchmarks.eta_sweep --out runs/eta_sweep --seeds 0,1,2,3,4,5,6,7 --steps 150
+
+Every cell is `jaxrl-run --config=benchmarks/configs/eta_sweep.py` with the
+learning rate, the lag, the objective (an arm) and the seed overridden:
+
+* **Controlled lag** (`trainer.controlled_lag = k`, mode sync): the sampler always holds the weights of
+  version v - k, so every token of step v >= k is exactly k stale, in every arm alike; timing and
+  admission no longer decide it. `--grid` gives the lags per learning rate (default: lags 0, 8, 32 at
+  1e-4 and 0, 8 at 3e-4). At lag 0 the behaviour policy is the proximal one, so the arms' objectives
+  coincide (up to M2PO's lack of a clip): one cell per seed, the `sync` reference, runs there.
+* **eta admission** (`--etas`, a second factor): async cells with `max_staleness = eta` and no lag,
+  every arm, at the first learning rate.
+* **Paired seeds**: seed s sets `config.seed` and `config.data.seed`: the same warm start (computed once
+  per seed, cached), the same data order and the same sampling keys (seed and admission number) in every
+  arm of that seed.
+
+The primary metric is each cell's mean held-out accuracy over the run (the evaluations after step 0, up
+to the last one every cell reached), compared within a seed: the paired difference arm - `ppo` (naive
+PPO against the stale behaviour policy) and arm - `sync` (the gap to lag 0), as a mean over seeds with a
+95% t interval. A cell collapsed when its final accuracy is more than COLLAPSE_DROP below its start.
+Per-arm diagnostics are the means of the cells' TensorBoard series (TB_MEANS).
+
+Writes OUT/eta_sweep.json (cells, rows, comparisons) and OUT/eta_sweep.png (paired difference to naive
+PPO against the lag), and prints markdown tables. --report-only rereads OUT's cells.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from absl import flags
+
+from benchmarks.eta_study import (
+    ARMS,
+    SYNC,
+    cell_overrides,
+    cells,
+    compare,
+    parse_grid,
+    plot,
+    read_cell,
+    table,
+)
+from jaxrl_async.cli import REPO, command_env, module_command, run_command
+
+# The checkout: configs/ is not part of the installed package.
+
+
+_OUT = flags.DEFINE_string("out", "runs/eta_sweep", "Directory for the cells' workdirs and the report.")
+_CONFIG = flags.DEFINE_string(
+    "config", os.path.join(REPO, "benchmarks", "configs", "eta_sweep.py"), "The cell config."
+)
+_GRID = flags.DEFINE_string("grid", "1e-4:0,8,32;3e-4:0,8", "LR:LAGS;... controlled-lag cells per rate.")
+_ETAS = flags.DEFINE_list("etas", [], "eta-admission cells (async, no lag) at the first rate of --grid.")
+_ARMS = flags.DEFINE_list("arms", list(ARMS), f"Objectives (of {sorted(ARMS)}).")
+_SEEDS = flags.DEFINE_list("seeds", [str(s) for s in range(8)], "Paired seeds (warm start, data, sampling).")
+_STEPS = flags.DEFINE_integer("steps", 150, "Train steps per cell.")
+_PARALLEL = flags.DEFINE_integer("parallel", 0, "Cells at a time; 0 = one per available CPU.")
+_PIN = flags.DEFINE_bool("pin-cores", False, "Pin each running cell to cores of its own.")
+_PROCESSES = flags.DEFINE_integer(
+    "processes-per-cell",
+    1,
+    "2: each cell runs the learner and the sampler in processes of their own "
+    "(jaxrl-local-cluster --pin-cores: a core each with --cores-per-cell 2), as on separate hosts.",
+)
+_CORES = flags.DEFINE_integer("cores-per-cell", 1, "With --pin-cores: cores per cell.")
+_DEADLINE = flags.DEFINE_float("deadline-s", 0.0, "SIGTERM the cells still running after this; 0 = off.")
+_SET = flags.DEFINE_multi_string("set", [], "KEY=VALUE config override for every cell (repeatable).")
+_REPORT_ONLY = flags.DEFINE_bool("report-only", False, "Only reread OUT's cells and write the report.")
+_PREWARM = flags.DEFINE_bool("prewarm", True, "Run each seed's warm start first (skip when it is cached).")
+
+
+def cell_command(cell: dict, workdir: str, steps: int, overrides: list[str], processes: int = 1) -> list[str]:
+    values = cell_overrides(cell, workdir, steps)
+    run_flags = [f"--config={_CONFIG.value}", *(f"--config.{k}={v}" for k, v in values.items())]
+    run_flags += [f"--config.{kv}" for kv in overrides]
+    if processes == 1:
+        return module_command("run", *run_flags)
+    run_flags += ["--config.mesh.trainer_processes=(0,)", "--config.mesh.sampler_processes=(1,)"]
+    return module_command("local_cluster", "--num-processes", "2", "--pin-cores", "--", *run_flags)
+
+
+
+def core_block(cpus: list[int], k: int, i: int) -> tuple[int, ...]:
+    """The `k` cores of the i-th cell started: consecutive blocks, shifted by one core each time the cores
+    run out. jaxrl-local-cluster gives a block's lowest core to the learner, so the shift spreads the
+    learners (busy) and the samplers (mostly idle) over every core when cells outnumber blocks."""
+    n = len(cpus)
+    if k >= n:
+        return tuple(cpus)
+    rnd, j = divmod(i, n // k)
+    start = j * k + rnd
+    return tuple(sorted(cpus[(start + m) % n] for m in range(k)))
+
+
+def run_cells(todo: list[tuple[list[str], str]], parallel: int, pin: bool, deadline_s: float,
+              cores_per_cell: int = 1) -> None:  # fmt: skip
+    """Runs (command, log path) pairs `parallel` at a time; with `pin`, each on a block of
+    `cores_per_cell` cores (see core_block)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    started = 0
+    running: dict[subprocess.Popen, tuple[int | None, object]] = {}
+    t0, stopping = time.monotonic(), False
+    queue = list(todo)
+    while queue or running:
+        while queue and len(running) < parallel and not stopping:
+            cmd, log = queue.pop(0)
+            core = core_block(cpus, cores_per_cell, started) if pin else None
+            started += 1
+            pre = (lambda c=core: os.sched_setaffinity(0, c)) if core is not None else None
+            f = open(log, "w")  # noqa: SIM115 - closed when the cell ends
+            p = subprocess.Popen(cmd, env=command_env(), stdout=f, stderr=subprocess.STDOUT, preexec_fn=pre)
+            running[p] = (core, f)
+            print(f"[{time.monotonic() - t0:6.0f}s] start {os.path.basename(log)} core={core}", flush=True)
+            time.sleep(0.2)  # staggered: each cell picks free localhost ports for its processes
+        for p in [p for p in running if p.poll() is not None]:
+            core, f = running.pop(p)
+            f.close()
+            name = os.path.basename(f.name)
+            print(f"[{time.monotonic() - t0:6.0f}s] done  {name} rc={p.returncode}", flush=True)
+        if deadline_s and not stopping and time.monotonic() - t0 > deadline_s:
+            stopping = True  # the cells save and stop after their step in flight
+            print(f"deadline: stopping {len(running)} cells, {len(queue)} never started", flush=True)
+            for p in running:
+                p.send_signal(signal.SIGTERM)
+            queue.clear()
+        time.sleep(0.5)
+
+
+def main(argv):
+    del argv
+    out = os.path.abspath(_OUT.value)
+    os.makedirs(out, exist_ok=True)
+    grid = parse_grid(_GRID.value)
+    seeds = [int(s) for s in _SEEDS.value]
+    todo_cells = cells(grid, [int(e) for e in _ETAS.value], _ARMS.value, seeds)
+    if not _REPORT_ONLY.value:
+        parallel = _PARALLEL.value or max(1, len(os.sched_getaffinity(0)) // _CORES.value)
+        job = lambda c, steps, extra=(): (
+            cell_command(c, os.path.join(out, c["name"]), steps, [*_SET.value, *extra], _PROCESSES.value),
+            os.path.join(out, c["name"] + ".log"),
+        )
+        # Each seed's warm start, once (cached under warm_start.cache_dir) before the cells race for it.
+        warm = [dict(lr=grid[0][0], lag=0, eta=0, arm=SYNC, seed=s, name=f"warm_s{s}") for s in seeds]
+        if _PREWARM.value:
+            run_cells([job(c, 1, ["eval_every=0"]) for c in warm], parallel, _PIN.value, 0.0, _CORES.value)
+        t0 = time.monotonic()
+        run_cells([job(c, _STEPS.value) for c in todo_cells], parallel, _PIN.value, _DEADLINE.value,
+                  _CORES.value)  # fmt: skip
+        print(f"{len(todo_cells)} cells in {time.monotonic() - t0:.0f} s, {parallel} at a time", flush=True)
+    results = [read_cell(c, os.path.join(out, c["name"])) for c in todo_cells]
+    for r in results:
+        if "error" in r:
+            print(f"cell {r['name']}: {r['error']}", file=sys.stderr)
+        elif r.get("no_summary"):
+            print(f"cell {r['name']}: no summary.json (it failed); results from its events", file=sys.stderr)
+    cpus = len(os.sched_getaffinity(0))
+    report = {"steps": _STEPS.value, "grid": _GRID.value, "etas": _ETAS.value, "cpus": cpus,
+              "overrides": _SET.value, **compare(results), "cells": results}  # fmt: skip
+    with open(os.path.join(out, "eta_sweep.json"), "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    if report["rows"]:
+        plot(report, os.path.join(out, "eta_sweep.png"))
+    print(table(report))
+
+
+def run() -> None:
+    run_command(main, __name__)
+
+
+if __name__ == "__main__":
+    run()
