@@ -7,7 +7,7 @@ per run.
 Every run is `jaxrl-run` (or `jaxrl-local-cluster`) in a process
 of its own; its summary.json is read back. The runs:
   sync            one process: sample a batch to its last token, then train it (η = 0);
-  async           one process: train steps and decode calls interleave (η = --eta);
+  async           one process: train steps and decode calls interleave (η = --max-staleness);
   async_2proc     (--processes 2) the learner on process 0 and the sampler on process 1, each on its own
                   core with --pin-cores: the roles own their hardware, as on separate hosts.
 With --predict, the roles are first timed alone (benchmarks.bench_roles) on one core and on every core, and
@@ -74,7 +74,7 @@ def predictions(w: wl.Workload, root: str, processes: int) -> dict[str, dict]:
     every = load_role_bench(wl.role_bench(w, root, None, "roles_every_core"))
     out = {
         "sync": predict_sync(every, every).to_dict(),
-        "async": predict_async(every, every, w.eta, cores=len(cores)).to_dict(),
+        "async": predict_async(every, every, w.max_staleness, cores=len(cores)).to_dict(),
     }
     if processes == 2:
         # Each role on a core of its own: the split model proper (rates, the staleness window), with
@@ -86,7 +86,8 @@ def predictions(w: wl.Workload, root: str, processes: int) -> dict[str, dict]:
             one = json.load(f)
         system = calibrated_system(
             one, prompts=w.prompts, samples=w.samples, median=w.median, p99=w.p99,
-            max_len=w.max_len, eta=w.eta, static_batch=True, admit_lag_s=engine_lag_s(one),
+            max_len=w.max_len, max_staleness=w.max_staleness, static_batch=True,
+                admit_lag_s=engine_lag_s(one),
         )  # fmt: skip
         r = pm.analyze_split(system, 1, 1)
         out["async_2proc"] = {**r.to_dict(), "tokens_per_s": trained_tokens_per_s(system, r.tokens_per_s)}

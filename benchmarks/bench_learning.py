@@ -8,7 +8,7 @@ warm start (one per seed: seed s sets `config.seed` and `config.data.seed`, so b
 the warm start, the data order and the sampling keys); its summary.json is read back. The runs, per seed:
   sync   one process on every core: sample a batch to its last token, then train it (η = 0);
   async  (--async-processes 2, the default) the learner on process 0 and the sampler on process 1, each
-         pinned to a core of its own (jaxrl-local-cluster --pin-cores), η = --eta; with 1, one process.
+         pinned to a core of its own (jaxrl-local-cluster --pin-cores), η = --η; with 1, one process.
          --async-cpu-sets names the two processes' cores instead (jaxrl-local-cluster --cpu-sets): 0,1:1
          lets the learner use both cores and so the time the sampler leaves idle on core 1.
 Before the runs, the roles are timed alone (benchmarks.bench_roles, on every core and on one core with the
@@ -76,7 +76,7 @@ from jaxrl_async.cli import REPO, module_command, run_command, run_logged, spawn
 _CONFIG = flags.DEFINE_string("config", os.path.join(REPO, "configs", "letter_range.py"), "The run config.")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds; each runs sync and async (>= 3 for a claim).")
 _STEPS = flags.DEFINE_integer("steps", 150, "Train steps of every run.", lower_bound=1)
-_ETA = flags.DEFINE_integer("eta", 2, "Staleness bound of the async runs.", lower_bound=1)
+_MAX_STALENESS = flags.DEFINE_integer("max-staleness", 2, "Staleness bound of the async runs.", lower_bound=1)
 _PROCS = flags.DEFINE_integer("async-processes", 2, "2: async roles pinned in processes of their own.", 1, 2)
 _CPU_SETS = flags.DEFINE_string(
     "async-cpu-sets", "", "Two processes: learner:sampler cores (e.g. 0,1:1); default a core each."
@@ -139,7 +139,7 @@ def _overrides(root: str) -> dict[str, str]:
 
 def run_flags(workdir: str, mode: str, seed: int, steps: int, overrides: dict[str, str]) -> list[str]:
     values = {"workdir": workdir, "mode": mode, "seed": seed, "data.seed": seed, "total_steps": steps,
-              "max_staleness": _ETA.value, **overrides}  # fmt: skip
+              "max_staleness": _MAX_STALENESS.value, **overrides}  # fmt: skip
     return [f"--config={_CONFIG.value}", *(f"--config.{k}={v}" for k, v in values.items())]
 
 
@@ -314,7 +314,7 @@ def kept_runs(roots: list[str], pick: set[int] | None = None, flag: str = "--rep
     whose async runs had different η (their summaries' max_staleness), naming them and `flag`."""
     summaries: dict[str, dict[int, dict]] = {m: {} for m in ls.MODES}
     where: dict[tuple[str, int], str] = {}
-    etas: dict[str, set[int]] = {}
+    max_staleness_values: dict[str, set[int]] = {}
     one_core = None
     for root in roots:
         found = {m: 0 for m in ls.MODES}
@@ -337,14 +337,15 @@ def kept_runs(roots: list[str], pick: set[int] | None = None, flag: str = "--rep
                 raise app.UsageError(f"{flag}: {mode} seed {seed} is in both {other} and {root}")
             summaries[mode][seed], where[mode, seed] = summary, root
             if mode == "async" and summary.get("max_staleness") is not None:
-                etas.setdefault(root, set()).add(summary["max_staleness"])
+                max_staleness_values.setdefault(root, set()).add(summary["max_staleness"])
         if not all(found.values()):
             raise app.UsageError(f"{flag}={root}: no sync_s<seed>/summary.json and async_s<seed>/"
                                  "summary.json there (the runs of bench_learning --keep)")  # fmt: skip
     if not all(summaries.values()):
         raise app.UsageError(f"{flag}: no run of --seeds={','.join(_SEEDS.value)} in both modes")
-    if len(set().union(*etas.values())) > 1:
-        ran = "; ".join(f"{root}: η = {', '.join(map(str, sorted(e)))}" for root, e in etas.items())
+    if len(set().union(*max_staleness_values.values())) > 1:
+        ran = "; ".join(f"{root}: η = {', '.join(map(str, sorted(e)))}" for root,
+                        e in max_staleness_values.items())
         raise app.UsageError(f"{flag}: the async runs had different staleness bounds ({ran}); they do not "
                              "pool")  # fmt: skip
     seeds_of = {root: sorted(s for (m, s), r in where.items() if r == root and m == "sync") for root in roots}
@@ -353,7 +354,7 @@ def kept_runs(roots: list[str], pick: set[int] | None = None, flag: str = "--rep
 
 def _setup(overrides: dict[str, str], lent_core: bool) -> ls.Setup:
     """What the split model needs of the runs, from this command's flags and the runs' config."""
-    return ls.Setup(_ETA.value, _PROCS.value, _config_int("prompts_per_step", overrides),
+    return ls.Setup(_MAX_STALENESS.value, _PROCS.value, _config_int("prompts_per_step", overrides),
                     _config_int("samples_per_prompt", overrides), lent_core)  # fmt: skip
 
 
@@ -380,10 +381,11 @@ def kept_prediction(root: str, seeds: list[int], summaries: dict[str, dict[int, 
     else:
         overrides = _overrides(root)
         ran = [summaries["async"][s] for s in seeds if s in summaries["async"]]
-        etas = {a.get("max_staleness") for a in ran} - {None}
+        max_staleness_values = {a.get("max_staleness") for a in ran} - {None}
         procs = {a.get("processes") for a in ran} - {None}
         setup = dataclasses.replace(
-            _setup(overrides, has_corun), eta=max(etas, default=_ETA.value),
+            _setup(overrides, has_corun), max_staleness=max(max_staleness_values,
+                                                            default=_MAX_STALENESS.value),
             processes=max(procs, default=_PROCS.value),
         )  # fmt: skip
         lengths, source = reference_lengths(overrides), "runs"
@@ -394,7 +396,7 @@ def kept_prediction(root: str, seeds: list[int], summaries: dict[str, dict[int, 
 
 
 def earlier_runs() -> dict | None:
-    """The runs that --workload-from names, read before anything runs: {"dirs", "summaries", "eta"} (the
+    """The runs that --workload-from names, read before anything runs: {"dirs", "summaries", "η"} (the
     staleness bound of their async runs), None without the flag. Refuses a directory that holds the runs
     this command reports or makes (--report, --keep): those are not earlier runs."""
     if not _EARLIER.value:
@@ -407,15 +409,17 @@ def earlier_runs() -> dict | None:
             raise app.UsageError(f"--workload-from={d}: the runs there are the ones this command reports or "
                                  "makes, not earlier runs")  # fmt: skip
     summaries, _, _ = kept_runs(_EARLIER.value, None, "--workload-from")
-    etas = {a.get("max_staleness") for a in summaries["async"].values()} - {None}
-    return {"dirs": _EARLIER.value, "summaries": summaries, "eta": min(etas, default=None)}
+    max_staleness_values = {a.get("max_staleness") for a in summaries["async"].values()} - {None}
+    return {"dirs": _EARLIER.value, "summaries": summaries, "max_staleness": min(max_staleness_values,
+                                                                                 default=None)}
 
 
 def earlier_line(prediction: dict, earlier: dict) -> str:
     """What the model gives with the earlier runs' train steps and completion lengths."""
-    t, eta = prediction["train_step_s"], earlier["eta"]
+    t, max_staleness = prediction["train_step_s"], earlier["max_staleness"]
     return (f"with the earlier runs' train steps and completion lengths ({','.join(earlier['dirs'])}: sync "
-            f"{t['sync']:.3f} s, async {t['async']:.3f} s{'' if eta is None else f', η = {eta}'}): "
+            f"{t['sync']:.3f} s, async {t['async']:.3f} s"
+            f"{'' if max_staleness is None else f', η = {max_staleness}'}): "
             f"predicted {prediction['ratio']:.2f}")  # fmt: skip
 
 
@@ -448,7 +452,8 @@ def main(argv):
         print(f"held-out set: {resolution['prompts']} prompts; one of them answered differently moves the "
               f"accuracy by up to {resolution['heaviest']:.3f}", flush=True)  # fmt: skip
         setup = _setup(overrides, lent_core)
-        settings = {"config": _CONFIG.value, "seeds": seeds, "steps": steps, "eta": _ETA.value,
+        settings = {"config": _CONFIG.value, "seeds": seeds, "steps": steps,
+                    "max_staleness": _MAX_STALENESS.value,
                     "compile_cache": _CACHE.value, "async_processes": _PROCS.value,
                     "async_cpu_sets": _CPU_SETS.value or "pinned, a core each", "set": _SET.value,
                     "smoke": _SMOKE.value, "eval_resolution": resolution,
@@ -471,7 +476,8 @@ def main(argv):
             elif _CPU_SETS.value:
                 print(f"(async: the split model gives each role a core of its own, not "
                       f"--async-cpu-sets={_CPU_SETS.value})", flush=True)  # fmt: skip
-            for host in (ls.host_split_line(predicted, _ETA.value), ls.host_eta_line(predicted)):
+            for host in (ls.host_split_line(predicted, _MAX_STALENESS.value),
+                         ls.host_max_staleness_line(predicted)):
                 if host:
                     print(host, flush=True)
             if earlier:
@@ -570,7 +576,8 @@ def print_prediction(p: dict, several: bool, earlier: dict | None) -> None:
     if p.get("settings_from") == "runs":
         u = p["setup"]
         layout = "the lent core" if u["lent_core"] else f"{u['processes']} process(es)"
-        print(f"({p['root']} has no {SETTINGS}: η = {u['eta']} and {layout} from its runs and role benches, "
+        print(f"({p['root']} has no {SETTINGS}: η = {u['max_staleness']} and {layout} from its runs and role "
+              "benches, "
               f"{u['prompts']} x {u['samples']} samples a step from --config and --set)")  # fmt: skip
     if earlier and p.get("prediction_from_earlier_runs"):
         print(earlier_line(p["prediction_from_earlier_runs"], earlier))
@@ -580,7 +587,8 @@ def print_prediction(p: dict, several: bool, earlier: dict | None) -> None:
               f"{t['role_bench_every_core']:.3f}, async {t['async']:.3f} against "
               f"{t['role_bench_one_core']:.3f}) and completion lengths: "
               f"predicted {realized['ratio']:.2f}")  # fmt: skip
-        for host in (ls.host_split_line(realized, p["setup"]["eta"]), ls.host_eta_line(realized)):
+        for host in (ls.host_split_line(realized, p["setup"]["max_staleness"]),
+                     ls.host_max_staleness_line(realized)):
             if host:
                 print(f"from the runs' own figures: {host}")
 

@@ -25,7 +25,8 @@ _SLOTS = flags.DEFINE_integer("slots", 256, "The sampler's decode slots (sampler
 _MEDIAN = flags.DEFINE_float("median", 24, "Median completion length (a lognormal mix).")
 _P99 = flags.DEFINE_float("p99", 96, "99th-percentile completion length.")
 _MAX_LEN = flags.DEFINE_integer("max-len", 128, "Longest completion (sampler.max_new_tokens).", lower_bound=1)
-_ETA = flags.DEFINE_integer("eta", 4, "Staleness bound of the asynchronous runs.", lower_bound=0)
+_MAX_STALENESS = flags.DEFINE_integer("max-staleness", 4, "Staleness bound of the asynchronous runs.",
+                                      lower_bound=0)
 _LAYERS = flags.DEFINE_integer("layers", 2, "Layer count (0 = the preset's).", lower_bound=0)
 
 
@@ -38,13 +39,13 @@ class Workload:
     median: float  # median completion length
     p99: float  # 99th-percentile completion length
     max_len: int  # longest completion
-    eta: int  # staleness bound of the asynchronous runs
+    max_staleness: int  # staleness bound of the asynchronous runs
     layers: int  # model layers (0: the preset's)
 
 
 _HOLDERS = {
     "steps": _STEPS, "prompts": _PROMPTS, "samples": _SAMPLES, "slots": _SLOTS, "median": _MEDIAN,
-    "p99": _P99, "max_len": _MAX_LEN, "eta": _ETA, "layers": _LAYERS,
+    "p99": _P99, "max_len": _MAX_LEN, "max_staleness": _MAX_STALENESS, "layers": _LAYERS,
 }  # fmt: skip
 
 
@@ -66,7 +67,7 @@ def config_flags(w: Workload, workdir: str, mode: str) -> list[str]:
     values = {
         "workdir": workdir,
         "mode": mode,
-        "max_staleness": w.eta,
+        "max_staleness": w.max_staleness,
         "total_steps": w.steps,
         "prompts_per_step": w.prompts,
         "samples_per_prompt": w.samples,

@@ -65,12 +65,12 @@ def parse_grid(text: str) -> list[tuple[float, list[int]]]:
 
 
 def _name(c: dict) -> str:
-    where = f"eta{c['eta']}" if c["eta"] else f"lag{c['lag']}"
+    where = f"max_staleness{c['max_staleness']}" if c["max_staleness"] else f"lag{c['lag']}"
     return f"lr{c['lr']:g}_{where}_{c['arm']}_s{c['seed']}"
 
 
-def cells(grid, etas, arms, seeds) -> list[dict]:
-    """Every cell: per rate, lag 0 runs the sync reference only, lags > 0 every arm; eta cells every arm
+def cells(grid, max_staleness_values, arms, seeds) -> list[dict]:
+    """Every cell: per rate, lag 0 runs the sync reference only, lags > 0 every arm; η cells every arm
     at the first rate; each for every seed."""
     for a in arms:
         if a not in ARMS:
@@ -79,9 +79,10 @@ def cells(grid, etas, arms, seeds) -> list[dict]:
     for lr, lags in grid:
         for lag in lags:
             for arm in [SYNC] if lag == 0 else arms:
-                out += [dict(lr=lr, lag=lag, eta=0, arm=arm, seed=s) for s in seeds]
-    for eta in etas:
-        out += [dict(lr=grid[0][0], lag=0, eta=eta, arm=arm, seed=s) for arm in arms for s in seeds]
+                out += [dict(lr=lr, lag=lag, max_staleness=0, arm=arm, seed=s) for s in seeds]
+    for max_staleness in max_staleness_values:
+        out += [dict(lr=grid[0][0], lag=0, max_staleness=max_staleness, arm=arm,
+                     seed=s) for arm in arms for s in seeds]
     for c in out:
         c["name"] = _name(c)
     return out
@@ -93,8 +94,8 @@ def cell_overrides(cell: dict, workdir: str, steps: int) -> dict:
     arm = ARMS["decoupled_mask"] if cell["arm"] == SYNC else ARMS[cell["arm"]]
     values = {"workdir": workdir, "seed": cell["seed"], "data.seed": cell["seed"], "total_steps": steps,
               "trainer.lr": cell["lr"], **arm}  # fmt: skip
-    if cell["eta"]:
-        values.update({"mode": "async", "max_staleness": cell["eta"]})
+    if cell["max_staleness"]:
+        values.update({"mode": "async", "max_staleness": cell["max_staleness"]})
     else:
         values.update({"mode": "sync", "trainer.controlled_lag": cell["lag"]})
     return values
@@ -157,11 +158,11 @@ def collapsed(evals: dict[int, float], upto: int) -> bool:
 
 
 def _setting(r: dict) -> tuple:
-    return (r["lr"], r["lag"], r["eta"])
+    return (r["lr"], r["lag"], r["max_staleness"])
 
 
 def compare(results: list[dict]) -> dict:
-    """Rows per (lr, lag, eta, arm) with the paired comparisons; see the module docstring."""
+    """Rows per (lr, lag, max_staleness, arm) with the paired comparisons; see the module docstring."""
     ok = [r for r in results if "error" not in r]
     common = min((max(r["evals"]) for r in ok), default=0)
     by = {(_setting(r), r["arm"], r["seed"]): r for r in ok}
@@ -173,7 +174,7 @@ def compare(results: list[dict]) -> dict:
         naive = [(setting, NAIVE, r["seed"]) for r in mine]
         sync = [((r["lr"], 0, 0), SYNC, r["seed"]) for r in mine]
         row = {
-            "lr": setting[0], "lag": setting[1], "eta": setting[2], "arm": arm, "seeds": len(mine),
+            "lr": setting[0], "lag": setting[1], "max_staleness": setting[2], "arm": arm, "seeds": len(mine),
             "run_mean": mean_ci([r["run_mean"] for r in mine]),
             "vs_naive": None if arm in (NAIVE, SYNC) else mean_ci(_paired(mine, naive, by)),
             "gap_to_sync": None if arm == SYNC else mean_ci(_paired(mine, sync, by)),
@@ -205,11 +206,11 @@ def _ci(c: dict | None) -> str:
 
 def table(report: dict) -> str:
     f = lambda v, p=3: "" if v is None else f"{v:.{p}f}"
-    head = ("| lr | lag / eta | arm | seeds | mean acc | arm - ppo [95% CI] | arm - sync [95% CI] | "
+    head = ("| lr | lag / η | arm | seeds | mean acc | arm - ppo [95% CI] | arm - sync [95% CI] | "
             "collapses | kl_behav | ESS | dropped | clip low / high | entropy | updates | token staleness |")
     lines = [head, "|" + "---|" * 15]
     for r in report["rows"]:
-        where = f"eta {r['eta']}" if r["eta"] else f"lag {r['lag']}"
+        where = f"max_staleness {r['max_staleness']}" if r["max_staleness"] else f"lag {r['lag']}"
         cols = [
             f"{r['lr']:g}", where, r["arm"], str(r["seeds"]), f(r["run_mean"]["mean"]), _ci(r["vs_naive"]),
             _ci(r["gap_to_sync"]), str(r["collapses"]), f(r["train/kl_behav"], 4), f(r["train/ess"]),
@@ -228,7 +229,8 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    rows = [r for r in report["rows"] if r["vs_naive"] and r["vs_naive"]["mean"] is not None and not r["eta"]]
+    rows = [r for r in report["rows"]
+            if r["vs_naive"] and r["vs_naive"]["mean"] is not None and not r["max_staleness"]]
     for lr, arm in dict.fromkeys((r["lr"], r["arm"]) for r in rows):
         line = sorted((r for r in rows if (r["lr"], r["arm"]) == (lr, arm)), key=lambda r: r["lag"])
         xs = [r["lag"] for r in line]

@@ -10,7 +10,7 @@ learning rate, the lag, the objective (an arm) and the seed overridden:
   admission no longer decide it. `--grid` gives the lags per learning rate (default: lags 0, 8, 32 at
   1e-4 and 0, 8 at 3e-4). At lag 0 the behaviour policy is the proximal one, so the arms' objectives
   coincide (up to M2PO's lack of a clip): one cell per seed, the `sync` reference, runs there.
-* **eta admission** (`--etas`, a second factor): async cells with `max_staleness = eta` and no lag,
+* **η admission** (`--max-staleness-cells`, a second factor): async cells with `max_staleness = η` and no lag,
   every arm, at the first learning rate.
 * **Paired seeds**: seed s sets `config.seed` and `config.data.seed`: the same warm start (computed once
   per seed, cached), the same data order and the same sampling keys (seed and admission number) in every
@@ -58,7 +58,8 @@ _CONFIG = flags.DEFINE_string(
     "config", os.path.join(REPO, "benchmarks", "configs", "eta_sweep.py"), "The cell config."
 )
 _GRID = flags.DEFINE_string("grid", "1e-4:0,8,32;3e-4:0,8", "LR:LAGS;... controlled-lag cells per rate.")
-_ETAS = flags.DEFINE_list("etas", [], "eta-admission cells (async, no lag) at the first rate of --grid.")
+_MAX_STALENESS_CELLS = flags.DEFINE_list("max-staleness-cells", [],
+                                         "η-admission cells (async, no lag) at the first rate of --grid.")
 _ARMS = flags.DEFINE_list("arms", list(ARMS), f"Objectives (of {sorted(ARMS)}).")
 _SEEDS = flags.DEFINE_list("seeds", [str(s) for s in range(8)], "Paired seeds (warm start, data, sampling).")
 _STEPS = flags.DEFINE_integer("steps", 150, "Train steps per cell.")
@@ -140,7 +141,7 @@ def main(argv):
     os.makedirs(out, exist_ok=True)
     grid = parse_grid(_GRID.value)
     seeds = [int(s) for s in _SEEDS.value]
-    todo_cells = cells(grid, [int(e) for e in _ETAS.value], _ARMS.value, seeds)
+    todo_cells = cells(grid, [int(e) for e in _MAX_STALENESS_CELLS.value], _ARMS.value, seeds)
     if not _REPORT_ONLY.value:
         parallel = _PARALLEL.value or max(1, len(os.sched_getaffinity(0)) // _CORES.value)
         job = lambda c, steps, extra=(): (
@@ -148,7 +149,8 @@ def main(argv):
             os.path.join(out, c["name"] + ".log"),
         )
         # Each seed's warm start, once (cached under warm_start.cache_dir) before the cells race for it.
-        warm = [dict(lr=grid[0][0], lag=0, eta=0, arm=SYNC, seed=s, name=f"warm_s{s}") for s in seeds]
+        warm = [dict(lr=grid[0][0], lag=0, max_staleness=0, arm=SYNC, seed=s,
+                     name=f"warm_s{s}") for s in seeds]
         if _PREWARM.value:
             run_cells([job(c, 1, ["eval_every=0"]) for c in warm], parallel, _PIN.value, 0.0, _CORES.value)
         t0 = time.monotonic()
@@ -162,7 +164,8 @@ def main(argv):
         elif r.get("no_summary"):
             print(f"cell {r['name']}: no summary.json (it failed); results from its events", file=sys.stderr)
     cpus = len(os.sched_getaffinity(0))
-    report = {"steps": _STEPS.value, "grid": _GRID.value, "etas": _ETAS.value, "cpus": cpus,
+    report = {"steps": _STEPS.value, "grid": _GRID.value, "max_staleness_values": _MAX_STALENESS_CELLS.value,
+              "cpus": cpus,
               "overrides": _SET.value, **compare(results), "cells": results}  # fmt: skip
     with open(os.path.join(out, "eta_sweep.json"), "w") as f:
         json.dump(report, f, indent=2, default=str)

@@ -235,7 +235,7 @@ NEAR_BEST = 0.95  # a split within 5% of the best is as good as it within the ro
 class Setup:
     """What the split model needs of the runs besides the role benches and the lengths."""
 
-    eta: int  # the async runs' staleness bound
+    max_staleness: int  # the async runs' staleness bound
     processes: int  # async roles in 1 process (sharing every core) or 2 (pinned to a core each)
     prompts: int  # prompts_per_step
     samples: int  # samples_per_prompt
@@ -264,39 +264,44 @@ def predict(benches: dict[str, dict], setup: Setup, lengths: dict[str, float]) -
     every = role_bench(benches["every"])
     sync = predict_sync(every, every).to_dict()
     if setup.processes == 1:
-        async_ = predict_async(every, every, setup.eta, cores=len(os.sched_getaffinity(0))).to_dict()
-        best16 = any16 = by_eta16 = None
+        async_ = predict_async(every, every, setup.max_staleness,
+                               cores=len(os.sched_getaffinity(0))).to_dict()
+        best16 = any16 = by_max_staleness16 = None
     else:
         one = benches["one"]
 
-        def system(s: int, t: int, eta: int = setup.eta):
+        def system(s: int, t: int, max_staleness: int = setup.max_staleness):
             return calibrated_system(
                 one, prompts=setup.prompts, samples=setup.samples, median=lengths["median"],
-                p99=lengths["p99"], max_len=lengths["max"], eta=eta, static_batch=True,
+                p99=lengths["p99"], max_len=lengths["max"], max_staleness=max_staleness, static_batch=True,
                 admit_lag_s=engine_lag_s(one), sampler_devices=s, trainer_devices=t,
             )  # fmt: skip
 
         if setup.lent_core:
             shared = shared_paces(benches.get("corun"), benches["every"])
-            async_ = predict_lent_core(role_bench(one), role_bench(one), every, setup.eta, shared).to_dict()
+            async_ = predict_lent_core(role_bench(one), role_bench(one), every, setup.max_staleness,
+                                       shared).to_dict()
             if shared:  # beside it, the form without the co-run (its upper bound)
-                bound = predict_lent_core(role_bench(one), role_bench(one), every, setup.eta)
+                bound = predict_lent_core(role_bench(one), role_bench(one), every, setup.max_staleness)
                 async_["shared_paces_s"] = list(shared)
                 async_["tokens_per_s_without_corun"] = bound.tokens_per_s
         else:
             r = pm.analyze_split(system(1, 1), 1, 1)
             async_ = {**r.to_dict(), "tokens_per_s": trained_tokens_per_s(system(1, 1), r.tokens_per_s)}
         half = PREDICT_HOST_CORES // 2
-        best16, any16 = best_splits_of_host(system(half, half), setup.eta)
-        top = max(setup.eta, any16["eta_needed"] if any16 else 0) + 1
-        by_eta16 = best_split_at_each_eta(lambda eta: system(half, half, eta), top)
+        best16, any16 = best_splits_of_host(system(half, half), setup.max_staleness)
+        top = max(setup.max_staleness, any16["max_staleness_needed"] if any16 else 0) + 1
+        by_max_staleness16 = best_split_at_each_max_staleness(lambda max_staleness: system(half, half,
+                                                                                           max_staleness),
+                                                                                               top)
     ratio = async_["tokens_per_s"] / sync["tokens_per_s"]
     return {"sync": sync, "async": async_, "ratio": ratio, "best_split_16_cores": best16,
-            "best_split_16_cores_any_eta": any16, "best_split_16_cores_by_eta": by_eta16,
+            "best_split_16_cores_any_max_staleness": any16,
+                "best_split_16_cores_by_max_staleness": by_max_staleness16,
             "lengths": lengths}  # fmt: skip
 
 
-def best_splits_of_host(big, eta: int) -> tuple[dict | None, dict | None]:
+def best_splits_of_host(big, max_staleness: int) -> tuple[dict | None, dict | None]:
     """The split model's best split of `big`'s devices within η (balance not required), and its best at any
     η with the η that one needs: on a host with many trainer cores the trainer can step faster than the
     longest completion decodes, and holding η then costs throughput."""
@@ -313,11 +318,11 @@ def best_splits_of_host(big, eta: int) -> tuple[dict | None, dict | None]:
 
     anyway = row(max((r for r in results if r.fits), key=lambda r: r.tokens_per_s, default=None))
     if anyway is not None:
-        anyway["eta_needed"] = max(eta, math.ceil(anyway["max_staleness"] - 1e-9))
+        anyway["max_staleness_needed"] = max(max_staleness, math.ceil(anyway["max_staleness"] - 1e-9))
     return row(pm.best_split(results, ignore_balance=True)), anyway
 
 
-def best_split_at_each_eta(system_at, top: int) -> list[dict]:
+def best_split_at_each_max_staleness(system_at, top: int) -> list[dict]:
     """The split model's best split within each η from 1 to `top` (system_at(η): the host's system at that
     bound), with its trained tokens/s and the splits within NEAR_BEST of it: what each η buys on the host,
     and how flat the optimum is (a flat one moves between role benches that differ by noise)."""
@@ -325,16 +330,16 @@ def best_split_at_each_eta(system_at, top: int) -> list[dict]:
     from jaxrl_async.perf.calibrated import trained_tokens_per_s
 
     rows = []
-    for eta in range(1, top + 1):
-        big = system_at(eta)
-        held = [r for r in pm.sweep(big) if r.within_eta and r.fits]
+    for max_staleness in range(1, top + 1):
+        big = system_at(max_staleness)
+        held = [r for r in pm.sweep(big) if r.within_max_staleness and r.fits]
         if not held:
-            rows.append({"eta": eta, "sampler_devices": None})
+            rows.append({"max_staleness": max_staleness, "sampler_devices": None})
             continue
         tokens = {r.sampler_devices: trained_tokens_per_s(big, r.tokens_per_s) for r in held}
         best = max(held, key=lambda r: r.tokens_per_s)
         near = sorted(s for s, x in tokens.items() if x >= NEAR_BEST * tokens[best.sampler_devices])
-        rows.append({"eta": eta, "sampler_devices": best.sampler_devices,
+        rows.append({"max_staleness": max_staleness, "sampler_devices": best.sampler_devices,
                      "trainer_devices": best.trainer_devices, "tokens_per_s": tokens[best.sampler_devices],
                      "imbalance": best.imbalance, "near_best_sampler_devices": near})  # fmt: skip
     return rows
@@ -367,9 +372,10 @@ def predict_realized(benches: dict[str, dict], setup: Setup, lengths: dict[str, 
     return out
 
 
-def host_split_line(prediction: dict, eta: int) -> str | None:
+def host_split_line(prediction: dict, max_staleness: int) -> str | None:
     """One line on the split model's best split of the PREDICT_HOST_CORES-core host (None: no such figure)."""
-    within, anyway = prediction.get("best_split_16_cores"), prediction.get("best_split_16_cores_any_eta")
+    within = prediction.get("best_split_16_cores")
+    anyway = prediction.get("best_split_16_cores_any_max_staleness")
     if anyway is None:
         return None
 
@@ -379,24 +385,25 @@ def host_split_line(prediction: dict, eta: int) -> str | None:
                 f"{r['tokens_per_s']:,.0f} trained tokens/s{flag}")  # fmt: skip
 
     head = f"split model, a {anyway['cores']}-core host: "
-    best = f"best within η = {eta}: {split(within)}" if within else f"no split holds η = {eta}"
+    bound = max_staleness
+    best = f"best within η = {bound}: {split(within)}" if within else f"no split holds η = {bound}"
     if within and within["sampler_devices"] == anyway["sampler_devices"]:
         return head + best
-    return head + f"{best}; best at any η: {split(anyway)}, needs η ≥ {anyway['eta_needed']}"
+    return head + f"{best}; best at any η: {split(anyway)}, needs η ≥ {anyway['max_staleness_needed']}"
 
 
-def host_eta_line(prediction: dict) -> str | None:
+def host_max_staleness_line(prediction: dict) -> str | None:
     """One line on what each η buys on the PREDICT_HOST_CORES-core host (None: no such figure)."""
-    rows = prediction.get("best_split_16_cores_by_eta")
+    rows = prediction.get("best_split_16_cores_by_max_staleness")
     if not rows:
         return None
 
     def at(r):
         if r["sampler_devices"] is None:
-            return f"η {r['eta']}: no split holds it"
+            return f"η {r['max_staleness']}: no split holds it"
         near = r["near_best_sampler_devices"]
         band = f" (within 5% of it: {', '.join(map(str, near))} sampler cores)" if len(near) > 1 else ""
-        return (f"η {r['eta']}: {r['sampler_devices']} + {r['trainer_devices']}, "
+        return (f"η {r['max_staleness']}: {r['sampler_devices']} + {r['trainer_devices']}, "
                 f"{r['tokens_per_s']:,.0f}{band}")  # fmt: skip
 
     return (

@@ -210,7 +210,7 @@ def read_ours(workdir: str, name: str) -> dict:
               "elapsed_s": e["trained_s"] if e.get("trained_s") is not None else e["elapsed_s"]}
              for e in s["evals"]]  # fmt: skip
     procs = s.get("processes", 1)
-    where = f"(eta {s['max_staleness']}, {procs} process{'es' if procs > 1 else ''})"
+    where = f"(max_staleness {s['max_staleness']}, {procs} process{'es' if procs > 1 else ''})"
     return {"framework": name, "version": where if s["max_staleness"] else "", "evals": evals,
             "train_tokens_per_s": s["train_tokens_per_s"],
             "steps": s["steps"], "wall_s": s["wall_s"], "mode": s["mode"],

@@ -40,7 +40,8 @@ def predict(w: wl.Workload, roles: dict, s: int, t: int) -> dict:
 
     system = calibrated_system(
         roles, prompts=w.prompts, samples=w.samples, median=w.median, p99=w.p99,
-        max_len=w.max_len, eta=w.eta, static_batch=True, sampler_devices=s, trainer_devices=t,
+        max_len=w.max_len, max_staleness=w.max_staleness, static_batch=True, sampler_devices=s,
+            trainer_devices=t,
         admit_lag_s=engine_lag_s(roles),
     )  # fmt: skip
     r = pm.analyze_split(system, s, t)

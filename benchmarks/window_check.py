@@ -24,7 +24,7 @@ from absl import flags
 from benchmarks import bench_workload as wl
 from jaxrl_async.cli import run_command, run_logged
 
-wl.set_defaults(steps=40, prompts=8, median=12, eta=1)
+wl.set_defaults(steps=40, prompts=8, median=12, max_staleness=1)
 flags.adopt_module_key_flags(wl)
 _KEEP = flags.DEFINE_string("keep", "", "Keep workdirs and logs here (default: a temporary directory).")
 _OUT = flags.DEFINE_string("out", "", "Also write the JSON summary here.")
@@ -51,7 +51,7 @@ def predict(
         roles = dict(roles, train_step_s=train_step_s)
     system = calibrated_system(
         roles, prompts=w.prompts, samples=w.samples, median=w.median, p99=w.p99,
-        max_len=w.max_len, eta=w.eta, static_batch=static,
+        max_len=w.max_len, max_staleness=w.max_staleness, static_batch=static,
         admit_lag_s=engine_lag_s(roles) if lag else 0.0,
     )  # fmt: skip
     a = pm.analyze_split(system, 1, 1)

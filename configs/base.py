@@ -21,9 +21,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.workdir = ""  # Where TensorBoard events (workdir/tb), checkpoints and the run log go. Required.
     c.seed = 0  # Seeds parameter init, data order and sampling.
     c.mode = (
-        "async"  # "async": sampler and trainer overlap, eta = max_staleness; "sync": the baseline (eta 0).
+        "async"  # "async": sampler and trainer overlap, η = max_staleness; "sync": the baseline (η 0).
     )
-    c.max_staleness = 2  # eta: admission runs at most eta policy versions ahead of training (AReaL's rule).
+    c.max_staleness = 2  # η: admission runs at most η policy versions ahead of training (AReaL's rule).
     c.max_head_staleness = -1  # Drop groups whose head staleness exceeds this when trained; -1 = off.
     c.total_steps = 100  # Train steps (= policy versions) to run.
     c.prompts_per_step = 16  # B: prompts per train batch.

@@ -37,11 +37,11 @@ def get_config():
     c = tiny_arith.get_config()
     c.workdir = "runs/letter_range"  # TensorBoard events, checkpoints, summary.json
     c.mode = "async"  # sampling and training overlap (benchmarks/bench_learning.py also runs "sync")
-    # eta: tiny_arith's. At the learning rate below async ends level with sync at 2 (+1.0 points, six
+    # η: tiny_arith's. At the learning rate below async ends level with sync at 2 (+1.0 points, six
     # seeds) and at 5 (-0.9), and 5 ends 1.9 points under 2 (docs/benchmarks.md, runs X to Z2).
     c.max_staleness = 2
     # Half tiny_arith's 3e-4: in 100 steps sync learned as much (+0.6 points, six seeds) and async more
-    # (+2.3 at eta = 2; at eta = 5 3e-4 left it 3.6 points under sync). Runs before Z ran at 3e-4.
+    # (+2.3 at η = 2; at η = 5 3e-4 left it 3.6 points under sync). Runs before Z ran at 3e-4.
     c.trainer.lr = 1.5e-4
     c.total_steps = 200  # RL steps; the warm start comes before and is cached
     # Groups per train step: at span power 1, held-out accuracy 0.315 -> 0.45 in 100 RL steps with 64,
@@ -49,7 +49,7 @@ def get_config():
     c.prompts_per_step = 64
     c.samples_per_prompt = 8  # completions per prompt (GRPO group size)
     # Naive PPO: the ratio to the behaviour policy, clipped. With one update a step, decoupled PPO's clip is
-    # around pi_theta itself and never binds; at eta = 2 it ended 7 points below sync, naive PPO level with
+    # around pi_theta itself and never binds; at η = 2 it ended 7 points below sync, naive PPO level with
     # it (3 seeds each, exact held-out accuracy at step 100; docs/benchmarks.md). In sync mode the two
     # losses are the same (pi_behav = pi_theta).
     c.trainer.loss = "ppo"

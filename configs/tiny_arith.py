@@ -1,7 +1,7 @@
 """The CPU default: a tiny model learns 2-digit addition with asynchronous RL on two fake CPU devices.
 
 A cached supervised warm start brings held-out accuracy to 33-40% so RL has signal; RL (decoupled PPO,
-GRPO advantages, eta = 2) takes it the rest of the way.
+GRPO advantages, max_staleness = 2) takes it the rest of the way.
 
 Each role gets one fake CPU device: on a 2-core machine, splitting a sub-million-parameter model over
 fake devices only adds collectives (40 steps: 4,514 vs 7,539 trained tokens/s for (2,1)+(2,1) vs

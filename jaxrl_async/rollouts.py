@@ -45,16 +45,16 @@ class Rollout:
 
 @dataclasses.dataclass
 class StalenessController:
-    """AReaL's admission rule: the n-th prompt (1-based) starts only while floor((n-1)/B) <= version + eta.
+    """AReaL's admission rule: the n-th prompt (1-based) starts only while floor((n-1)/B) <= version + η.
 
-    eta = 0 is synchronous RL: the B prompts of version v all start before v's update and none after.
+    η = 0 is synchronous RL: the B prompts of version v all start before v's update and none after.
     Prompts filtered out after sampling (dynamic sampling: groups whose rewards are all equal) return
     their budget: n counts the prompts started minus those filtered, so the bound holds for the groups
     that are trained, however many were sampled to find them.
     """
 
     batch_prompts: int  # B: prompts per train batch
-    max_staleness: int  # eta
+    max_staleness: int  # η
     started: int = 0  # prompts admitted so far (the next admission number)
     filtered: int = 0  # of which filtered out after sampling (their budget is free again)
 
@@ -88,7 +88,7 @@ class StalenessController:
         return self.started - 1
 
     def ahead(self, version: int) -> int:
-        """How many versions ahead of `version` admission has run (always <= eta)."""
+        """How many versions ahead of `version` admission has run (always <= max_staleness)."""
         return max(0, (self.counted - 1) // self.batch_prompts - version) if self.counted else 0
 
 

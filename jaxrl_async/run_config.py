@@ -240,7 +240,7 @@ class Schedule:
             _int_at_least("max_head_staleness", self.max_head_staleness, 0)
 
     @property
-    def eta(self) -> int:
+    def effective_max_staleness(self) -> int:
         """The admission bound actually used: 0 in sync mode."""
         return 0 if self.mode == "sync" else self.max_staleness
 
@@ -459,12 +459,12 @@ def clip_note(run: RunConfig) -> str | None:
 
     With trainer.minibatches = 1 the proximal policy is pi_theta itself, so a loss that clips against it
     (decoupled PPO, GSPO, M2PO) never clips: stale tokens are corrected by the behaviour weight alone.
-    On letter_range that ended 7 points below sync at eta = 2, and naive PPO (which clips against the
+    On letter_range that ended 7 points below sync at η = 2, and naive PPO (which clips against the
     behaviour policy) level with it (docs/benchmarks.md). Logged, not refused: tiny_arith runs it so.
     """
     from jaxrl_async.trainer.losses import reads_prox
 
-    stale = run.schedule.eta > 0 or run.trainer.controlled_lag > 0
+    stale = run.schedule.effective_max_staleness > 0 or run.trainer.controlled_lag > 0
     if not stale or run.trainer.minibatches != 1 or not reads_prox(run.trainer.loss):
         return None
     return (

@@ -160,7 +160,8 @@ def test_smoke_runs_every_part_of_the_command(tmp_path):
     assert report["settings"]["smoke"] and report["settings"]["seeds"] == [0] and report["predictions"] == []
     # What --report needs to predict again, written beside the runs before they start.
     kept = json.loads((tmp_path / "runs" / "settings.json").read_text())
-    assert kept["setup"] == {"eta": 2, "processes": 2, "prompts": 4, "samples": 2, "lent_core": False}
+    assert kept["setup"] == {"max_staleness": 2, "processes": 2, "prompts": 4, "samples": 2,
+                             "lent_core": False}
     assert kept["lengths"] == report["settings"]["lengths"]
     assert kept["lengths"]["p99"] > kept["lengths"]["median"]
     for mode in ("sync", "async"):
@@ -217,7 +218,7 @@ _BENCH = {"sampler_devices": 1, "trainer_devices": 1, "cores": 1, "num_slots": 1
 
 
 def test_the_realized_prediction_puts_the_runs_own_train_steps_and_lengths_in_the_model():
-    setup = ls.Setup(eta=2, processes=2, prompts=64, samples=8)
+    setup = ls.Setup(max_staleness=2, processes=2, prompts=64, samples=8)
     benches = {"every": {**_BENCH, "cores": 2, "train_step_s": 0.705}, "one": _BENCH}
     lengths = {"median": 8.0, "p99": 51.0, "max": 53}
 
@@ -242,7 +243,7 @@ def test_the_realized_prediction_puts_the_runs_own_train_steps_and_lengths_in_th
     assert longer["lengths"]["median"] == 20.0 and longer["lengths"]["p99"] == 52.0
     assert ls.predict_realized(benches, setup, lengths, rows(None, 0.9)) is None  # a run without the figure
     # One process: both modes ran on every core, and each takes its own runs' step there.
-    one = ls.Setup(eta=2, processes=1, prompts=64, samples=8)
+    one = ls.Setup(max_staleness=2, processes=1, prompts=64, samples=8)
     shared = ls.predict_realized(benches, one, lengths, rows(0.47, 0.60))
     assert shared["sync"]["tokens_per_s"] == pytest.approx(13930.0 / (0.47 + 0.001 + 0.47))
     assert shared["async"] == ls.predict({**benches, "every": {**benches["every"], "train_step_s": 0.60}},
@@ -252,8 +253,9 @@ def test_the_realized_prediction_puts_the_runs_own_train_steps_and_lengths_in_th
 def test_lending_the_sampler_core_to_the_learner_is_predicted_with_its_own_form():
     benches = {"every": {**_BENCH, "cores": 2, "train_step_s": 0.705}, "one": _BENCH}
     lengths = {"median": 8.0, "p99": 51.0, "max": 53}
-    pinned = ls.predict(benches, ls.Setup(eta=2, processes=2, prompts=64, samples=8), lengths)
-    lent = ls.predict(benches, ls.Setup(eta=2, processes=2, prompts=64, samples=8, lent_core=True), lengths)
+    pinned = ls.predict(benches, ls.Setup(max_staleness=2, processes=2, prompts=64, samples=8), lengths)
+    lent = ls.predict(benches, ls.Setup(max_staleness=2, processes=2, prompts=64, samples=8, lent_core=True),
+                      lengths)
     assert lent["sync"] == pinned["sync"] and lent["best_split_16_cores"] == pinned["best_split_16_cores"]
     # The learner: 0.965 s on one core, 0.705 on both; the sampler keeps its core busy 0.471 s a batch
     # (its stream, 0.47, and the weight update).
@@ -272,7 +274,8 @@ def test_lending_the_sampler_core_to_the_learner_is_predicted_with_its_own_form(
     every = {**benches["every"], "train_micro_batches": 2.5}
     assert ls.shared_paces(corun, every) == pytest.approx((0.6, 1.0)) and ls.shared_paces(None, every) is None
     both = {"every": every, "one": _BENCH, "corun": corun}
-    shared = ls.predict(both, ls.Setup(eta=2, processes=2, prompts=64, samples=8, lent_core=True), lengths)
+    shared = ls.predict(both, ls.Setup(max_staleness=2, processes=2, prompts=64, samples=8, lent_core=True),
+                        lengths)
     period = 0.601 + 0.705 * (1 - 0.601 / 1.0)  # side by side for the sampler's 0.601 s, then alone
     assert shared["async"]["period_s"] == pytest.approx(period)
     assert shared["async"]["shared_paces_s"] == pytest.approx([0.6, 1.0])
@@ -285,36 +288,37 @@ def test_lending_the_sampler_core_to_the_learner_is_predicted_with_its_own_form(
     )
 
 
-def test_the_16_core_split_is_given_within_eta_and_at_any_eta_with_the_eta_it_needs():
+def test_the_16_core_split_is_given_within_max_staleness_and_at_any_eta_with_the_eta_it_needs():
     benches = {"every": {**_BENCH, "cores": 2, "train_step_s": 0.705}, "one": _BENCH}
     lengths = {"median": 8.0, "p99": 51.0, "max": 53}
-    p = ls.predict(benches, ls.Setup(eta=2, processes=2, prompts=64, samples=8), lengths)
-    within, anyway = p["best_split_16_cores"], p["best_split_16_cores_any_eta"]
+    p = ls.predict(benches, ls.Setup(max_staleness=2, processes=2, prompts=64, samples=8), lengths)
+    within, anyway = p["best_split_16_cores"], p["best_split_16_cores_any_max_staleness"]
     assert anyway["cores"] == 16 and anyway["sampler_devices"] + anyway["trainer_devices"] == 16
     assert anyway["tokens_per_s"] >= (within["tokens_per_s"] if within else 0)
-    assert anyway["eta_needed"] >= 2 and anyway["eta_needed"] >= anyway["max_staleness"] - 1e-9
-    assert anyway["eta_needed"] > 2 and within["sampler_devices"] != anyway["sampler_devices"]  # η binds here
+    needed = anyway["max_staleness_needed"]
+    assert needed >= 2 and needed >= anyway["max_staleness"] - 1e-9
+    assert needed > 2 and within["sampler_devices"] != anyway["sampler_devices"]  # η binds here
     line = ls.host_split_line(p, 2)
     assert line.startswith("split model, a 16-core host: ")
     assert f"{anyway['sampler_devices']} sampler + {anyway['trainer_devices']} trainer cores" in line
     # At the η the best split needs, it holds η and the model picks it as the best within η.
-    needed = ls.Setup(eta=anyway["eta_needed"], processes=2, prompts=64, samples=8)
+    needed = ls.Setup(max_staleness=anyway["max_staleness_needed"], processes=2, prompts=64, samples=8)
     eased = ls.predict(benches, needed, lengths)
     assert eased["best_split_16_cores"]["sampler_devices"] == anyway["sampler_devices"]
-    assert "needs η" not in ls.host_split_line(eased, anyway["eta_needed"])
-    one = ls.predict(benches, ls.Setup(eta=2, processes=1, prompts=64, samples=8), lengths)
-    assert one["best_split_16_cores_any_eta"] is None and ls.host_split_line(one, 2) is None
-    assert ls.host_eta_line(one) is None
+    assert "needs η" not in ls.host_split_line(eased, anyway["max_staleness_needed"])
+    one = ls.predict(benches, ls.Setup(max_staleness=2, processes=1, prompts=64, samples=8), lengths)
+    assert one["best_split_16_cores_any_max_staleness"] is None and ls.host_split_line(one, 2) is None
+    assert ls.host_max_staleness_line(one) is None
     # What each η buys: η 1 up to one past the η the best split needs. A looser bound never loses
     # throughput; the row at the run's η is the best within it, the row at the η needed is the best at any η.
-    by = p["best_split_16_cores_by_eta"]
-    assert [r["eta"] for r in by] == list(range(1, anyway["eta_needed"] + 2))
+    by = p["best_split_16_cores_by_max_staleness"]
+    assert [r["max_staleness"] for r in by] == list(range(1, anyway["max_staleness_needed"] + 2))
     tokens = [r["tokens_per_s"] for r in by]
     assert tokens == sorted(tokens) and tokens[0] < tokens[-1]
     at_run = by[1]
     assert at_run["sampler_devices"] == within["sampler_devices"]
     assert at_run["tokens_per_s"] == within["tokens_per_s"]
-    at_needed = by[anyway["eta_needed"] - 1]
+    at_needed = by[anyway["max_staleness_needed"] - 1]
     assert (at_needed["sampler_devices"], at_needed["tokens_per_s"]) == (
         anyway["sampler_devices"],
         pytest.approx(anyway["tokens_per_s"], rel=1e-6),
@@ -322,24 +326,24 @@ def test_the_16_core_split_is_given_within_eta_and_at_any_eta_with_the_eta_it_ne
     assert by[-1]["tokens_per_s"] == pytest.approx(at_needed["tokens_per_s"])  # past it, η buys nothing more
     for r in by:
         assert r["sampler_devices"] in r["near_best_sampler_devices"]
-    line = ls.host_eta_line(p)
+    line = ls.host_max_staleness_line(p)
     assert line.startswith("split model, a 16-core host, best split")
     cores = f"{within['sampler_devices']} + {within['trainer_devices']}"
     assert f"η 2: {cores}, {within['tokens_per_s']:,.0f}" in line
-    flat = {"best_split_16_cores_by_eta": [
-        {"eta": 1, "sampler_devices": None},
-        {"eta": 2, "sampler_devices": 9, "trainer_devices": 7, "tokens_per_s": 1000.0,
+    flat = {"best_split_16_cores_by_max_staleness": [
+        {"max_staleness": 1, "sampler_devices": None},
+        {"max_staleness": 2, "sampler_devices": 9, "trainer_devices": 7, "tokens_per_s": 1000.0,
          "near_best_sampler_devices": [8, 9, 10]}]}  # fmt: skip
-    assert ls.host_eta_line(flat).endswith(
+    assert ls.host_max_staleness_line(flat).endswith(
         "η 1: no split holds it; η 2: 9 + 7, 1,000 (within 5% of it: 8, 9, 10 sampler cores)"
     )
 
 
-def _kept(root, seeds, eta, step=(0.5, 0.7), benches=True):
-    """A --keep directory: both modes' summaries of `seeds` (async at η = eta) and the role benches."""
+def _kept(root, seeds, max_staleness, step=(0.5, 0.7), benches=True):
+    """A --keep directory: both modes' summaries of `seeds` (async at η = η) and the role benches."""
     for mode, by in _two_seeds().items():
         for seed in seeds:
-            summary = {**by[seed % 2], "max_staleness": eta if mode == "async" else 0,
+            summary = {**by[seed % 2], "max_staleness": max_staleness if mode == "async" else 0,
                        "processes": 2 if mode == "async" else 1,
                        "train_step_s_mean": step[mode == "async"]}  # fmt: skip
             (root / f"{mode}_s{seed}").mkdir(parents=True)
@@ -355,13 +359,13 @@ def test_report_predicts_again_from_each_directorys_own_role_benches(tmp_path):
     benches = {"every": {**_BENCH, "cores": 2, "train_step_s": 0.705}, "one": _BENCH}
     # A directory with the settings a run writes: its prediction is the model's on its benches exactly.
     recorded, lengths = tmp_path / "recorded", {"median": 8.0, "p99": 51.0, "max": 53}
-    _kept(recorded, [0, 1], eta=2)
-    setup = {"eta": 2, "processes": 2, "prompts": 64, "samples": 8, "lent_core": False}
+    _kept(recorded, [0, 1], max_staleness=2)
+    setup = {"max_staleness": 2, "processes": 2, "prompts": 64, "samples": 8, "lent_core": False}
     (recorded / "settings.json").write_text(json.dumps({"setup": setup, "lengths": lengths}))
-    # One from before settings.json: η from its runs' summaries, not the --eta default; its own benches,
+    # One from before settings.json: η from its runs' summaries, not the --η default; its own benches,
     # slower on every core, so its prediction differs.
     older = tmp_path / "older"
-    _kept(older, [2, 3], eta=2, step=(0.3, 0.6))
+    _kept(older, [2, 3], max_staleness=2, step=(0.3, 0.6))
     (older / "roles_every_core.json").write_text(json.dumps({**_BENCH, "cores": 2, "train_step_s": 0.9}))
     out = tmp_path / "report.json"
     res = subprocess.run([sys.executable, *tool, f"--report={recorded},{older}", f"--out={out}"], env=env,
@@ -381,7 +385,7 @@ def test_report_predicts_again_from_each_directorys_own_role_benches(tmp_path):
     realized = ls.predict_realized(benches, ls.Setup(**setup), lengths, rows)
     assert first["prediction_realized"]["ratio"] == pytest.approx(realized["ratio"])
     assert second["seeds"] == [2, 3] and second["settings_from"] == "runs"
-    assert second["setup"]["eta"] == 2 and not second["setup"]["lent_core"]
+    assert second["setup"]["max_staleness"] == 2 and not second["setup"]["lent_core"]
     assert second["prediction"]["ratio"] != pytest.approx(first["prediction"]["ratio"])
     assert second["prediction_realized"]["train_step_s"]["sync"] == pytest.approx(0.3)
     ratio = first["prediction"]["ratio"]
@@ -406,12 +410,15 @@ def test_report_predicts_again_from_each_directorys_own_role_benches(tmp_path):
                              timeout=300)  # fmt: skip
         assert res.returncode != 0 and msg in res.stderr, res.stderr[-2000:]
     # η from the runs, and no pooling across η.
-    eta3 = tmp_path / "eta3"
-    _kept(eta3, [4], eta=3)
-    res = subprocess.run([sys.executable, *tool, f"--report={eta3}", f"--out={out}"], env=env,
+    max_staleness3 = tmp_path / "max_staleness3"
+    _kept(max_staleness3, [4], max_staleness=3)
+    res = subprocess.run([sys.executable, *tool, f"--report={max_staleness3}", f"--out={out}"], env=env,
                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert res.returncode == 0 and json.loads(out.read_text())["predictions"][0]["setup"]["eta"] == 3
-    res = subprocess.run([sys.executable, *tool, f"--report={recorded},{eta3}"], env=env, capture_output=True,
+    assert res.returncode == 0
+    assert json.loads(out.read_text())["predictions"][0]["setup"]["max_staleness"] == 3
+    res = subprocess.run([sys.executable, *tool, f"--report={recorded},{max_staleness3}"], env=env,
+                         capture_output=True,
                          text=True, timeout=300)  # fmt: skip
     assert res.returncode != 0
-    assert f"different staleness bounds ({recorded}: η = 2; {eta3}: η = 3); they do not pool" in res.stderr
+    pooled = f"different staleness bounds ({recorded}: η = 2; {max_staleness3}: η = 3); they do not pool"
+    assert pooled in res.stderr

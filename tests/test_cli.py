@@ -114,7 +114,7 @@ def _defaults(command: str) -> dict[str, str]:
 
 
 def test_benchmarks_sharing_the_workload_flags_keep_their_own_defaults():
-    keys = ("steps", "prompts", "slots", "median", "eta")
+    keys = ("steps", "prompts", "slots", "median", "max-staleness")
     expected = {
         "benchmarks.bench_async": dict(zip(keys, ("30", "16", "256", "24.0", "4"), strict=True)),
         "benchmarks.split_sweep": dict(zip(keys, ("30", "64", "128", "24.0", "4"), strict=True)),
@@ -165,7 +165,7 @@ def _hf_dir(tmp_path) -> str:
 
 def test_perf_model_takes_a_hugging_face_directory_for_the_model(tmp_path):
     d = _hf_dir(tmp_path)
-    common = ["--hardware", "h100", "--devices", "8", "--eta", "2", "--prompts", "64"]
+    common = ["--hardware", "h100", "--devices", "8", "--max-staleness", "2", "--prompts", "64"]
     common += ["--samples-per-prompt", "8", "--prompt-len", "256"]
     common += ["--lengths", "lognormal:median=800,p99=2000"]
     reports = []

@@ -32,9 +32,10 @@ def test_grid_is_lags_per_rate_with_one_sync_cell_at_lag_zero():
     grid = eta_study.parse_grid("1e-4:0,8,32;3e-4:0,8")
     assert grid == [(1e-4, [0, 8, 32]), (3e-4, [0, 8])]
     cells = eta_study.cells(grid, [4], ["ppo", "m2po"], [0, 1])
-    lag0 = [c for c in cells if c["lag"] == 0 and not c["eta"]]
+    lag0 = [c for c in cells if c["lag"] == 0 and not c["max_staleness"]]
     assert {c["arm"] for c in lag0} == {"sync"} and len(lag0) == 4
-    assert len([c for c in cells if c["lag"] == 32]) == 4 and len([c for c in cells if c["eta"] == 4]) == 4
+    assert len([c for c in cells if c["lag"] == 32]) == 4
+    assert len([c for c in cells if c["max_staleness"] == 4]) == 4
     assert len({c["name"] for c in cells}) == len(cells)
     with pytest.raises(ValueError, match="unknown arm"):
         eta_study.cells(grid, [], ["nope"], [0])
@@ -54,7 +55,7 @@ def _run_config(cell, workdir):
 def test_paired_cells_share_warm_start_data_order_and_sampling_seed(tmp_path):
     runs = {}
     for arm, seed in (("ppo", 3), ("m2po", 3), ("robust", 3), ("ppo", 4)):
-        cell = dict(lr=1e-4, lag=8, eta=0, arm=arm, seed=seed)
+        cell = dict(lr=1e-4, lag=8, max_staleness=0, arm=arm, seed=seed)
         runs[arm, seed] = _run_config(cell, tmp_path / f"{arm}{seed}")
     tok = build.build_tokenizer(runs["ppo", 3])
 

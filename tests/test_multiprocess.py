@@ -115,7 +115,7 @@ def test_sampler_and_trainer_processes_sync_weights_every_step(tmp_path):
     with open(tmp_path / "summary.json") as f:
         summary = json.load(f)
     assert summary["processes"] == 2 and summary["steps"] == 4
-    assert summary["max_admission_ahead"] <= 1  # eta holds
+    assert summary["max_admission_ahead"] <= 1  # max_staleness holds
     _checksums_equal(summary)
     assert [e["step"] for e in summary["evals"]] == [0, 2, 4]
     # Exactly one TensorBoard writer: one event file, written by the learner lead.
@@ -295,8 +295,8 @@ def test_replica_over_two_processes_decodes_as_one_process(tmp_path):
 
 
 def test_replica_over_two_processes_applies_in_flight_updates_on_every_member(tmp_path):
-    """Async, eta = 1, recompute_kv: every version is applied on both members before the same decode
-    step (some while sequences run), eta holds, the weights equal the learner's on both; the first and
+    """Async, max_staleness = 1, recompute_kv: every version is applied on both members before the same decode
+    step (some while sequences run), η holds, the weights equal the learner's on both; the first and
     the last version are evaluated (the member replays the evaluations' generate calls)."""
     flags = _flags(tmp_path, **REPLICA, **{"sampler.update_mode": "recompute_kv", "eval_every": 0})
     res = _launch(3, 2, flags)

@@ -1,4 +1,4 @@
-"""The asynchronous loop end to end on tiny shapes: trains, syncs weights, respects eta, writes the tags."""
+"""The asynchronous loop end to end on tiny shapes: trains, syncs weights, respects η, writes the tags."""
 
 import json
 import os
@@ -170,10 +170,10 @@ def test_async_run_trains_syncs_respects_eta_and_writes_tags(tmp_path):
     assert resumed["weight_checksums"]["learner"][4] == pytest.approx(sums["learner"][4], rel=1e-6)
 
 
-def test_dynamic_sampling_trains_informative_groups_only_within_eta_and_kl_works(tmp_path):
+def test_dynamic_sampling_trains_informative_groups_only_within_max_staleness_and_kl_works(tmp_path):
     # Two samples per prompt with a ~50% reward: about half the groups have equal rewards. Dynamic
     # sampling discards them and admits new prompts in their place; every trained group is informative
-    # and eta still bounds staleness. The KL to the reference (the initial policy) is 0 at the first
+    # and max_staleness still bounds staleness. The KL to the reference (the initial policy) is 0 at the first
     # step and grows as the policy moves.
     over = {"samples_per_prompt": 2, "trainer.dynamic_sampling": True, "trainer.kl_coef": 0.05,
             "trainer.skip_zero_advantage": False}
@@ -192,7 +192,7 @@ def test_dynamic_sampling_trains_informative_groups_only_within_eta_and_kl_works
 def test_non_finite_steps_are_sampled_again_and_stop_the_run_saved(tmp_path, mode, caplog):
     """A learning rate of 1e30 makes the weights overflow after the first update; every later step's
     updates are non-finite and skipped. Such a step changes no version, so its groups must go back to be
-    sampled again (admission waits on the version: before, the run stalled for good once eta's window was
+    sampled again (admission waits on the version: before, the run stalled for good once η's window was
     full), and three in a row end the run at the last finite version, saved."""
     over = {"trainer.lr": 1e30, "trainer.warmup_steps": 0, "trainer.clip_norm": None}
     summary = run_from_config(_small(tmp_path, mode=mode, total_steps=8, eval_every=0, **over))

@@ -159,7 +159,7 @@ def _seed_run(out, sync, asyn, trl, step0=0.3):
 
     results = {"ours_sync": {"evals": evals((step0, *sync), 1.0), "train_tokens_per_s": 100.0, "version": ""},
                "ours_async": {"evals": evals((step0, *asyn), 0.5), "train_tokens_per_s": 180.0,
-                              "version": "(eta 2, 2 processes)"},
+                              "version": "(max_staleness 2, 2 processes)"},
                "trl": {"evals": evals((step0, *trl), 2.5), "trained_tokens": 500, "train_s": 250.0,
                        "version": "1.16.0", "process_s": 300.0}}  # fmt: skip
     rep = {**pb.report(results, None), "step0": {"accuracies": {"ours": step0, "trl": step0}},

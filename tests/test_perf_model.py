@@ -32,10 +32,10 @@ TAIL = MixtureLengths((0.99, 0.01), (LogNormalLengths(150, 300), UniformLengths(
 
 
 def toy_system(
-    eta, lengths=LOGNORMAL, prompts=16, group=4, slots=64, tps=4000.0, update_s=0.0, prefill_s=0.0
+    max_staleness, lengths=LOGNORMAL, prompts=16, group=4, slots=64, tps=4000.0, update_s=0.0, prefill_s=0.0
 ):
     wl = Workload(prompts, group, 64, lengths)
-    return System(8, Sampler(LATENCY, 1, slots, prefill_s, update_s), Trainer(tps, 1, 0.0), wl, eta)
+    return System(8, Sampler(LATENCY, 1, slots, prefill_s, update_s), Trainer(tps, 1, 0.0), wl, max_staleness)
 
 
 def test_roofline_fit_recovers_curve_from_noisy_points():
@@ -132,20 +132,20 @@ def test_build_system_caps_decode_batch_by_kv_memory():
 # Regimes covered: η = 0 (sync on the split), window-limited (η = 1, 2), trainer-bound, sampler-bound,
 # a 1% long tail, and weight-update / prefill stalls.
 GRID = [
-    dict(eta=0, s=4),
-    dict(eta=1, s=2),
-    dict(eta=1, s=4, tps=8000.0),
-    dict(eta=2, s=4),
-    dict(eta=2, s=6, tps=8000.0),
-    dict(eta=4, s=2),
-    dict(eta=4, s=6),
-    dict(eta=4, s=4, tps=8000.0),
-    dict(eta=0, s=4, lengths=TAIL),
-    dict(eta=2, s=2, lengths=TAIL),
-    dict(eta=4, s=4, lengths=TAIL, tps=8000.0),
-    dict(eta=8, s=2, lengths=TAIL, tps=8000.0, prompts=64),
-    dict(eta=2, s=4, update_s=0.05, prefill_s=0.002),
-    dict(eta=3, s=6, prompts=64, group=8, slots=128, tps=16000.0),
+    dict(max_staleness=0, s=4),
+    dict(max_staleness=1, s=2),
+    dict(max_staleness=1, s=4, tps=8000.0),
+    dict(max_staleness=2, s=4),
+    dict(max_staleness=2, s=6, tps=8000.0),
+    dict(max_staleness=4, s=2),
+    dict(max_staleness=4, s=6),
+    dict(max_staleness=4, s=4, tps=8000.0),
+    dict(max_staleness=0, s=4, lengths=TAIL),
+    dict(max_staleness=2, s=2, lengths=TAIL),
+    dict(max_staleness=4, s=4, lengths=TAIL, tps=8000.0),
+    dict(max_staleness=8, s=2, lengths=TAIL, tps=8000.0, prompts=64),
+    dict(max_staleness=2, s=4, update_s=0.05, prefill_s=0.002),
+    dict(max_staleness=3, s=6, prompts=64, group=8, slots=128, tps=16000.0),
 ]
 
 
@@ -174,7 +174,7 @@ def test_sync_baseline_agrees_with_simulator(lengths):
 
 
 def test_static_batch_engine_pays_full_steps_in_the_window_bound_regime():
-    # 16 devices, eta = 2, lognormal p99/median = 8, a fast trainer: the staleness window binds and few
+    # 16 devices, η = 2, lognormal p99/median = 8, a fast trainer: the staleness window binds and few
     # slots are busy. An engine with static shapes pays t(all slots) for every decode step anyway.
     wl = Workload(16, 4, 64, LogNormalLengths(200, 1600, max_len=3200))
     paged = System(16, Sampler(LATENCY, 1, 64), Trainer(8000.0, 1, 0.0), wl, 2)

@@ -38,10 +38,10 @@ def test_the_checks_fail_on_a_run_that_broke_them(tmp_path):
                              "actors": {"0": {"0": 1.0, "1": 2.5}}},
     }  # fmt: skip
     (tmp_path / "summary.json").write_text(json.dumps(summary))
-    lines = verify(str(tmp_path), mini, eta=1, mode="async")
+    lines = verify(str(tmp_path), mini, max_staleness=1, mode="async")
     failed = [line for line in lines if line.startswith("FAILED")]
-    # The checksums differ, eta=1 is exceeded, no TensorBoard writer: three failures, named.
-    assert [f.split(":")[1].split()[0] for f in failed] == ["actor", "eta", "one"]
+    # The checksums differ, max_staleness=1 is exceeded, no TensorBoard writer: three failures, named.
+    assert [f.split(":")[1].split()[0] for f in failed] == ["actor", "max_staleness", "one"]
 
 
 def test_both_math_8b_layouts_rehearse_on_localhost(tmp_path):

@@ -24,23 +24,23 @@ def _rollout(group, idx, versions, reward=1.0):
     )
 
 
-@pytest.mark.parametrize("eta", [0, 1, 3])
-def test_admission_never_runs_more_than_eta_versions_ahead(eta):
-    ctl = StalenessController(batch_prompts=4, max_staleness=eta)
+@pytest.mark.parametrize("max_staleness", [0, 1, 3])
+def test_admission_never_runs_more_than_eta_versions_ahead(max_staleness):
+    ctl = StalenessController(batch_prompts=4, max_staleness=max_staleness)
     rng = np.random.default_rng(0)
     version = 0
     for _ in range(400):
         if rng.random() < 0.8 and ctl.can_admit(version):
             n = ctl.admit(version) + 1
-            assert (n - 1) // 4 <= version + eta
+            assert (n - 1) // 4 <= version + max_staleness
         elif rng.random() < 0.3:
             version += 1
-        assert ctl.ahead(version) <= eta
-    # With no training, admission stops after (eta + 1) batches.
-    ctl = StalenessController(batch_prompts=4, max_staleness=eta)
+        assert ctl.ahead(version) <= max_staleness
+    # With no training, admission stops after (max_staleness + 1) batches.
+    ctl = StalenessController(batch_prompts=4, max_staleness=max_staleness)
     while ctl.can_admit(0):
         ctl.admit(0)
-    assert ctl.started == 4 * (eta + 1)
+    assert ctl.started == 4 * (max_staleness + 1)
     with pytest.raises(RuntimeError):
         ctl.admit(0)
 

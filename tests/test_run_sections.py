@@ -46,7 +46,8 @@ def test_each_section_names_the_flat_key_it_refuses(build, key):
 
 
 def test_sync_mode_admits_nothing_ahead_and_the_eval_schedule_is_one_predicate():
-    assert _schedule(mode="sync", max_staleness=4).eta == 0 and _schedule(max_staleness=3).eta == 3
+    assert _schedule(mode="sync", max_staleness=4).effective_max_staleness == 0
+    assert _schedule(max_staleness=3).effective_max_staleness == 3
     ev = EvalSection(every=3, prompts=8, slots=8)
     assert [v for v in range(11) if ev.due(v, last=10)] == [0, 3, 6, 9, 10]
     assert [v for v in range(6) if EvalSection(every=0, prompts=8, slots=8).due(v, last=5)] == [5]

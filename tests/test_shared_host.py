@@ -47,7 +47,7 @@ def test_sync_adds_both_roles():
 
 
 def test_async_without_contention_is_the_slower_role():
-    # One core each (p_s = p_t = 1) on two cores: no slowdown, the trainer sets the pace, staleness = eta.
+    # One core each (p_s = p_t = 1) on two cores: no slowdown, the trainer sets the pace, staleness = η.
     p = predict_async(
         _bench(w_s=0.2, c_s=0.2, w_t=0.8, c_t=0.8), _bench(w_s=0.2, c_s=0.2, w_t=0.8, c_t=0.8), 3
     )
@@ -87,12 +87,12 @@ def test_lent_core_gives_the_learner_what_the_sampler_leaves_idle():
     assert predict_lent_core(_bench(w_s=1e-9, w_t=0.6), one, every, 2).period_s == pytest.approx(0.4)
     busy = predict_lent_core(_bench(w_s=0.6, w_t=0.6), one, every, 2)
     assert busy.trainer_s == pytest.approx(0.6) and busy.period_s == pytest.approx(0.6)
-    # Sampler-bound: the period is the sampler's, and staleness stays under eta.
+    # Sampler-bound: the period is the sampler's, and staleness stays under max_staleness.
     slow = predict_lent_core(_bench(w_s=0.9, w_t=0.6), one, every, 2)
     assert slow.period_s == pytest.approx(0.9) and slow.bottleneck == "sampler" and slow.mean_staleness < 2
     # A learner no faster on both cores gains nothing from the lent one.
     assert predict_lent_core(one, one, _bench(w_t=0.7), 2).trainer_s == pytest.approx(0.6)
-    with pytest.raises(ValueError, match="eta"):
+    with pytest.raises(ValueError, match="max_staleness"):
         predict_lent_core(one, one, every, 0)
 
 
@@ -139,7 +139,7 @@ def test_cli_shared_host_sweep(tmp_path):
         paths.append(str(p))
     out = tmp_path / "out"
     tool = ["-m", "jaxrl_async.cli.perf_model"]
-    cmd = [sys.executable, *tool, "--roles-bench", ",".join(paths), "--devices", "4", "--eta", "2"]
+    cmd = [sys.executable, *tool, "--roles-bench", ",".join(paths), "--devices", "4", "--max-staleness", "2"]
     cmd += ["--out", str(out)]
     env = dict(os.environ, PYTHONPATH=REPO)  # the package of this checkout
     printed = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout

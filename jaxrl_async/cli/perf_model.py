@@ -6,14 +6,14 @@ discrete-event simulator. Writes report.json and PNG plots to --out.
 
   jaxrl-perf --scenario configs/scenarios/areal_1p5b_math.json --out /tmp/perf --simulate
   jaxrl-perf --scenario S.json --decode-bench decode.json --train-bench train.json --out D
-  jaxrl-perf --hardware cpu --devices 8 --eta 2 --model-json config.json \\
+  jaxrl-perf --hardware cpu --devices 8 --max-staleness 2 --model-json config.json \\
       --prompts 64 --samples-per-prompt 8 --prompt-len 16 --lengths lognormal:median=8,p99=24 --out D
 
 Roles sharing one host (fake CPU devices, or `mesh.colocate`): give benchmarks/bench_roles.py files instead;
 with --devices, every benched split summing to it is swept (docs/performance-model.md, "Shared host"):
 
-  jaxrl-perf --roles-bench roles_1.json --eta 2 --out D
-  jaxrl-perf --roles-bench r1.json,r2.json,r3.json --devices 4 --eta 2 --out D
+  jaxrl-perf --roles-bench roles_1.json --max-staleness 2 --out D
+  jaxrl-perf --roles-bench r1.json,r2.json,r3.json --devices 4 --max-staleness 2 --out D
 
 `jaxrl-perf` runs the same program.
 """
@@ -40,7 +40,7 @@ _HARDWARE = flags.DEFINE_string(
     "hardware", None, "preset (tpu-v5e, tpu-v5p, tpu-v6e, h100, h800, h200) or 'cpu' to measure"
 )
 _DEVICES = flags.DEFINE_integer("devices", None, "total devices to split")
-_ETA = flags.DEFINE_integer("eta", None, "maximum staleness η")
+_MAX_STALENESS = flags.DEFINE_integer("max-staleness", None, "maximum staleness η")
 _MODEL_JSON = flags.DEFINE_string(
     "model-json", None, "ModelShape JSON, or a Hugging Face config.json or the directory holding it"
 )
@@ -96,8 +96,8 @@ def scenario_dict() -> dict:
         d["hardware"] = _HARDWARE.value
     if _DEVICES.value:
         d["total_devices"] = _DEVICES.value
-    if _ETA.value is not None:
-        d["max_staleness"] = _ETA.value
+    if _MAX_STALENESS.value is not None:
+        d["max_staleness"] = _MAX_STALENESS.value
     if _MODEL_JSON.value:
         path = hf_config_file(_MODEL_JSON.value, "--model-json")
         with open(path) as f:
@@ -129,16 +129,16 @@ def scenario_dict() -> dict:
 def shared_host_report() -> dict:
     """Predictions from role benches (roles share the host's cores); writes report.json and sweep.png."""
     benches = [load_role_bench(p) for p in _ROLES_BENCH.value]
-    if _ETA.value is None:
-        raise app.UsageError("--roles-bench needs --eta")
+    if _MAX_STALENESS.value is None:
+        raise app.UsageError("--roles-bench needs --max-staleness")
     first = benches[0]
     sync = predict_sync(first, first)
     if _DEVICES.value:
-        sweep = sweep_shared(benches, _DEVICES.value, _ETA.value)
+        sweep = sweep_shared(benches, _DEVICES.value, _MAX_STALENESS.value)
     else:
-        sweep = [predict_async(first, first, _ETA.value)]
+        sweep = [predict_async(first, first, _MAX_STALENESS.value)]
     best = max(sweep, key=lambda r: r.tokens_per_s)
-    print(f"shared host: {first.cores} cores, η = {_ETA.value}; trained tokens/s per split")
+    print(f"shared host: {first.cores} cores, η = {_MAX_STALENESS.value}; trained tokens/s per split")
     print(f"{'sampler':>8} {'trainer':>8} {'tok/s':>9} {'period s':>9} {'bound':>8} {'stale mean':>10}")
     for r in [sync, *sweep]:
         print(
@@ -154,7 +154,8 @@ def shared_host_report() -> dict:
         "role_benches": list(_ROLES_BENCH.value),
     }
     write_report(_OUT.value, report)
-    plot_sweep(os.path.join(_OUT.value, "sweep.png"), sweep, sync, _ETA.value, ylabel="trained tokens / s",
+    plot_sweep(os.path.join(_OUT.value, "sweep.png"), sweep, sync, _MAX_STALENESS.value,
+               ylabel="trained tokens / s",
                best=best)  # fmt: skip
     print(
         f"best: {best.sampler_devices} sampler + {best.trainer_devices} trainer devices, "

@@ -105,7 +105,7 @@ from jaxrl_async.cli.config_file import sibling
 def get_config():
     c = sibling({tiny!r}, "tiny_arith").get_config()
     c.workdir = {workdir!r}
-    c.mode, c.max_staleness = {mode!r}, {eta}
+    c.mode, c.max_staleness = {mode!r}, {max_staleness}
     c.total_steps, c.prompts_per_step, c.samples_per_prompt = {steps}, 4, 4
     c.eval_every, c.checkpoint_every = 0, 0  # the checks need neither; each costs a decode / a save
     c.warm_start.enabled = False
@@ -136,7 +136,7 @@ def write_config(target: str, workdir: str, mini: Miniature, steps: int) -> str:
         tiny=os.path.join(_CONFIGS, "tiny_arith.py"),
         workdir=os.path.abspath(workdir),
         mode=c.mode,
-        eta=c.max_staleness,
+        max_staleness=c.max_staleness,
         steps=steps,
         sampler=mini.sampler,
         trainer=mini.trainer,
@@ -153,7 +153,7 @@ def write_config(target: str, workdir: str, mini: Miniature, steps: int) -> str:
     return path
 
 
-def verify(workdir: str, mini: Miniature, eta: int, mode: str) -> list[str]:
+def verify(workdir: str, mini: Miniature, max_staleness: int, mode: str) -> list[str]:
     """What the finished rehearsal shows, one line per check, each starting with "ok" or "FAILED"."""
     with open(os.path.join(workdir, "summary.json")) as f:
         summary = json.load(f)
@@ -174,9 +174,10 @@ def verify(workdir: str, mini: Miniature, eta: int, mode: str) -> list[str]:
             abs(got[v] - learner[v]) <= 1e-6 * max(1.0, abs(learner[v])) for v in learner
         )
         check(same, f"actor {name}: weight checksums equal the learner's after every sync")
-    bound = 0 if mode == "sync" else eta
+    bound = 0 if mode == "sync" else max_staleness
     ahead = summary["max_admission_ahead"]
-    check(ahead <= bound, f"eta holds: admissions ran at most {ahead} version(s) ahead (bound {bound})")
+    check(ahead <= bound,
+          f"max_staleness holds: admissions ran at most {ahead} version(s) ahead (bound {bound})")
     events = [os.path.join(d, f) for d, _, fs in os.walk(workdir) for f in fs if "tfevents" in f]
     one = len(events) == 1 and os.path.dirname(events[0]) == os.path.join(workdir, "tb")
     check(one, f"one TensorBoard writer ({len(events)} event file(s))")

@@ -23,7 +23,7 @@ def calibrated_system(
     median: float,
     p99: float,
     max_len: int,
-    eta: int,
+    max_staleness: int,
     static_batch: bool,
     sampler_devices: int = 1,
     trainer_devices: int = 1,
@@ -45,7 +45,7 @@ def calibrated_system(
     wl = Workload(prompts, samples, round(prompt_len), lengths, shared_length=shared_length)
     sampler = Sampler(latency, 1, roles["decode"]["slots"], 0.0, roles["update_s"], static_batch, admit_lag_s)
     trainer = Trainer(roles["tokens_per_batch"] / roles["train_step_s"], 1, 0.0)
-    return System(sampler_devices + trainer_devices, sampler, trainer, wl, eta)
+    return System(sampler_devices + trainer_devices, sampler, trainer, wl, max_staleness)
 
 
 def trained_tokens_per_s(system: System, response_tokens_per_s: float) -> float:

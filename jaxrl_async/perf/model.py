@@ -56,7 +56,7 @@ class SplitResult:
     sync_s: float = 0.0
     feasible: bool = True
     reason: str = ""
-    within_eta: bool = True
+    within_max_staleness: bool = True
     fits: bool = True
 
     def to_dict(self) -> dict[str, Any]:
@@ -147,8 +147,8 @@ def window_period_s(system: System, replicas: int, train_s: float, step_s: float
     of D. η = 0 is sync RL on the split.
     """
     wl, sp = system.workload, system.sampler
-    eta, n = system.max_staleness, wl.samples_per_batch
-    if eta == 0:
+    max_staleness, n = system.max_staleness, wl.samples_per_batch
+    if max_staleness == 0:
         return batch_generation_s(system, replicas, n)[0] + train_s
     lens = wl.lengths.representative(n)
     surv = _group_survival(lens, wl.draws_per_group)
@@ -160,18 +160,18 @@ def window_period_s(system: System, replicas: int, train_s: float, step_s: float
         return float(np.sum(surv((ages - lag) / step_s)))
 
     lo, hi = max(train_s, 1e-9), train_s + d_max + 1e-9
-    if unfinished(lo) <= eta:
+    if unfinished(lo) <= max_staleness:
         return lo
     for _ in range(60):
         mid = 0.5 * (lo + hi)
-        lo, hi = (lo, mid) if unfinished(mid) <= eta else (mid, hi)
+        lo, hi = (lo, mid) if unfinished(mid) <= max_staleness else (mid, hi)
     return hi
 
 
 def analyze_split(system: System, sampler_devices: int, trainer_devices: int) -> SplitResult:
     """Analytic throughput and staleness of one async split (see docs/performance-model.md)."""
     sp, wl = system.sampler, system.workload
-    eta = system.max_staleness
+    max_staleness = system.max_staleness
     n = wl.samples_per_batch
     reps = max(system.replicas(sampler_devices), 1)
     mean_len = wl.lengths.mean()
@@ -205,7 +205,7 @@ def analyze_split(system: System, sampler_devices: int, trainer_devices: int) ->
     longest_s = wl.lengths.expected_max(n) * step_s
     mean_stale = mean_staleness_estimate(
         bottleneck,
-        eta,
+        max_staleness,
         busy_slots=batch * reps,
         group_ratio=wl.lengths.expected_max(wl.draws_per_group) / mean_len,
         n=n,
@@ -233,7 +233,7 @@ def analyze_split(system: System, sampler_devices: int, trainer_devices: int) ->
 
 
 def mean_staleness_estimate(
-    bottleneck: str, eta: int, busy_slots: float, group_ratio: float, n: int
+    bottleneck: str, max_staleness: int, busy_slots: float, group_ratio: float, n: int
 ) -> float:
     """Closed-form mean head staleness (versions published between a sample's first token and training).
 
@@ -245,8 +245,8 @@ def mean_staleness_estimate(
     be filled.
     """
     if bottleneck != "sampler":
-        return float(eta)
-    return float(min(eta, busy_slots * group_ratio / n + 0.5))
+        return float(max_staleness)
+    return float(min(max_staleness, busy_slots * group_ratio / n + 0.5))
 
 
 def sweep(system: System, balance_tol: float = 0.5, staleness_metric: str = "max") -> list[SplitResult]:
@@ -266,17 +266,18 @@ def sweep(system: System, balance_tol: float = 0.5, staleness_metric: str = "max
         r = analyze_split(system, s, t)
         fits = t >= system.trainer.min_devices
         stale = r.max_staleness if staleness_metric == "max" else r.mean_staleness
-        within_eta = stale <= system.max_staleness + 1e-9
+        within_max_staleness = stale <= system.max_staleness + 1e-9
         reasons = []
         if not fits:
             reasons.append(f"trainer needs >= {system.trainer.min_devices} devices")
-        if not within_eta:
+        if not within_max_staleness:
             reasons.append(f"{staleness_metric} staleness {stale:.2f} > η={system.max_staleness}")
         if r.imbalance > balance_tol:
             reasons.append(f"rates unbalanced ({r.imbalance:.0%} > {balance_tol:.0%})")
         out.append(
             dataclasses.replace(
-                r, feasible=not reasons, reason="; ".join(reasons), within_eta=within_eta, fits=fits
+                r, feasible=not reasons, reason="; ".join(reasons),
+                    within_max_staleness=within_max_staleness, fits=fits
             )
         )
     return out
@@ -284,5 +285,5 @@ def sweep(system: System, balance_tol: float = 0.5, staleness_metric: str = "max
 
 def best_split(results: list[SplitResult], ignore_balance: bool = False) -> SplitResult | None:
     """Highest-throughput feasible split; with `ignore_balance`, only η and memory prune. None if none."""
-    ok = [r for r in results if r.within_eta and r.fits and (ignore_balance or r.feasible)]
+    ok = [r for r in results if r.within_max_staleness and r.fits and (ignore_balance or r.feasible)]
     return max(ok, key=lambda r: r.tokens_per_s) if ok else None

@@ -108,7 +108,7 @@ def write_report(out_dir: str, report: dict[str, Any]) -> str:
     return path
 
 
-def plot_sweep(path: str, results: list, sync, eta: int, ylabel: str = "response tokens / s",
+def plot_sweep(path: str, results: list, sync, max_staleness: int, ylabel: str = "response tokens / s",
                best=None) -> list[str]:  # fmt: skip
     """Throughput and staleness against the number of sampler devices (SplitResult-like rows), with the
     chosen split `best` (one of `results`) marked and the sync baseline's value written on its line.
@@ -135,7 +135,7 @@ def plot_sweep(path: str, results: list, sync, eta: int, ylabel: str = "response
     ax1.legend(fontsize=8)
     ax2.plot(s, [r.max_staleness for r in results], "-o", label="max staleness (longest sample / period)")
     ax2.plot(s, [r.mean_staleness for r in results], "-s", label="mean staleness (closed form)")
-    ax2.axhline(eta, color="k", ls=":", label=f"η = {eta}")
+    ax2.axhline(max_staleness, color="k", ls=":", label=f"η = {max_staleness}")
     ax2.set_xlabel(f"sampler devices (of {results[0].sampler_devices + results[0].trainer_devices})")
     ax2.set_ylabel("versions")
     ax2.legend()

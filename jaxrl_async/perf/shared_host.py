@@ -137,11 +137,11 @@ def predict_sync(sampler: RoleBench, trainer: RoleBench) -> SharedPrediction:
 
 
 def predict_async(
-    sampler: RoleBench, trainer: RoleBench, eta: int, cores: int | None = None
+    sampler: RoleBench, trainer: RoleBench, max_staleness: int, cores: int | None = None
 ) -> SharedPrediction:
     """Async RL with staleness bound η on a host of `cores` cores shared by both roles (see module doc)."""
-    if eta < 1:
-        raise ValueError(f"async needs eta >= 1, got {eta}")
+    if max_staleness < 1:
+        raise ValueError(f"async needs max_staleness >= 1, got {max_staleness}")
     cores = cores or sampler.cores
     w_s = sampler.sample_stream_s + sampler.update_s
     w_t = trainer.train_step_s
@@ -151,7 +151,7 @@ def predict_async(
     busy = p_s + p_t
     slowdown = max(1.0, busy / cores)
     period = overlap_period(w_s, w_s * slowdown, w_t, w_t * slowdown)
-    return _async(sampler, trainer, eta, w_s, w_t, period, slowdown)
+    return _async(sampler, trainer, max_staleness, w_s, w_t, period, slowdown)
 
 
 def overlap_period(w_s: float, shared_s: float, w_t: float, shared_t: float) -> float:
@@ -166,13 +166,14 @@ def overlap_period(w_s: float, shared_s: float, w_t: float, shared_t: float) -> 
     return short + long_alone * (1.0 - short / long_shared)
 
 
-def _async(sampler: RoleBench, trainer: RoleBench, eta: int, w_s: float, w_t: float, period: float,
+def _async(sampler: RoleBench, trainer: RoleBench, max_staleness: int, w_s: float, w_t: float, period: float,
            slowdown: float) -> SharedPrediction:  # fmt: skip
     """The async prediction of a period: the pace (the longer role) sets the staleness."""
     sampler_paced = w_s > w_t
     pace = "sampler" if sampler_paced else "trainer"
     n = sampler.samples_per_batch
-    mean = mean_staleness_estimate(pace, eta, busy_slots=min(sampler.num_slots, n), group_ratio=1.0, n=n)
+    mean = mean_staleness_estimate(pace, max_staleness, busy_slots=min(sampler.num_slots, n),
+                                   group_ratio=1.0, n=n)
     return SharedPrediction(
         mode="async",
         sampler_devices=sampler.sampler_devices,
@@ -181,14 +182,15 @@ def _async(sampler: RoleBench, trainer: RoleBench, eta: int, w_s: float, w_t: fl
         tokens_per_s=trainer.tokens_per_batch / period,
         bottleneck=pace,
         mean_staleness=mean,
-        max_staleness=float(eta) if not sampler_paced else mean,
+        max_staleness=float(max_staleness) if not sampler_paced else mean,
         sampler_s=w_s,
         trainer_s=w_t,
         slowdown=slowdown,
     )
 
 
-def predict_lent_core(sampler_one: RoleBench, trainer_one: RoleBench, trainer_every: RoleBench, eta: int,
+def predict_lent_core(sampler_one: RoleBench, trainer_one: RoleBench, trainer_every: RoleBench,
+                      max_staleness: int,
                       shared: tuple[float, float] | None = None) -> SharedPrediction:  # fmt: skip
     """Async RL with the sampler pinned to one core and the learner on every core (see module doc):
     `sampler_one` and `trainer_one` are benches on one core, `trainer_every` on all of them.
@@ -197,8 +199,8 @@ def predict_lent_core(sampler_one: RoleBench, trainer_one: RoleBench, trainer_ev
     run in this layout (`runtime.calibration.corun_role`). Without it the sampler is taken as unslowed
     and the learner as keeping its one-core pace beside it: an upper bound. `slowdown` is the sampler's.
     """
-    if eta < 1:
-        raise ValueError(f"async needs eta >= 1, got {eta}")
+    if max_staleness < 1:
+        raise ValueError(f"async needs max_staleness >= 1, got {max_staleness}")
     w_s = sampler_one.sample_stream_s + sampler_one.update_s
     w_t = min(trainer_every.train_step_s, trainer_one.train_step_s)  # a learner never leaves its own core
     if shared is None:
@@ -210,10 +212,10 @@ def predict_lent_core(sampler_one: RoleBench, trainer_one: RoleBench, trainer_ev
     period = overlap_period(w_s, shared_s, w_t, shared_t)
     # The pacing role takes the whole period; the other its shared time (it runs beside it throughout).
     sampler_s, trainer_s = (shared_s, period) if shared_t >= shared_s else (period, shared_t)
-    return _async(sampler_one, trainer_every, eta, sampler_s, trainer_s, period, shared_s / w_s)
+    return _async(sampler_one, trainer_every, max_staleness, sampler_s, trainer_s, period, shared_s / w_s)
 
 
-def sweep_shared(benches: list[RoleBench], total_devices: int, eta: int) -> list[SharedPrediction]:
+def sweep_shared(benches: list[RoleBench], total_devices: int, max_staleness: int) -> list[SharedPrediction]:
     """Async predictions for every split s + t = total whose sampler count s and trainer count t were benched.
 
     The sampler figures of a split come from a bench with `sampler_devices == s`, the trainer figures from
@@ -222,7 +224,7 @@ def sweep_shared(benches: list[RoleBench], total_devices: int, eta: int) -> list
     by_s = {b.sampler_devices: b for b in benches}
     by_t = {b.trainer_devices: b for b in benches}
     out = [
-        predict_async(by_s[s], by_t[total_devices - s], eta)
+        predict_async(by_s[s], by_t[total_devices - s], max_staleness)
         for s in sorted(by_s)
         if 0 < s < total_devices and total_devices - s in by_t
     ]

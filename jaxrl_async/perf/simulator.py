@@ -63,11 +63,12 @@ class _Replica:
 class _Sim:
     """State and event handlers; `run` drives the heap until enough train steps finished."""
 
-    def __init__(self, system: System, sampler_devices: int, trainer_devices: int, eta: int, seed: int):
+    def __init__(self, system: System, sampler_devices: int, trainer_devices: int, max_staleness: int,
+                 seed: int):
         self.sys = system
         self.wl = system.workload
         self.sp = system.sampler
-        self.eta = eta
+        self.max_staleness = max_staleness
         self.trainer_devices = trainer_devices
         self.n_rep = system.replicas(sampler_devices)
         if self.n_rep < 1 or trainer_devices < 1:
@@ -108,7 +109,7 @@ class _Sim:
 
     def _admit(self) -> bool:
         """Start the next prompt if floor((started + 1 - 1) / B) <= version + η (AReaL's rule)."""
-        if self.prompts_started // self.wl.prompts_per_batch > self.version + self.eta:
+        if self.prompts_started // self.wl.prompts_per_batch > self.version + self.max_staleness:
             return False
         g = self.wl.samples_per_prompt
         ids = list(range(self.n_samples, self.n_samples + g))
@@ -127,7 +128,8 @@ class _Sim:
 
     def _share(self) -> int:
         """Slots a replica may fill: an even share of all work in sight (a least-loaded router)."""
-        admissible = max(0, (self.version + self.eta + 1) * self.wl.prompts_per_batch - self.prompts_started)
+        window = (self.version + self.max_staleness + 1) * self.wl.prompts_per_batch  # AReaL's admission
+        admissible = max(0, window - self.prompts_started)
         demand = self.n_active + len(self.pending) + admissible * self.wl.samples_per_prompt
         return min(self.sp.max_batch, max(1, -(-demand // self.n_rep)))
 
@@ -220,7 +222,7 @@ class _Sim:
                     heapq.heappush(self.heap, (rep.end, 1, r, rep.seq))
 
     def _can_admit(self) -> bool:
-        return self.prompts_started // self.wl.prompts_per_batch <= self.version + self.eta
+        return self.prompts_started // self.wl.prompts_per_batch <= self.version + self.max_staleness
 
     # -- trainer ---------------------------------------------------------------------------------------
     def _maybe_train(self, now: float):
@@ -279,8 +281,8 @@ def simulate(
     """Simulate a split (or sync RL on all devices when `sync`) and measure after `warmup` train steps."""
     if sync:
         sampler_devices = trainer_devices = system.total_devices
-    eta = 0 if sync else system.max_staleness
-    sim = _Sim(system, sampler_devices, trainer_devices, eta, seed)
+    max_staleness = 0 if sync else system.max_staleness
+    sim = _Sim(system, sampler_devices, trainer_devices, max_staleness, seed)
     sim.run(warmup + steps)
     log = sim.step_log[warmup : warmup + steps + 1]
     # Consumption rate between the starts of consecutive train steps.

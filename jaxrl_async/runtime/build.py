@@ -442,7 +442,7 @@ def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
     coordinator = Coordinator(
         prompts,
         run.schedule.prompts_per_step,
-        run.schedule.eta,
+        run.schedule.effective_max_staleness,
         transport,
         core.version,
         coordinator_state or None,

@@ -92,7 +92,7 @@ def calibrate_roles(proc, batches: int = 6) -> dict[str, Any]:
     if batches < 2:
         raise ValueError(f"batches must be >= 2, got {batches}")
     run = proc.run
-    if run.schedule.eta != 0:
+    if run.schedule.effective_max_staleness != 0:
         raise ValueError("calibrate_roles: build the roles from calibration_config(config) (config.mode="
                          f"'sync'), got config.mode={run.schedule.mode!r}")  # fmt: skip
     b = run.schedule.prompts_per_step
@@ -148,7 +148,7 @@ def calibrate_roles(proc, batches: int = 6) -> dict[str, Any]:
         "num_slots": run.sampler.num_slots,
         "steps_per_call": run.sampler.steps_per_call,
         "samples_per_batch": n,
-        "max_staleness": run.schedule.eta,
+        "max_staleness": run.schedule.effective_max_staleness,
         "tokens_per_batch": tokens,
         "completion_length_mean": float(statistics.fmean(lengths)),
         "sync_batch_groups": len(sync_groups) / batches,  # B when one batch at a time was in flight

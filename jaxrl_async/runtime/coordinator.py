@@ -41,7 +41,7 @@ class Coordinator:
     Args:
       prompts: the data iterator (a grain DatasetIterator with get_state/set_state) of `Prompt`s.
       batch_prompts: B, prompts per train batch.
-      eta: the staleness bound (0 = synchronous).
+      max_staleness: the staleness bound (0 = synchronous).
       transport: the run's transport (this role reads the "coordinator" endpoint).
       version: the trained policy version the run starts at.
       state: a `state()` snapshot to resume from.
@@ -51,16 +51,17 @@ class Coordinator:
 
     endpoint = "coordinator"
 
-    def __init__(self, prompts, batch_prompts: int, eta: int, transport, version: int = 0, state=None,
+    def __init__(self, prompts, batch_prompts: int, max_staleness: int, transport, version: int = 0,
+                 state=None,
                  lookup: Callable[[str], Any] | None = None, trained_log: str | None = None):  # fmt: skip
         self.prompts, self.transport = prompts, transport
-        self.controller = StalenessController(batch_prompts, eta)
+        self.controller = StalenessController(batch_prompts, max_staleness)
         self.version = version
         self.in_flight: dict[int, Any] = {}  # group id -> Prompt: granted, not yet trained
         self.retry: collections.deque[int] = collections.deque()  # granted again before new prompts
         self.demand: dict[int, int] = {}  # actor -> prompts it asked for and has not been granted
         self.exhausted = False
-        self.max_ahead = 0  # the most versions admission ever ran ahead of training (<= eta)
+        self.max_ahead = 0  # the most versions admission ever ran ahead of training (<= max_staleness)
         self.regranted = 0
         self.filtered = 0  # groups dynamic sampling discarded (their budget returned)
         self._log = open(trained_log, "a") if trained_log else None  # noqa: SIM115 - closed in close()

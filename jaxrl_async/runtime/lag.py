@@ -3,7 +3,7 @@
 With `config.trainer.controlled_lag = k` the learner's publisher is wrapped in `LaggedPublisher`, which
 keeps the trainer-layout weights of the last k + 1 versions and offers the oldest of them, stamped with
 its own version. In sync mode every token trained at version v >= k was then sampled by version v - k,
-exactly k stale, whatever the timing, process layout or admission; with eta > 0 staleness is k plus what
+exactly k stale, whatever the timing, process layout or admission; with η > 0 staleness is k plus what
 admission allows. Versions before the first k train on version 0's samples (staleness 0..k-1), and a
 resumed run starts its lag again from the restored version (the copies are not checkpointed). The last
 version (`final_version`) is published as it is, so the run's final evaluation is of the trained policy.

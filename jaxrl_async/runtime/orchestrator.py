@@ -134,7 +134,7 @@ def _summary(proc: Process, wall: float, cache: compile_cache.CacheUse | None) -
     actor0 = learner.final_reports.get(0)
     summary = {
         "mode": run.schedule.mode,
-        "max_staleness": run.schedule.eta,
+        "max_staleness": run.schedule.effective_max_staleness,
         "loss": run.trainer.loss,
         "processes": proc.cluster.roles.num_processes,
         "wall_s": wall,

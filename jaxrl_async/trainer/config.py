@@ -75,7 +75,7 @@ class TrainConfig:
         without resampling). Needs kl_coef == 0 (the KL term has a gradient on every sample).
       dynamic_sampling: DAPO's dynamic sampling: groups whose rewards are all equal are discarded as they
         finish and new prompts are sampled in their place until the batch holds prompts_per_step
-        informative groups. Discarded groups return their admission budget, so eta still bounds the
+        informative groups. Discarded groups return their admission budget, so max_staleness still bounds the
         staleness of every trained group. The learner applies it; the step itself is unchanged.
       dynamic_sampling_patience: batches' worth of consecutive discarded groups after which the run
         saves and stops (nothing left to learn on this data).
