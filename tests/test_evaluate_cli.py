@@ -63,5 +63,17 @@ def test_evaluate_gives_the_accuracies_the_run_logged(tmp_path):
     assert len(bands) >= 3 and sum(b["prompts"] for b in bands.values()) == 24
     assert sum(b["weight"] * b["accuracy"] for b in bands.values()) == pytest.approx(got["accuracy"])
     assert all(f"  answer {band} tokens: accuracy" in out for band in bands)
+    # The expected reward: refused for a reward that accepts many completions, naming the field; given
+    # with its standard error for letter_range's exact-match reward.
+    rc, out = _python(*evaluate, f"--config={config}", f"--checkpoint={work}", "--expected_reward")
+    assert rc != 0 and "--expected_reward: config.reward.reward='format'" in out, out[-2000:]
+    report = tmp_path / "expected.json"
+    flags = [f"--config={config}", f"--checkpoint={work}", "--config.reward.reward=letter_range", "--steps=2",
+             "--expected_reward", f"--out={report}"]  # fmt: skip
+    rc, out = _python(*evaluate, *flags)
+    assert rc == 0, out[-3000:]
+    got = json.loads(report.read_text())["2"]
+    assert 0 < got["expected_reward"] < 1 and 0 < got["expected_reward_stderr"] < got["expected_reward"]
+    assert f"version 2: held-out expected reward {got['expected_reward']:.4f} +- " in out
     rc, out = _python(*evaluate, f"--config={config}", f"--checkpoint={tmp_path / 'nowhere'}")
     assert rc != 0 and "--checkpoint" in out and "not a run of ours" in out

@@ -18,6 +18,12 @@ trained on (letter_range's training split holds 2,429 ranges: --config.eval_prom
 them). --by_length adds, per version, the accuracy in bands of the reference answer's length in
 tokens, each band's share of the weight and its number of prompts (on a long-tailed task: where the
 misses are); the JSON is then {version: {"accuracy": A, "by_length": {band: {...}}}}.
+
+--expected_reward adds, per version, the held-out expected reward (runtime/expected_reward.py): the exact
+probability that the run's sampler (its temperature and stop tokens) writes the reference answer,
+weighted as the accuracy is, with its standard error over the prompts. It resolves differences that
+greedy accuracy's 0/1 per prompt cannot; tasks with an exact-match reward only (arithmetic,
+letter_range). The JSON then holds {"accuracy", "expected_reward", "expected_reward_stderr"} per version.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ _STEPS = flags.DEFINE_list("steps", None, "Versions to evaluate (default: the ne
 _OUT = flags.DEFINE_string("out", "", "Also write the figures here as JSON.")
 _SPLIT = flags.DEFINE_enum("split", "test", ["test", "train"], "Held-out prompts, or the training split's.")
 _BY_LENGTH = flags.DEFINE_bool("by_length", False, "Also the accuracy per band of reference answer length.")
+_EXPECTED = flags.DEFINE_bool("expected_reward", False, "Also the exact held-out expected reward (sampling).")
 flags.mark_flags_as_required(["config", "checkpoint"])
 
 
@@ -57,6 +64,7 @@ def main(argv) -> None:
         grade_greedy,
         weighted_accuracy,
     )
+    from jaxrl_async.runtime.expected_reward import check_applicable, expected_reward
     from jaxrl_async.sampler import Engine
     from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
 
@@ -71,6 +79,12 @@ def main(argv) -> None:
     if find_checkpoints(_CHECKPOINT.value) is None:
         raise app.UsageError(f"--checkpoint {_CHECKPOINT.value}: not a run of ours (no model.json found)")
     tokenizer = build_tokenizer(run)
+    sampling = sampler_config(run, tokenizer)
+    if _EXPECTED.value:
+        try:
+            check_applicable(run.reward.reward, sampling.temperature, sampling.top_k, sampling.top_p)
+        except ValueError as e:
+            raise app.UsageError(f"--expected_reward: {e}") from None
     prompts = held_out_prompts(run.data, tokenizer, run.eval.prompts, _SPLIT.value)
     name = "held-out" if _SPLIT.value == "test" else "train-split"
     mesh = make_mesh((1, 1), ("data", "tensor"), jax.devices()[:1])
@@ -80,15 +94,23 @@ def main(argv) -> None:
         for step in steps:
             model_cfg, params, _, version = load_policy(_CHECKPOINT.value, mesh, SAMPLER_RULES, step)
             if engine is None:  # one engine (one compilation) for every version: they share the model
-                cfg = eval_sampler_config(sampler_config(run, tokenizer), 1, run.eval.slots)
+                cfg = eval_sampler_config(sampling, 1, run.eval.slots)
                 engine = Engine(model_cfg.compute_copy(), None, mesh, cfg)
             graded = grade_greedy(engine, rewards, tokenizer, prompts, params, version)
             accuracy = weighted_accuracy(graded)
             print(f"version {version}: {name} accuracy {accuracy:.4f} ({len(prompts)} prompts)", flush=True)
             results[version] = accuracy
+            if _BY_LENGTH.value or _EXPECTED.value:
+                results[version] = {"accuracy": accuracy}
+            if _EXPECTED.value:
+                e = expected_reward(model_cfg.compute_copy(), params, prompts, tokenizer,
+                                    sampling.stop_tokens, sampling.max_new_tokens, sampling.temperature)
+                print(f"version {version}: {name} expected reward {e.mean:.4f} +- {e.stderr:.4f} (standard "
+                      f"error, {e.prompts} prompts)", flush=True)  # fmt: skip
+                results[version].update(expected_reward=e.mean, expected_reward_stderr=e.stderr)
             if _BY_LENGTH.value:
                 bands = accuracy_by_length(graded, tokenizer)
-                results[version] = {"accuracy": accuracy, "by_length": bands}
+                results[version]["by_length"] = bands
                 for band, b in bands.items():
                     print(f"  answer {band} tokens: accuracy {b['accuracy']:.3f} (weight {b['weight']:.3f}, "
                           f"{b['prompts']} prompts)", flush=True)  # fmt: skip
