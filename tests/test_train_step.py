@@ -445,3 +445,30 @@ def test_skip_zero_advantage_drops_uninformative_groups_without_changing_the_dir
     assert prepare_batch(skip, none).num_sequences == 16
     with pytest.raises(ValueError, match="kl_coef"):
         TrainConfig(skip_zero_advantage=True, kl_coef=0.1)
+
+
+def test_the_drift_split_separates_current_tokens_from_stale_ones(params):
+    """Tokens sampled by the trainer's own version (lag 0) show the sampler/trainer mismatch alone: here
+    none (on-policy behaviour logprobs); tokens three versions old show the drift the policy made since
+    (behaviour logprobs 2 nats under the trainer's: log-ratio 2, above log(behav_cap = 5))."""
+    from jaxrl_async.runtime.learner_log import drift_values
+
+    cfg = dataclasses.replace(BASE, behav_mode="mask", behav_cap=5.0)
+    state = create_train_state(cfg, MODEL, params)
+    state = state.replace(version=state.version + 4)  # the trainer is at version 4
+    current = make_rollouts(8, seed=1, version=4)
+    stale = [dataclasses.replace(r, group_id=r.group_id + 10) for r in make_rollouts(8, seed=2, version=1)]
+    batch = prepare_batch(cfg, current + stale)
+    logp, mask = compute_logprobs(state, batch), batch.arrays["loss_mask"]
+    shift = np.where(batch.arrays["versions"] == 4, 0.0, 2.0)
+    batch.arrays["behav_logp"][...] = (logp - shift) * mask
+    _, _, m = loss_and_grads(state, batch)
+    got = drift_values({k: float(v) for k, v in m.items() if np.ndim(v) == 0})
+    n_cur = sum(len(r.completion_tokens) for r in current)
+    n_stale = sum(len(r.completion_tokens) for r in stale)
+    assert got["drift/log_ratio/lag0"] == pytest.approx(0.0, abs=1e-4)
+    assert got["drift/over_cap_frac/lag0"] == 0.0
+    assert got["drift/log_ratio/lag2_3"] == pytest.approx(2.0, abs=1e-4)
+    assert got["drift/over_cap_frac/lag2_3"] == 1.0
+    assert got["drift/token_frac/lag0"] == pytest.approx(n_cur / (n_cur + n_stale))
+    assert not [k for k in got if "lag1" in k or "lag4_7" in k or "lag8_up" in k]  # empty bands: no tag

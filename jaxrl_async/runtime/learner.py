@@ -29,6 +29,7 @@ from jaxrl_async.runtime.learner_log import (
     SavePolicy,
     StepLog,
     completion_values,
+    drift_values,
     staleness_values,
     steady_rate,
     train_values,
@@ -406,6 +407,7 @@ class Learner:
                   "trainer_idle_frac": self.trainer_idle_s}  # fmt: skip
         values = {
             **train_values(m),
+            **drift_values(m),
             "train/skipped_updates": float(np.asarray(self.core.state.skipped.addressable_shards[0].data)),
             **staleness_values(st, self.queue.dropped_groups),
             **self.filter.step_values(),

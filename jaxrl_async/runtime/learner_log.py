@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from jaxrl_async.rollouts import Rollout, uninformative
+from jaxrl_async.trainer.train_step import DRIFT_BANDS
 
 RATE_WINDOW = 10  # steps over which perf/* rates are taken (perf/*_avg: since the start)
 RATE_KEYS = ("train_tokens_per_s", "sample_tokens_per_s", "sampler_idle_frac", "trainer_idle_frac")
@@ -53,6 +54,22 @@ _TRAIN_TAGS = {
 def train_values(metrics: dict[str, float]) -> dict[str, float | None]:
     """The train step's scalars under their TensorBoard tags (None where this loss has no such metric)."""
     return {tag: metrics.get(key) for key, tag in _TRAIN_TAGS.items()}
+
+
+def drift_values(metrics: dict[str, float]) -> dict[str, float]:
+    """The drift split (docs/train.md, "Reading drift"): per lag band of the train step's tokens, the mean
+    of log(pi_theta / pi_behav) (`drift/log_ratio/<band>`), the fraction whose ratio is above the behaviour
+    cap (`drift/over_cap_frac/<band>`) and the band's share of the loss tokens (`drift/token_frac/<band>`).
+    Band lag0 is the sampler/trainer mismatch alone. A band with no tokens this step is left out."""
+    out = {}
+    total = sum(metrics.get(f"drift_{name}_count", 0.0) for name, _, _ in DRIFT_BANDS)
+    for name, _, _ in DRIFT_BANDS:
+        n = metrics.get(f"drift_{name}_count", 0.0)
+        if n > 0:
+            out[f"drift/log_ratio/{name}"] = metrics[f"drift_{name}_log_ratio_total"] / n
+            out[f"drift/over_cap_frac/{name}"] = metrics[f"drift_{name}_over_cap_count"] / n
+            out[f"drift/token_frac/{name}"] = n / total
+    return out
 
 
 def staleness_values(st: dict[str, Any], dropped_groups: int) -> dict[str, float]:

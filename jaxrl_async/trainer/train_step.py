@@ -223,6 +223,26 @@ def _model_logprobs(cfg: TrainConfig, model_cfg: ModelConfig, params, mb, remat:
     )
 
 
+# Lag bands of the drift split (name, lowest lag, highest lag): lag = trainer version - token version.
+DRIFT_BANDS = (("lag0", 0, 0), ("lag1", 1, 1), ("lag2_3", 2, 3), ("lag4_7", 4, 7), ("lag8_up", 8, 2**30))
+
+
+def drift_sums(log_ratio_BxT, staleness_BxT, mask_BxT, behav_cap: float) -> dict:
+    """Per lag band: the loss tokens (`drift_<band>_count`), the sum of log(pi_theta / pi_behav) over them
+    (`..._log_ratio_total`) and how many have pi_theta / pi_behav above the behaviour cap
+    (`..._over_cap_count`). Lag 0 tokens were sampled by the very weights that score them, so their
+    log-ratio is the sampler/trainer mismatch alone; the other bands add staleness on top. Sums, so
+    micro-batches add exactly (`combine_metrics`); `learner_log.drift_values` turns them into means."""
+    over_BxT = (log_ratio_BxT > jnp.log(behav_cap)) * mask_BxT
+    out = {}
+    for name, lo, hi in DRIFT_BANDS:
+        band_BxT = mask_BxT * (staleness_BxT >= lo) * (staleness_BxT <= hi)
+        out[f"drift_{name}_count"] = jnp.sum(band_BxT)
+        out[f"drift_{name}_log_ratio_total"] = jnp.sum(log_ratio_BxT * band_BxT)
+        out[f"drift_{name}_over_cap_count"] = jnp.sum(over_BxT * band_BxT)
+    return out
+
+
 def _micro_loss(cfg, model_cfg, mesh, params, ref_params, mb, prox_BxT, prox_version):
     """(loss_sum, (count, metrics)) of one micro-batch; gradients flow through `params` only."""
     logp, entropy = _model_logprobs(cfg, model_cfg, params, mb, cfg.remat, mesh)
@@ -257,6 +277,8 @@ def _micro_loss(cfg, model_cfg, mesh, params, ref_params, mb, prox_BxT, prox_ver
     m["staleness_max"] = jnp.max(staleness * mask).astype(jnp.float32)
     bins = jnp.minimum(staleness, cfg.staleness_bins - 1).reshape(-1)
     m["staleness_hist"] = jax.ops.segment_sum(mask.reshape(-1), bins, num_segments=cfg.staleness_bins)
+    log_ratio = (jax.lax.stop_gradient(logp) - behav) * mask
+    m.update(drift_sums(log_ratio, staleness, mask, hp["behav_cap"]))
     m["input_tokens"] = jnp.sum(seg > 0).astype(jnp.float32)
     return loss_sum, (count, m)
 
@@ -413,7 +435,8 @@ def train_step(state: TrainState, batch: PackedBatch) -> tuple[TrainState, dict]
       is_weight_mean, is_weight_max, behav_dropped_frac, entropy_mean, kl_behav_mean, [kl_ref_mean],
       staleness_mean, staleness_max, tokens, input_tokens, sequences, skipped, version) and
       staleness_hist [staleness_bins] (per-token counts of trainer version - token version, the last
-      bin holding all larger values). Fetch them after dispatching the next step to avoid a sync.
+      bin holding all larger values), and the drift split's sums per lag band (`drift_sums`). Fetch them
+      after dispatching the next step to avoid a sync.
     """
     cfg = state.cfg
     groups = batch.update_groups()
