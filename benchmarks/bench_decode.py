@@ -1,4 +1,4 @@
-"""Decode benchmark of the sampler engine (prints JSON and a table; figures go in docs/benchmarks.md).
+"""Decode benchmark of the sampler engine (prints JSON and a table; figures go in docs/history/benchmarks.md).
 
   JAX_PLATFORMS=cpu python -m benchmarks.bench_decode [--attention auto] [--linear auto] [--sections ...]
       [--paged] [--latency-out FILE] [--json-out FILE] [--quick]

@@ -19,7 +19,7 @@
 #                                                                                       (launch/run.py)
 # Time limits (seconds): 30 + 160 + 70 + 60 + 60 + 25 + 30 + 120 = 555 s, inside one device call (600 s),
 # with the rest for installing the wheels and the report. Sized from the first run on an H200 (2026-12-04,
-# docs/benchmarks.md "First run on an H200"): the decode stage measured three points in 145 s (each batch
+# docs/history/benchmarks.md "First run on an H200"): the decode stage measured three points in 145 s (each batch
 # compiles its own decode), the stages after it needed 8-33 s, and the run's version-0 evaluation alone
 # ended 40 s in. OUT/device_check.json combines the stages, the bars and the correctness checks
 # (attention against the blocked path, no non-finite step). Exits non-zero when a stage failed or timed

@@ -8,15 +8,15 @@ range's span,
 the answer's length, is exp(u^1.5 ln 53) letters for u uniform, so short ranges are common and long ones
 rare but present. The reference completions (stop token included) have median 4 and p99 50 tokens
 (tests/test_letter_range.py checks p99/median >= 4), and the policy's own keep that tail: p99/median
-7.3-8.7 in six 100-step runs (docs/benchmarks.md). Every answer letter follows from the one before and the
-stop from the prompt's last letter, so a tiny character model learns the task from a short supervised
+7.3-8.7 in six 100-step runs (docs/history/benchmarks.md). Every answer letter follows from the one before
+and the stop from the prompt's last letter, so a tiny character model learns the task from a short supervised
 warm start; RL then raised held-out accuracy from 0.30 to 0.39-0.50 in 100 steps (3 seeds, sync and
 async). Its misses are on short ranges (it runs past the stop, often the wrong way;
 `jaxrl-evaluate --by_length`). The verifier (rewards "letter_range") rebuilds the answer from the
 prompt's metadata: 1.0 for the exact answer, else 0.
 
-Two settings make the policy's own tail and the held-out figure trustworthy (docs/benchmarks.md, "Time to
-accuracy on a long-tailed task"):
+Two settings make the policy's own tail and the held-out figure trustworthy (docs/history/benchmarks.md,
+"Time to accuracy on a long-tailed task"):
 - span power 1.5, not the log-uniform 1: at 1 a policy that still overshoots the stop writes completions
   with median 16-21 tokens, p99/median 2.7-3.0, under the tail the task is for;
 - one-letter ranges are never held out: the tiny model memorizes the trained ones (0.83 right) and does
@@ -38,7 +38,7 @@ def get_config():
     c.workdir = "runs/letter_range"  # TensorBoard events, checkpoints, summary.json
     c.mode = "async"  # sampling and training overlap (benchmarks/bench_learning.py also runs "sync")
     # η: tiny_arith's. At the learning rate below async ends level with sync at 2 (+1.0 points, six
-    # seeds) and at 5 (-0.9), and 5 ends 1.9 points under 2 (docs/benchmarks.md, runs X to Z2).
+    # seeds) and at 5 (-0.9), and 5 ends 1.9 points under 2 (docs/history/benchmarks.md, runs X to Z2).
     c.max_staleness = 2
     # Half tiny_arith's 3e-4: in 100 steps sync learned as much (+0.6 points, six seeds) and async more
     # (+2.3 at η = 2; at η = 5 3e-4 left it 3.6 points under sync). Runs before Z ran at 3e-4.
@@ -50,7 +50,7 @@ def get_config():
     c.samples_per_prompt = 8  # completions per prompt (GRPO group size)
     # Naive PPO: the ratio to the behaviour policy, clipped. With one update a step, decoupled PPO's clip is
     # around pi_theta itself and never binds; at η = 2 it ended 7 points below sync, naive PPO level with
-    # it (3 seeds each, exact held-out accuracy at step 100; docs/benchmarks.md). In sync mode the two
+    # it (3 seeds each, exact held-out accuracy at step 100; docs/history/benchmarks.md). In sync mode the two
     # losses are the same (pi_behav = pi_theta).
     c.trainer.loss = "ppo"
     c.eval_every = 10  # train steps between held-out evaluations (time to accuracy is read from them)

@@ -65,12 +65,13 @@ def get_config():
     c.trainer.end_lr_ratio = 0.1
     c.trainer.clip_norm = 1.0
     # One optimizer update per batch (pi_prox = pi_theta, so the clip never binds; the default is 4):
-    # the curve in docs/benchmarks.md was measured so, and 4 adds a pi_prox forward and 3 updates a step.
+    # the curve in docs/history/benchmarks.md was measured so, and 4 adds a pi_prox forward and 3 updates a
+    # step.
     c.trainer.minibatches = 1
     c.trainer.token_budget = 32  # short rows: attention cost grows with the row length squared
     c.trainer.rows_per_micro = 128
     # Three layers: unrolled, XLA:CPU skips the layer scan's stacked residuals (the train micro-batch
-    # 0.29 -> 0.235 s on letter_range's shape; docs/benchmarks.md).
+    # 0.29 -> 0.235 s on letter_range's shape; docs/history/benchmarks.md).
     c.trainer.unroll_layers = True
 
     c.warm_start.enabled = True

@@ -1,7 +1,7 @@
 """The chaos suite's short form (benchmarks/chaos.py): a stranger attacking the hub of a real 2-process run, a
 hung (SIGSTOPped) sampler process, a hung trainer follower (3 processes), a reward worker killed while it
 grades, checkpoint writes that fail (the checkpoint manager alone, and inside a running run). Random kills
-with restarts (seven 3-process runs) is a benchmark command (docs/benchmarks.md)."""
+with restarts (seven 3-process runs) is a benchmark command (docs/history/benchmarks.md)."""
 
 import json
 import os
