@@ -16,7 +16,8 @@ README = os.path.join(REPO, "README.md")
 DOCS = os.path.join(REPO, "docs")
 # The pages whose links must resolve: what a reader follows (the lab notebook under docs/history/ keeps
 # its runs as they were written, links included).
-PAGES = [README, os.path.join(REPO, "CONTRIBUTING.md"), *sorted(glob.glob(os.path.join(DOCS, "*.md")))]
+PAGES = [README, os.path.join(REPO, "CONTRIBUTING.md"), os.path.join(REPO, "benchmarks", "README.md"),
+         *sorted(glob.glob(os.path.join(DOCS, "*.md")))]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 
 
