@@ -92,6 +92,13 @@ def test_results_are_short_and_every_table_has_its_command():
         assert commands, f"results.md '## {section.splitlines()[0]}': a table without the command beside it"
 
 
+def test_every_tag_a_run_always_writes_is_documented():
+    from jaxrl_async.runtime.metrics import SCALAR_TAGS
+
+    text = _read(os.path.join(DOCS, "configuration.md"))
+    assert [tag for tag in SCALAR_TAGS if f"`{tag}`" not in text] == []
+
+
 def _ci_first_command() -> str:
     lines = [line.strip() for line in _read(os.path.join(REPO, ".ci", "run")).splitlines()]
     return next(line for line in lines if line and not line.startswith(("#", "set ", "cd ")))

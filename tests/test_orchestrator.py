@@ -23,7 +23,7 @@ from jaxrl_async.tokenizer import CharTokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-REQUIRED_TAGS = SCALAR_TAGS  # the tags the README documents
+REQUIRED_TAGS = SCALAR_TAGS  # the tags docs/configuration.md documents (tests/test_docs.py)
 
 
 def _small(workdir, **overrides):
