@@ -119,12 +119,13 @@ def _readme_main_job() -> list[str]:
 @pytest.fixture(scope="module")
 def main_job(tmp_path_factory):
     """README's main job, verbatim, made cheap by overrides appended after it (a later flag wins): one
-    step, no warm start, a tiny evaluation; in a fresh shell's environment (no fake-device flags)."""
+    step of 8 prompts, no warm start, a tiny evaluation; in a fresh shell's environment (no fake-device
+    flags)."""
     workdir = str(tmp_path_factory.mktemp("main_job"))
     argv = _readme_main_job()
     assert argv[0] == "python"
     cheap = [f"--config.workdir={workdir}", "--config.total_steps=1", "--config.warm_start.enabled=False",
-             "--config.eval_prompts=8", "--config.eval_every=0"]  # fmt: skip
+             "--config.eval_prompts=8", "--config.eval_every=0", "--config.prompts_per_step=8"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
     res = subprocess.run([sys.executable, *argv[1:], *cheap], cwd=REPO, env=env, capture_output=True,
