@@ -14,10 +14,9 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
 DOCS = os.path.join(REPO, "docs")
-# The pages whose links must resolve: what a reader follows (the lab notebook under docs/history/ keeps
-# its runs as they were written, links included).
+# The pages whose links must resolve: every page a reader can reach, the lab notebook included.
 PAGES = [README, os.path.join(REPO, "CONTRIBUTING.md"), os.path.join(REPO, "benchmarks", "README.md"),
-         *sorted(glob.glob(os.path.join(DOCS, "*.md")))]
+         *sorted(glob.glob(os.path.join(DOCS, "**", "*.md"), recursive=True))]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 
 
