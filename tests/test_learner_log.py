@@ -84,13 +84,15 @@ def test_step_log_records_history_and_writes_one_step():
 
 def test_step_log_length_quantiles_pool_every_step():
     log = StepLog(_Writer(), text_samples=0)
-    assert log.length_quantiles() == {"completion_length_p50": None, "completion_length_p99": None}
+    assert set(log.length_quantiles().values()) == {None}
     st = {"head_values": [0], "token_values": [0]}
     for length in (2,) * 98 + (40, 50):  # one completion per step: the quantiles pool the steps
         groups = [_group(0, [1.0], length=length)]
         log.record(0, completion_values(groups), st, groups, {"time/elapsed_s": 1.0})
     q = log.length_quantiles()
     assert q["completion_length_p50"] == 2.0 and q["completion_length_p99"] == pytest.approx(40.1)
+    assert q["completion_length_mean"] == pytest.approx((2 * 98 + 40 + 50) / 100)
+    assert q["completion_length_max"] == 50.0
 
 
 def test_steady_rate_skips_the_first_fifth():

@@ -259,3 +259,30 @@ def test_corun_role_times_its_role_once_the_peer_is_ready(tmp_path, role):
         assert 0 < d["sample_stream_s"] < d["window_s"] * 100
     else:
         assert d["train_steps"] >= 1 and 0 < d["train_micro_batch_s"] <= d["window_s"]
+
+
+def test_the_overlap_ceiling_counts_the_drained_tail_on_top_of_the_overlap():
+    from jaxrl_async.perf.shared_host import overlap_ceiling
+
+    # Every core: sync samples a batch in 0.5 s and trains in 0.5 s. One core: each role twice as slow,
+    # but streaming a batch costs 0.6 s against 1.0 s drained (tau = 1/0.6).
+    every = _bench(w_s=0.3, w_t=0.5, batch_s=0.5)
+    one = _bench(w_s=0.6, w_t=1.0, batch_s=1.0)
+    c = overlap_ceiling(every, one)
+    assert c["sync_period_s"] == pytest.approx(1.0) and c["async_period_s"] == pytest.approx(1.0)
+    assert c["ceiling"] == pytest.approx(1.0) and c["f"] == pytest.approx(0.5)
+    assert c["tau"] == pytest.approx(1.0 / 0.6)
+    # A trainer that is no slower on one core: the sampler's stream paces the pinned pair.
+    c = overlap_ceiling(every, _bench(w_s=0.6, w_t=0.5, batch_s=1.0))
+    assert c["async_period_s"] == pytest.approx(0.6) and c["ceiling"] == pytest.approx(1.0 / 0.6)
+
+
+def test_bench_async_compares_each_mode_at_its_own_best_slots():
+    from benchmarks.bench_async import best_against_best
+
+    def runs(*rates):
+        return {s: {"steady_train_tokens_per_s": r} for s, r in zip((16, 64, 256), rates, strict=True)}
+
+    best = best_against_best({"sync": runs(4000.0, 3300.0, 1450.0), "async": runs(3000.0, 4000.0, 5000.0)})
+    assert best["sync"]["slots"] == 16 and best["async"]["slots"] == 256
+    assert best["async"]["over_sync_best"] == pytest.approx(1.25) and best["sync"]["over_sync_best"] == 1.0

@@ -234,3 +234,34 @@ def sweep_shared(benches: list[RoleBench], total_devices: int, max_staleness: in
             f"(sampler counts {sorted(by_s)}, trainer counts {sorted(by_t)})"
         )
     return out
+
+
+def overlap_ceiling(every: RoleBench, one: RoleBench) -> dict[str, float]:
+    """The most two pinned processes (sampler on one core, trainer on another) can gain over sync on the
+    same cores, from role benches on every core (`every`: what sync gets) and on one core (`one`).
+
+    Sync samples a batch to its last token on every core, syncs and trains: period
+    S_2 + U_2 + T_2. The pinned roles overlap: period max(A_1, T_1 + U_1), where A_1 is the sampler's
+    streaming time per batch on one core (continuous batching: no drained tail) and T_1 the train step on
+    one core. So the ceiling is (S_2 + U_2 + T_2) / max(A_1, T_1 + U_1). Its parts, printed with it:
+      tau: S_1 / A_1, a drained batch's sampling time over the streaming time per batch on the same core
+        (> 1: streaming saves the tail on top of the overlap);
+      f: S_2 / (S_2 + U_2 + T_2), the sampling share of sync's step;
+      the roles' one- and every-core speeds (batches per second), whose ratio is what the second core
+        buys each role when it has both.
+    Returns {"tau", "f", "sync_period_s", "async_period_s", "ceiling", "sampler_batches_per_s_1core",
+    "sampler_batches_per_s_every", "trainer_steps_per_s_1core", "trainer_steps_per_s_every"}.
+    """
+    sync_s = every.sample_batch_s + every.update_s + every.train_step_s
+    async_s = max(one.sample_stream_s, one.train_step_s + one.update_s)
+    return {
+        "tau": one.sample_batch_s / one.sample_stream_s,
+        "f": every.sample_batch_s / sync_s,
+        "sync_period_s": sync_s,
+        "async_period_s": async_s,
+        "ceiling": sync_s / async_s,
+        "sampler_batches_per_s_1core": 1.0 / one.sample_batch_s,
+        "sampler_batches_per_s_every": 1.0 / every.sample_batch_s,
+        "trainer_steps_per_s_1core": 1.0 / one.train_step_s,
+        "trainer_steps_per_s_every": 1.0 / every.train_step_s,
+    }

@@ -152,13 +152,15 @@ class StepLog:
         return values
 
     def length_quantiles(self) -> dict[str, float | None]:
-        """Median and 99th percentile of the length in tokens of every completion the recorded steps held
-        (the run's own completions: how long-tailed its workload was), None before any step."""
+        """Mean, median, 99th percentile and longest length in tokens of every completion the recorded
+        steps held (the run's own completions: how long-tailed its workload was), None before any step."""
+        keys = ("completion_length_mean", "completion_length_p50", "completion_length_p99",
+                "completion_length_max")  # fmt: skip
         if not self.lengths:
-            return {"completion_length_p50": None, "completion_length_p99": None}
+            return dict.fromkeys(keys)
         values = np.repeat(np.fromiter(self.lengths.keys(), int), np.fromiter(self.lengths.values(), int))
         p50, p99 = np.percentile(values, [50, 99])
-        return {"completion_length_p50": float(p50), "completion_length_p99": float(p99)}
+        return dict(zip(keys, map(float, (values.mean(), p50, p99, values.max())), strict=True))
 
     def mean(self, key: str) -> float:
         """Mean of `key` over the steps that have it (0 before any step)."""
