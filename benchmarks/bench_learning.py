@@ -70,6 +70,7 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks import learning_study as ls
+from benchmarks import time_to_target as ttt
 from jaxrl_async.cli import REPO, module_command, run_command, run_logged, spawn_logged, wait_logged
 
 # REPO: the checkout (configs/ is not part of the installed package).
@@ -83,6 +84,9 @@ _CPU_SETS = flags.DEFINE_string(
 )
 _TARGET = flags.DEFINE_float("target", None, "Target held-out accuracy (default: sync final - margin).")
 _MARGIN = flags.DEFINE_float("margin", 0.01, "Default target: sync's mean final accuracy minus this.")
+_CURVE_FRAC = flags.DEFINE_float(
+    "curve-target-frac", 0.5, "Seed-averaged time to target (benchmarks.time_to_target): the target as this "
+    "fraction of sync's averaged way from its start to its end.", lower_bound=0.01, upper_bound=0.99)
 _PREDICT = flags.DEFINE_bool("predict", True, "Time the roles alone first and predict the throughput ratio.")
 _ONE_CORE = flags.DEFINE_bool(
     "one-core", False, "Also run sync on one core (first seed): the bound on what overlap alone buys."
@@ -489,8 +493,8 @@ def main(argv):
                 s = run_one(mode, seeds[0], root, WARM_UP_STEPS, overrides, name=f"warm_up_{mode}")
                 print(f"compile cache warm-up, {mode}: {s['wall_s']:.0f} s, {run_line(s)}", flush=True)
         summaries: dict[str, dict[int, dict]] = {m: {} for m in ls.MODES}
-        for seed in seeds:  # both modes of a seed back to back: a load change hits both alike
-            for mode in ls.MODES:
+        for i, seed in enumerate(seeds):  # both modes of a seed back to back: a load change hits both alike
+            for mode in ls.MODES if i % 2 == 0 else ls.MODES[::-1]:  # neither always goes first
                 s = summaries[mode][seed] = run_one(mode, seed, root, steps, overrides)
                 print(f"{mode} seed {seed}: final accuracy {s['final_accuracy']}, {s['wall_s']:.0f} s, "
                       f"{run_line(s)}", flush=True)  # fmt: skip
@@ -530,9 +534,13 @@ def finish(
     settings = {**settings, "target": target, "margin": _MARGIN.value}
     made = [_against_its_seeds(p, rows, report, earlier) for p in predictions]
     out = {"settings": settings, "predictions": made, "rows": rows, **report, "own_targets": own}
+    if len(set(summaries["sync"]) & set(summaries["async"])) >= 2:
+        out["seed_averaged"] = ttt.study(summaries["sync"], summaries["async"], _CURVE_FRAC.value)
     print(json.dumps(out, indent=2, default=str))
     print(f"\ntarget held-out accuracy {target:.3f}\n" + ls.table(report))
     print("\n" + ls.own_target_table(own, targets))
+    if "seed_averaged" in out:
+        print("\n" + ttt.line(out["seed_averaged"]))
     for p in made:
         print_prediction(p, several=len(made) > 1 or "root" in p, earlier=earlier)
     if report.get("overlap_bound"):

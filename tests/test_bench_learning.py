@@ -111,6 +111,8 @@ def test_report_reads_kept_runs_back_without_running_anything(tmp_path):
     assert report["paired"]["0"]["speedup"] == pytest.approx(4.0) and report["paired"]["1"]["speedup"] is None
     assert report["own_targets"]["paired"]["1"]["speedup"] == pytest.approx(4.0)
     assert "target held-out accuracy 0.690" in res.stdout and "sync reached it in 2 of 2" in res.stdout
+    averaged = report["seed_averaged"]  # benchmarks.time_to_target, both seeds counted
+    assert averaged["seeds"] == [0, 1] and "seed-averaged curves (2 paired seeds)" in res.stdout
     # --seeds picks; a directory without the runs is refused, named.
     res = subprocess.run([sys.executable, *tool, f"--report={tmp_path}", "--seeds=1", f"--out={out}"],
                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
