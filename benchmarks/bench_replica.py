@@ -156,12 +156,14 @@ def _leader(cluster, engine, key, vocab: int, tmp: str, pid: int) -> None:
         for r in todo[:ARRIVALS]:  # a few prompts arrive per step, as the coordinator grants them
             loop.add_request(r)
             queued.append(as_member_request(r))
+            if members is not None:
+                members.queue(r)
         del todo[:ARRIVALS]
         if members is not None:
             command = MemberStep(members.calls, queued, False)
             out["frame_bytes"].append(sum(len(f) for f in members.channel.seal("member:1", command)))
             example = command if len(queued) == ARRIVALS else example
-            members.step(queued, False)
+            members.step(evaluate=False)
         for c in loop.step():
             out["tokens"][int(c.uid)] = c.tokens.tolist()
         out["step_s"].append(time.perf_counter() - t0)

@@ -27,7 +27,7 @@ class _InTransit:
 def test_the_actor_decodes_on_while_a_version_is_in_transit(tmp_path):
     proc = build_local(_small(tmp_path, eval_every=0, **{"mesh.sampler": (1, 1), "mesh.trainer": (1, 1)}))
     actor, coordinator, transport = proc.actor, proc.coordinator, proc.actor.transport
-    actor.weights = _InTransit(actor.weights)
+    actor.arrivals.weights = _InTransit(actor.arrivals.weights)
 
     def rounds(n):
         for _ in range(n):
@@ -45,7 +45,7 @@ def test_the_actor_decodes_on_while_a_version_is_in_transit(tmp_path):
         rounds(3)
         # Version 1 is on its way: the sampler kept decoding with version 0 and has not swapped.
         assert actor.version == 0 and actor.loop.stats.decode_steps > before and not actor.loop.idle
-        actor.weights.landed = True
+        actor.arrivals.weights.landed = True
         rounds(1)
         assert actor.version == 1 and actor.loop.engine.version == 1  # swapped in between two calls
     finally:

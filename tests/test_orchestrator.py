@@ -237,7 +237,8 @@ def test_sampler_devices_hold_two_copies_of_the_weights(tmp_path):
     proc = build_local(_small(tmp_path, eval_prompts=4))
     try:
         actor = proc.actor
-        while actor.version is None or not actor.evals:  # the first version arrives; actor 0 evaluates it
+        # the first version arrives; actor 0 evaluates it
+        while actor.version is None or not actor.eval_schedule.results:
             actor.poll()
             proc.coordinator.poll()
         gc.collect()

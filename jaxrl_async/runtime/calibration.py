@@ -97,7 +97,7 @@ def calibrate_roles(proc, batches: int = 6) -> dict[str, Any]:
                          f"'sync'), got config.mode={run.schedule.mode!r}")  # fmt: skip
     b = run.schedule.prompts_per_step
     n = b * run.schedule.samples_per_prompt
-    proc.actor.eval_prompts = []  # nothing to evaluate: this measures sampling
+    proc.actor.eval_schedule.prompts = []  # nothing to evaluate: this measures sampling
     drive = _Driver(proc)
 
     # Sync-style: one batch at a time, from empty slots to the last graded sample.
@@ -219,7 +219,7 @@ def corun_role(proc, role: str, seconds: float, meet: Rendezvous) -> dict[str, A
     if seconds <= 0:
         raise ValueError(f"co-run seconds must be > 0, got {seconds}")
     b = proc.run.schedule.prompts_per_step
-    proc.actor.eval_prompts = []
+    proc.actor.eval_schedule.prompts = []
     drive = _Driver(proc)
     drive.open(_UNLIMITED)
     more = lambda: drive.until(len(drive.groups) + 1)  # noqa: E731  one more group

@@ -79,6 +79,8 @@ class Members:
         cluster.publish(f"replica/{replica}", self.channel.address)
         self.messages = self.calls = 0
         self.reports: dict[int, MemberReport] = {}
+        self._queued: list[MemberRequest] = []  # requests queued since the members' last step
+        self.applied_at: dict[int, int] = {}  # version -> the leader's decode steps run before it
         want, deadline = set(self.pids), time.monotonic() + timeout_s
         while want:  # the hub can address a member only once it has said hello
             want -= {m.process_id for m in self.channel.recv(LEADER) if isinstance(m, Hello)}
@@ -93,9 +95,19 @@ class Members:
             self.channel.send(f"member:{p}", command)
         self.messages += len(self.pids)
 
-    def step(self, requests: list[MemberRequest], evaluate: bool) -> None:
-        self.tell(MemberStep(self.calls, requests, evaluate))
+    def queue(self, request: Request) -> None:
+        """A request the leader queued: it goes to the members with their next step."""
+        self._queued.append(as_member_request(request))
+
+    def step(self, evaluate: bool) -> None:
+        """The members run this loop step with the leader (and the evaluation's call, if `evaluate`)."""
+        self.tell(MemberStep(self.calls, self._queued, evaluate))
+        self._queued = []
         self.calls += 1
+
+    def applied(self, version: int, decode_steps: int) -> None:
+        """The leader swapped in `version` after `decode_steps` decode steps (the final report's)."""
+        self.applied_at[version] = decode_steps
 
     def explain(self, error: Exception, timeout_s: float = 3.0) -> Exception:
         """What to raise for `error`, raised while the leader ran the replica's programs: a PeerFailure
@@ -131,6 +143,12 @@ class Members:
             log.warning("replica %d: no report from member process(es) %s within %.0f s", self.replica,
                         missing, timeout_s)  # fmt: skip
         return {p: dataclasses.asdict(r) for p, r in self.reports.items()}
+
+    def report(self, tokens_generated: int, pulled_bytes: int) -> dict:
+        """The replica's part of the leader's final report: when it applied each version, the tokens it
+        decoded and the weight bytes it pulled, and each member's own report (this stops the members)."""
+        return {"applied_at": dict(self.applied_at), "tokens_generated": tokens_generated,
+                "pulled_bytes": pulled_bytes, "members": self.stop()}  # fmt: skip
 
     def close(self) -> None:
         self.channel.close()
