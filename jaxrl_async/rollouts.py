@@ -225,3 +225,35 @@ class GroupFilter:
         }
         self._kept_since = self._filtered_since = 0
         return values
+
+
+# A step whose every update is non-finite changes no weight, and its groups are sampled again; this many
+# such steps in a row end the run (saved at the last finite version): the weights or the data, not one
+# batch, make the loss NaN/inf.
+NON_FINITE_STEPS_IN_A_ROW = 3
+
+
+@dataclasses.dataclass
+class NonFiniteSteps:
+    """Train steps whose every update had a non-finite loss or gradient (skipped: no weight changed, and
+    their groups are sampled again), and whether enough came in a row to end the run.
+
+    Attributes:
+      limit: non-finite steps in a row after which `stop` is True.
+    """
+
+    limit: int = NON_FINITE_STEPS_IN_A_ROW
+    total: int = 0  # the run's non-finite steps
+    in_a_row: int = 0  # since the last step that changed the weights
+
+    def record(self, finite: bool) -> None:
+        """One finished train step: `finite` if at least one of its updates was applied."""
+        if finite:
+            self.in_a_row = 0
+        else:
+            self.total += 1
+            self.in_a_row += 1
+
+    @property
+    def stop(self) -> bool:
+        return self.in_a_row >= self.limit

@@ -1,11 +1,22 @@
-"""The learner's bookkeeping, unit by unit: the group filter (dynamic sampling), the save policy and the
-step log's rates. Each is pure, so these run without a model or a run."""
+"""The learner's bookkeeping, unit by unit: the group filter (dynamic sampling), the non-finite step count,
+the save policy, the step log's rates, the trainer's clock and the actors' reports. Each is pure, so these
+run without a model or a run."""
+
+import time
+import types
 
 import numpy as np
 import pytest
 
-from jaxrl_async.rollouts import GroupFilter, Rollout, uninformative
-from jaxrl_async.runtime.learner_log import SavePolicy, StepLog, completion_values, steady_rate
+from jaxrl_async.rollouts import GroupFilter, NonFiniteSteps, Rollout, uninformative
+from jaxrl_async.runtime.learner_log import (
+    ActorReports,
+    SavePolicy,
+    StepClock,
+    StepLog,
+    completion_values,
+    steady_rate,
+)
 
 
 def _group(gid: int, rewards, length: int = 3) -> list[Rollout]:
@@ -116,3 +127,48 @@ def test_sampler_idle_fraction_is_taken_on_the_samplers_clock():
         out = log.rates(e, {**dict.fromkeys(keys, 1.0), "sampler_idle_frac": i, "sampler_wall_s": w})
     assert out["perf/sampler_idle_frac"] == out["perf/sampler_idle_frac_avg"] == pytest.approx(40 / 48)
     assert "perf/sampler_wall_s" not in out
+
+
+def test_non_finite_steps_count_in_a_row_and_stop_at_the_limit():
+    n = NonFiniteSteps(limit=2)
+    n.record(finite=False)
+    assert (n.total, n.in_a_row, n.stop) == (1, 1, False)
+    n.record(finite=True)  # a step that changed the weights starts the count again
+    assert (n.total, n.in_a_row) == (1, 0)
+    n.record(finite=False)
+    n.record(finite=False)
+    assert (n.total, n.in_a_row, n.stop) == (3, 2, True)
+
+
+def test_step_clock_counts_idle_time_only_between_steps():
+    clock = StepClock()
+    time.sleep(0.02)
+    started = clock.dispatch()  # idle from the start to the first dispatch
+    idle = clock.idle_s
+    assert 0.02 <= idle <= started - clock.started + 1e-9
+    time.sleep(0.02)  # a step in flight is not idle
+    clock.trained(1)
+    clock.idle()
+    assert clock.idle_s == idle
+    (version, dispatched, finished), = clock.spans
+    assert version == 1 and finished - dispatched >= 0.02
+    time.sleep(0.01)
+    clock.dispatch()
+    assert clock.idle_s >= idle + 0.01
+
+
+def test_actor_reports_track_drained_actors_and_final_reports():
+    def stats(drained, tokens):
+        return types.SimpleNamespace(drained=drained, sample_tokens=tokens)
+
+    r = ActorReports(actors=2)
+    r.update(0, stats(True, 5))
+    assert not r.all_drained
+    r.update(1, stats(True, 7))
+    assert r.all_drained and r.total("sample_tokens") == 12.0
+    r.work_coming()  # groups went back to the coordinator: both will sample again
+    assert not r.all_drained
+    r.update(0, stats(False, 9), final=True)
+    assert not r.all_stopped and r.total("sample_tokens") == 16.0
+    r.update(1, stats(True, 7), final=True)
+    assert r.all_stopped and set(r.final) == {0, 1}

@@ -22,11 +22,13 @@ import jax
 import numpy as np
 
 from jaxrl_async.model import attention
-from jaxrl_async.rollouts import GroupFilter, Rollout, RolloutQueue, staleness_stats
+from jaxrl_async.rollouts import GroupFilter, NonFiniteSteps, Rollout, RolloutQueue, staleness_stats
 from jaxrl_async.run_config import CheckpointSection, LogSection, Schedule
 from jaxrl_async.runtime.learner_log import (
     SUMMARY_KEYS,
+    ActorReports,
     SavePolicy,
+    StepClock,
     StepLog,
     completion_values,
     drift_values,
@@ -35,7 +37,6 @@ from jaxrl_async.runtime.learner_log import (
     train_values,
 )
 from jaxrl_async.runtime.messages import (
-    ActorStats,
     EvalResult,
     Preempt,
     Rollouts,
@@ -49,10 +50,6 @@ from jaxrl_async.runtime.metrics import MetricsWriter, summary_line
 from jaxrl_async.trainer import prepare_batch, train_step
 
 log = logging.getLogger(__name__)
-# A step whose every update is non-finite changes no weight, and its groups are sampled again; this many
-# such steps in a row end the run (saved at the last finite version): the weights or the data, not one
-# batch, make the loss NaN/inf.
-NON_FINITE_STEPS_IN_A_ROW = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,16 +146,11 @@ class Learner:
         self.coordinator_state = coordinator_state
         self.queue = RolloutQueue(cfg.schedule.samples_per_prompt, cfg.schedule.max_head_staleness)
         self.version = core.version
-        self.start_version = self.version
         self.inflight: _InFlight | None = None
-        self.actor_stats: dict[int, ActorStats] = {}  # the latest of each actor
-        self._drained: set[int] = set()  # actors whose last report said they had nothing left to do
-        self.final_reports: dict[int, ActorStats] = {}  # actor -> its Stopped report
+        self.reports = ActorReports(cfg.actors)
         self.evals: list[tuple[int, float, float]] = []  # (version, accuracy, elapsed)
         self.checksums: dict[int, float] = {}
         self.eval_s = 0.0
-        self.trainer_idle_s = 0.0
-        self.step_spans: list[tuple[int, float, float]] = []  # (version, dispatched, finished), monotonic
         self.trained_tokens = 0
         self.log = StepLog(writer, cfg.log.text_samples)
         self.done = False
@@ -169,14 +161,11 @@ class Learner:
         self.filter = GroupFilter(cfg.dynamic_sampling, patience)
         self.groups_received = 0  # for the stall warning: where groups stop
         self.no_signal = False
-        self.non_finite_steps = 0  # steps whose every update was skipped as non-finite
-        self.non_finite_in_a_row = 0
+        self.non_finite = NonFiniteSteps()
         self.save_policy = SavePolicy(cfg.checkpoint.every, cfg.checkpoint.minutes, cfg.schedule.total_steps,
                                       saved_at=time.monotonic())  # fmt: skip
         self._stop_sent = False
-        self.t_start = time.perf_counter()
-        self._t_start_mono = time.monotonic()  # the clock of step_spans
-        self._idle_since = self.t_start
+        self.clock = StepClock()
         self._publish()
 
     # ----- the event loop -----
@@ -187,12 +176,11 @@ class Learner:
             progress = True
             if isinstance(m, Rollouts):
                 self._take_groups(m.groups)
-                self._actor_report(m.actor, m.stats)
+                self.reports.update(m.actor, m.stats)
             elif isinstance(m, EvalResult):
                 self._record_eval(m)
             elif isinstance(m, Stopped):
-                self.final_reports[m.actor] = m.stats
-                self._actor_report(m.actor, m.stats)
+                self.reports.update(m.actor, m.stats, final=True)
             elif isinstance(m, Preempt):
                 self.preempt(f"process {m.process_id} got {m.signal}")
             else:
@@ -202,13 +190,13 @@ class Learner:
             progress = True
         busy = self.inflight is not None
         more = self.version < self.cfg.schedule.total_steps
-        if not busy and not (self.preempting or self.no_signal or self.non_finite_stop) and more:
+        if not busy and not (self.preempting or self.no_signal or self.non_finite.stop) and more:
             groups = self.queue.pop_batch(self.cfg.schedule.prompts_per_step, self.version)
             self._report_drops()
             if groups is not None:
                 self._dispatch(groups)
                 progress = True
-            elif self._all_drained():
+            elif self.reports.all_drained:
                 log.warning("data exhausted after %d steps", self.version)
                 self.data_exhausted = True
         self._maybe_stop()
@@ -220,13 +208,6 @@ class Learner:
             log.warning("%s: saving after the step in flight, then stopping", why)
         self.preempting = True
 
-    def _actor_report(self, actor: int, stats: ActorStats) -> None:
-        self.actor_stats[actor] = stats
-        if stats.drained:
-            self._drained.add(actor)
-        else:
-            self._drained.discard(actor)
-
     def _take_groups(self, groups: list[list[Rollout]]) -> None:
         """Queues finished groups; with dynamic sampling, uninformative ones are discarded and reported to
         the coordinator (which returns their budget and admits new prompts in their place)."""
@@ -237,7 +218,7 @@ class Learner:
         if not filtered:
             return
         self.transport.send("coordinator", Trained(self.version, [], filtered=filtered))
-        self._drained.clear()  # new work is coming
+        self.reports.work_coming()
         if self.filter.exhausted and not self.no_signal:
             log.error(
                 "dynamic sampling: the last %d groups all had equal rewards (trainer.dynamic_sampling_"
@@ -251,22 +232,17 @@ class Learner:
         if self.queue.dropped_ids:
             self.transport.send("coordinator", Trained(self.version, [], self.queue.dropped_ids))
             self.queue.dropped_ids = []
-            self._drained.clear()  # new work is coming
+            self.reports.work_coming()
 
     def _eval_of(self, version: int) -> float | None:
         return next((a for v, a, _ in reversed(self.evals) if v == version), None)
 
-    def _all_drained(self) -> bool:
-        return len(self._drained) == self.cfg.actors
-
     def _dispatch(self, groups) -> None:
-        now = time.perf_counter()
-        self.trainer_idle_s += now - self._idle_since
+        now = self.clock.dispatch()
         for f in self.cfg.followers:
             self.transport.send(f, TrainBatch(self.version + 1, groups))
         metrics, skipped = self.core.dispatch(groups)
         self.inflight = _InFlight(groups, metrics, skipped, now)
-        self._dispatched_at = time.monotonic()
 
     def _finish(self) -> None:
         step, self.inflight = self.inflight, None
@@ -274,15 +250,15 @@ class Learner:
                    if np.ndim(v) == 0}  # fmt: skip
         step_s = time.perf_counter() - step.started
         version = self.core.version
+        self.non_finite.record(finite=version != self.version)
         if version == self.version:  # every update was skipped (non-finite): nothing new to publish
-            self._idle_since = time.perf_counter()
+            self.clock.idle()
             self._non_finite(step.groups, metrics)
             return
-        self.non_finite_in_a_row = 0
         self.version = version
-        self.step_spans.append((version, self._dispatched_at, time.monotonic()))
+        self.clock.trained(version)
         sync = self._publish()
-        self._idle_since = time.perf_counter()
+        self.clock.idle()
         rollouts = [r for g in step.groups for r in g]
         self.trained_tokens += sum(len(r.prompt_tokens) + len(r.completion_tokens) for r in rollouts)
         self.transport.send("coordinator", Trained(version, [g[0].group_id for g in step.groups]))
@@ -299,27 +275,20 @@ class Learner:
         admission budget they hold; the version, on which admission waits, did not move), and enough such
         steps in a row stop the run. The warning gives the step's loss and gradient norm: a finite loss
         with a non-finite gradient points at a backward pass, not at the data."""
-        self.non_finite_steps += 1
-        self.non_finite_in_a_row += 1
         self.transport.send("coordinator", Trained(self.version, [], dropped=[g[0].group_id for g in groups]))
         log.warning(
             "version %d: every update of the step on %d groups had a non-finite loss or gradient and was "
             "skipped (loss %s, gradient norm %s); the groups are sampled again (%d such steps in a row, %d "
             "stop the run)",
             self.version, len(groups), metrics.get("loss"), metrics.get("grad_norm"),
-            self.non_finite_in_a_row, NON_FINITE_STEPS_IN_A_ROW,
+            self.non_finite.in_a_row, self.non_finite.limit,
         )  # fmt: skip
-        if self.non_finite_stop:
+        if self.non_finite.stop:
             log.error(
                 "%d train steps in a row were non-finite: stopping at version %d (its weights are the last "
                 "finite ones and are saved); lower config.trainer.lr or check the data and rewards",
-                self.non_finite_in_a_row, self.version,
+                self.non_finite.in_a_row, self.version,
             )  # fmt: skip
-
-    @property
-    def non_finite_stop(self) -> bool:
-        """Enough non-finite steps in a row to end the run."""
-        return self.non_finite_in_a_row >= NON_FINITE_STEPS_IN_A_ROW
 
     def _publish(self) -> float:
         message = self.core.publish()
@@ -355,7 +324,7 @@ class Learner:
         log.info("version %d: held-out accuracy %.3f", m.version, m.accuracy)
 
     def _maybe_stop(self) -> None:
-        quit_now = self.data_exhausted or self.preempting or self.no_signal or self.non_finite_stop
+        quit_now = self.data_exhausted or self.preempting or self.no_signal or self.non_finite.stop
         finished = self.version >= self.cfg.schedule.total_steps or quit_now
         last_eval = self.evals and self.evals[-1][0] >= self.version
         if finished and self.inflight is None and not self._stop_sent and (last_eval or quit_now):
@@ -372,7 +341,7 @@ class Learner:
             for f in self.cfg.followers:
                 self.transport.send(f, Stop())
             self._stop_sent = True
-        if self._stop_sent and len(self.final_reports) == self.cfg.actors:
+        if self._stop_sent and self.reports.all_stopped:
             self.done = True
 
     def describe(self) -> str:
@@ -385,26 +354,28 @@ class Learner:
 
     def elapsed(self) -> float:
         """Seconds since the start (evaluations run beside training, so their time counts)."""
-        return time.perf_counter() - self.t_start
+        return self.clock.elapsed()
+
+    @property
+    def step_spans(self) -> list[tuple[int, float, float]]:
+        """(version, dispatched, finished) of each train step, time.monotonic."""
+        return self.clock.spans
 
     # ----- logging -----
-
-    def _actor_sum(self, key: str) -> float:
-        return float(sum(getattr(s, key) for s in self.actor_stats.values()))
 
     def _log_step(self, groups, m: dict, step_s: float, sync_s: float) -> dict[str, float]:
         st = staleness_stats(groups, self.version - 1)  # against the policy the batch was trained from
         elapsed = max(self.elapsed(), 1e-9)
-        n_actors = max(len(self.actor_stats), 1)
+        n_actors = max(len(self.reports.latest), 1)
         # Summed over the actors, idle seconds and the seconds of their own clocks at their last reports:
         # a report carries idle time from before the learner's window, so the learner's seconds are not
         # its denominator; per actor idle grows no faster than its clock, so the fraction stays <= 1
         # (an actor that had not reported yet counts from zero on both).
-        sampler_idle_s, sampler_wall_s = self._actor_sum("idle_s"), self._actor_sum("wall_s")
+        sampler_idle_s, sampler_wall_s = self.reports.total("idle_s"), self.reports.total("wall_s")
         totals = {"train_tokens_per_s": float(self.trained_tokens),
-                  "sample_tokens_per_s": self._actor_sum("sample_tokens"),
+                  "sample_tokens_per_s": self.reports.total("sample_tokens"),
                   "sampler_idle_frac": sampler_idle_s, "sampler_wall_s": sampler_wall_s,
-                  "trainer_idle_frac": self.trainer_idle_s}  # fmt: skip
+                  "trainer_idle_frac": self.clock.idle_s}  # fmt: skip
         values = {
             **train_values(m),
             **drift_values(m),
@@ -413,14 +384,14 @@ class Learner:
             **self.filter.step_values(),
             **completion_values(groups),
             **self.log.rates(elapsed, totals),
-            "perf/slot_occupancy": self._actor_sum("occupancy") / n_actors,
+            "perf/slot_occupancy": self.reports.total("occupancy") / n_actors,
             "perf/weight_sync_s": sync_s,
             "perf/train_step_s": step_s,
-            "rewards/errors": self._actor_sum("reward_errors"),
+            "rewards/errors": self.reports.total("reward_errors"),
             "perf/rejected_messages": float(self.transport.rejected),  # frames dropped by the hub
         }
         times = {"time/elapsed_s": elapsed, "time/trained_tokens": float(self.trained_tokens),
-                 "time/trainer_idle_s": self.trainer_idle_s,
+                 "time/trainer_idle_s": self.clock.idle_s,
                  "time/sampler_idle_s": sampler_idle_s, "time/sampler_wall_s": sampler_wall_s}  # fmt: skip
         return self.log.record(self.version, values, st, groups, times)
 
@@ -429,21 +400,22 @@ class Learner:
         hist, mean = self.log.history, self.log.mean
         train_wall = max(self.elapsed(), 1e-9)
         # When each version's weights existed: the end of its train step (version 0: the start).
-        trained = {0: 0.0, **{v: end - self._t_start_mono for v, _, end in self.step_spans}}
+        start = self.clock.started_mono
+        trained = {0: 0.0, **{v: end - start for v, _, end in self.step_spans}}
         return {
             "steps": self.version,
             # seconds to the end of this run's first train step: start-up (compiling, the first evaluation,
             # the first batch) and one step
-            "first_step_s": self.step_spans[0][2] - self._t_start_mono if self.step_spans else None,
+            "first_step_s": self.step_spans[0][2] - start if self.step_spans else None,
             "eval_s": self.eval_s,
             "step_spans": list(self.step_spans),
             "train_tokens_per_s": self.trained_tokens / train_wall,
             "steady_train_tokens_per_s": steady_rate(hist),
             "steady_sampler_idle_frac": steady_rate(hist, "time/sampler_idle_s", "time/sampler_wall_s"),
             "steady_trainer_idle_frac": steady_rate(hist, "time/trainer_idle_s"),
-            "sample_tokens_per_s": self._actor_sum("sample_tokens") / train_wall,
-            "sampler_idle_frac": self._actor_sum("idle_s") / max(self._actor_sum("wall_s"), 1e-9),
-            "trainer_idle_frac": self.trainer_idle_s / train_wall,
+            "sample_tokens_per_s": self.reports.total("sample_tokens") / train_wall,
+            "sampler_idle_frac": self.reports.total("idle_s") / max(self.reports.total("wall_s"), 1e-9),
+            "trainer_idle_frac": self.clock.idle_s / train_wall,
             "staleness_mean": mean("staleness/mean"),
             "staleness_max": max((h.get("staleness/max", 0) for h in hist), default=0),
             "token_staleness_mean": mean("staleness/token_mean"),
@@ -458,15 +430,15 @@ class Learner:
             "dropped_groups": self.queue.dropped_groups,
             "filtered_groups": self.filter.filtered_total,
             "stopped_no_signal": self.no_signal,
-            "non_finite_steps": self.non_finite_steps,
-            "stopped_non_finite": self.non_finite_stop,
+            "non_finite_steps": self.non_finite.total,
+            "stopped_non_finite": self.non_finite.stop,
             "dropped_lengths": self.queue.dropped_lengths,
             "evals": [{"step": s, "accuracy": a, "elapsed_s": e, "trained_s": trained.get(s)}
                       for s, a, e in self.evals],  # fmt: skip
             "final_accuracy": self.evals[-1][1] if self.evals else None,
             "initial_accuracy": self.evals[0][1] if self.evals else None,
             "weight_checksums": {"learner": self.checksums,
-                                 "actors": {i: s.checksums for i, s in self.actor_stats.items()}},
+                                 "actors": {i: s.checksums for i, s in self.reports.latest.items()}},
         }  # fmt: skip
 
 

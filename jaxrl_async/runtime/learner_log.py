@@ -1,11 +1,13 @@
 """What the learner reports and when it saves: per-step TensorBoard values and rates (`StepLog`), the
-checkpoint cadence (`SavePolicy`) and the run summary's steady rates. Pure bookkeeping: nothing here
-touches the device, the transport or another role, so each piece is unit-tested on its own."""
+trainer's clocks (`StepClock`), the actors' reports (`ActorReports`), the checkpoint cadence
+(`SavePolicy`) and the run summary's steady rates. Pure bookkeeping: nothing here touches the device, the
+transport or another role, so each piece is unit-tested on its own."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from typing import Any
 
 import numpy as np
@@ -203,3 +205,75 @@ class SavePolicy:
         by_steps = bool(self.every and version % self.every == 0)
         by_time = bool(self.minutes and now - self.saved_at > 60 * self.minutes)
         return version < self.total_steps and (by_steps or by_time)
+
+
+class StepClock:
+    """The learner's clocks: seconds since the start, the trainer's idle seconds (no train step in flight)
+    and each train step's span, (version, dispatched, finished) in time.monotonic (the summary's
+    `step_spans`, which evaluations' spans are set against)."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.started_mono = time.monotonic()  # the clock of `spans`
+        self.idle_s = 0.0
+        self.spans: list[tuple[int, float, float]] = []
+        self._idle_since = self.started
+        self._dispatched = self.started_mono
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def dispatch(self) -> float:
+        """A train step starts: the trainer's idle time ends. Returns time.perf_counter() (its start)."""
+        now = time.perf_counter()
+        self.idle_s += now - self._idle_since
+        self._dispatched = time.monotonic()
+        return now
+
+    def trained(self, version: int) -> None:
+        """The step that made `version` finished (its span ends now)."""
+        self.spans.append((version, self._dispatched, time.monotonic()))
+
+    def idle(self) -> None:
+        """The trainer has nothing in flight from now."""
+        self._idle_since = time.perf_counter()
+
+
+class ActorReports:
+    """What the actors reported: each one's latest `ActorStats`, which of them have drained (their last
+    report said they had nothing left to do), and their final (`Stopped`) reports.
+
+    Args:
+      actors: how many actors the run has.
+    """
+
+    def __init__(self, actors: int):
+        self.actors = actors
+        self.latest: dict[int, Any] = {}  # actor -> its latest ActorStats
+        self.final: dict[int, Any] = {}  # actor -> its Stopped report
+        self._drained: set[int] = set()
+
+    def update(self, actor: int, stats, final: bool = False) -> None:
+        if final:
+            self.final[actor] = stats
+        self.latest[actor] = stats
+        if stats.drained:
+            self._drained.add(actor)
+        else:
+            self._drained.discard(actor)
+
+    def work_coming(self) -> None:
+        """Groups went back to the coordinator (filtered or dropped): the actors will have work again."""
+        self._drained.clear()
+
+    @property
+    def all_drained(self) -> bool:
+        return len(self._drained) == self.actors
+
+    @property
+    def all_stopped(self) -> bool:
+        return len(self.final) == self.actors
+
+    def total(self, key: str) -> float:
+        """`key` of the latest reports, summed over the actors."""
+        return float(sum(getattr(s, key) for s in self.latest.values()))

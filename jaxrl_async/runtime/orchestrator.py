@@ -131,7 +131,7 @@ def run_from_config(config, cluster: Cluster | None = None) -> dict[str, Any] | 
 
 def _summary(proc: Process, wall: float, cache: compile_cache.CacheUse | None) -> dict[str, Any]:
     run, learner = proc.run, proc.learner
-    actor0 = learner.final_reports.get(0)
+    actor0 = learner.reports.final.get(0)
     summary = {
         "mode": run.schedule.mode,
         "max_staleness": run.schedule.effective_max_staleness,
@@ -144,14 +144,14 @@ def _summary(proc: Process, wall: float, cache: compile_cache.CacheUse | None) -
         # this process's compiles (the learner lead's): how many the persistent cache answered
         "compile_cache": cache and cache.report(),
         # each sampler process's own executables (processes other than 0, which JAX writes nothing for)
-        "sampler_executables": {f"actor:{i}": s.executables for i, s in learner.final_reports.items()
+        "sampler_executables": {f"actor:{i}": s.executables for i, s in learner.reports.final.items()
                                 if s.executables},  # fmt: skip
         "reward_stats": actor0 and actor0.reward_stats,
         "eval_spans": actor0 and actor0.eval_spans,
         "sample_calls_during_eval": actor0 and actor0.sample_calls_during_eval,
         "trainer_during_eval": trainer_idle_during(actor0 and actor0.eval_spans, learner.step_spans),
         # replicas that span processes: when each member applied each version, the tokens it decoded
-        "replicas": {f"actor:{i}": s.replica for i, s in learner.final_reports.items() if s.replica},
+        "replicas": {f"actor:{i}": s.replica for i, s in learner.reports.final.items() if s.replica},
     }
     with open(os.path.join(run.workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=str)
