@@ -19,7 +19,9 @@ from jaxrl_async.trainer.warmstart import WarmStartConfig
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.workdir = ""  # Where TensorBoard events (workdir/tb), checkpoints and the run log go. Required.
-    c.seed = 0  # Seeds parameter init, data order and sampling.
+    # Seeds parameter init (without a checkpoint) and each prompt's sampling stream; the data's order and
+    # synthetic problems are config.data.seed's.
+    c.seed = 0
     c.mode = (
         "async"  # "async": sampler and trainer overlap, η = max_staleness; "sync": the baseline (η 0).
     )

@@ -252,7 +252,7 @@ class EvalSection:
     every: int  # versions between evaluations; 0 = only the first and the last
     prompts: int
     slots: int
-    weights: str = "own"
+    weights: str  # "own" | "shared" (configs/base.py says what each costs)
 
     def __post_init__(self):
         _int_at_least("eval_every", self.every, 0)
@@ -275,11 +275,11 @@ class EvalSection:
 @dataclasses.dataclass(frozen=True)
 class CheckpointSection:
     """When the trainer saves and what it keeps (config.checkpoint_every, checkpoint_minutes,
-    checkpoint_keep); a run always saves its last version."""
+    checkpoint_keep); a run always saves its last version. The defaults are configs/base.py's."""
 
     every: int  # train steps between saves; 0 = by time only
-    minutes: float = 0.0  # also save when this many minutes passed since the last; 0 = off
-    keep: int = 3  # newest checkpoints kept (plus the best by held-out accuracy)
+    minutes: float  # also save when this many minutes passed since the last; 0 = off
+    keep: int  # newest checkpoints kept (plus the best by held-out accuracy)
 
     def __post_init__(self):
         _int_at_least("checkpoint_every", self.every, 0)
@@ -293,7 +293,7 @@ class LogSection:
     """What the learner lead writes (config.log_every, text_samples)."""
 
     every: int  # train steps between TensorBoard writes and summary lines
-    text_samples: int = 4  # completions written as TensorBoard text at each log step
+    text_samples: int  # completions written as TensorBoard text at each log step
 
     def __post_init__(self):
         _int_at_least("log_every", self.every, 1)
@@ -346,20 +346,31 @@ def component_sections(c: dict[str, Any]) -> dict[str, Any]:
     return {**sections, **memory_sections(c)}
 
 
+def _given(c: dict[str, Any], key: str):
+    """config.<key>. Every run-level knob has its one default in configs/base.py (no fallback here that
+    could disagree with it): a config that lacks one did not start from it."""
+    if key not in c:
+        raise ConfigError(f"config.{key}: missing; configs/base.py declares it with its default (start from "
+                          "its get_config())")  # fmt: skip
+    return c[key]
+
+
 def run_sections(c: dict[str, Any]) -> dict[str, Any]:
     """The run-level sections of a config (its `to_dict()`), each validated on its own."""
-    head = c.get("max_head_staleness")
+    head = _given(c, "max_head_staleness")
     return {
         "schedule": Schedule(
-            mode=c["mode"], total_steps=c["total_steps"], prompts_per_step=c["prompts_per_step"],
-            samples_per_prompt=c["samples_per_prompt"], max_staleness=c["max_staleness"],
+            mode=_given(c, "mode"), total_steps=_given(c, "total_steps"),
+            prompts_per_step=_given(c, "prompts_per_step"),
+            samples_per_prompt=_given(c, "samples_per_prompt"), max_staleness=_given(c, "max_staleness"),
             max_head_staleness=None if head is None or head < 0 else head,  # negative = off
         ),
-        "eval": EvalSection(every=c["eval_every"], prompts=c["eval_prompts"], slots=c["eval_slots"],
-                            weights=c.get("eval_weights", "own")),
-        "log": LogSection(every=c["log_every"], text_samples=c["text_samples"]),
-        "checkpoint": CheckpointSection(every=c["checkpoint_every"], minutes=c.get("checkpoint_minutes", 0.0),
-                                        keep=c.get("checkpoint_keep", 3)),
+        "eval": EvalSection(every=_given(c, "eval_every"), prompts=_given(c, "eval_prompts"),
+                            slots=_given(c, "eval_slots"), weights=_given(c, "eval_weights")),
+        "log": LogSection(every=_given(c, "log_every"), text_samples=_given(c, "text_samples")),
+        "checkpoint": CheckpointSection(every=_given(c, "checkpoint_every"),
+                                        minutes=_given(c, "checkpoint_minutes"),
+                                        keep=_given(c, "checkpoint_keep")),
     }  # fmt: skip
 
 
@@ -493,14 +504,14 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         raise ConfigError("config.workdir: required (e.g. --config.workdir=runs/my_run)")
     run = RunConfig(
         workdir=c["workdir"],
-        seed=int(c["seed"]),
+        seed=int(_given(c, "seed")),
         **run_sections(c),
-        model=_section("model", ModelSection, dict(c["model"])),
-        tokenizer=c["tokenizer"],
-        mesh=_section("mesh", MeshConfig, dict(c["mesh"])),
-        verify_weights=bool(c.get("verify_weights", False)),
-        length_caps=c.get("length_caps", ""),
-        compile_cache_dir=_compile_cache_dir(c.get("compile_cache_dir", "")),
+        model=_section("model", ModelSection, dict(_given(c, "model"))),
+        tokenizer=_given(c, "tokenizer"),
+        mesh=_section("mesh", MeshConfig, dict(_given(c, "mesh"))),
+        verify_weights=bool(_given(c, "verify_weights")),
+        length_caps=_given(c, "length_caps"),
+        compile_cache_dir=_compile_cache_dir(_given(c, "compile_cache_dir")),
         **component_sections(c),
     )
     for check in CROSS_CHECKS:

@@ -28,14 +28,14 @@ def _schedule(**kw):
         (lambda: _schedule(samples_per_prompt=True), "config.samples_per_prompt"),
         (lambda: _schedule(max_staleness=0), "config.max_staleness: async mode"),
         (lambda: _schedule(max_head_staleness=-2), "config.max_head_staleness"),
-        (lambda: EvalSection(every=-1, prompts=8, slots=8), "config.eval_every"),
-        (lambda: EvalSection(every=2, prompts=0, slots=8), "config.eval_prompts"),
-        (lambda: EvalSection(every=2, prompts=8, slots=0), "config.eval_slots"),
+        (lambda: EvalSection(every=-1, prompts=8, slots=8, weights="own"), "config.eval_every"),
+        (lambda: EvalSection(every=2, prompts=0, slots=8, weights="own"), "config.eval_prompts"),
+        (lambda: EvalSection(every=2, prompts=8, slots=0, weights="own"), "config.eval_slots"),
         (lambda: EvalSection(every=2, prompts=8, slots=8, weights="copy"), "config.eval_weights"),
-        (lambda: CheckpointSection(every=-1), "config.checkpoint_every"),
-        (lambda: CheckpointSection(every=1, minutes=-0.5), "config.checkpoint_minutes"),
-        (lambda: CheckpointSection(every=1, keep=0), "config.checkpoint_keep"),
-        (lambda: LogSection(every=0), "config.log_every"),
+        (lambda: CheckpointSection(every=-1, minutes=0.0, keep=3), "config.checkpoint_every"),
+        (lambda: CheckpointSection(every=1, minutes=-0.5, keep=3), "config.checkpoint_minutes"),
+        (lambda: CheckpointSection(every=1, minutes=0.0, keep=0), "config.checkpoint_keep"),
+        (lambda: LogSection(every=0, text_samples=4), "config.log_every"),
         (lambda: LogSection(every=1, text_samples=-1), "config.text_samples"),
         (lambda: MeshConfig(weight_transport="shm"), "config.mesh.weight_transport: 'auto' or 'transfer'"),
     ],
@@ -48,9 +48,10 @@ def test_each_section_names_the_flat_key_it_refuses(build, key):
 def test_sync_mode_admits_nothing_ahead_and_the_eval_schedule_is_one_predicate():
     assert _schedule(mode="sync", max_staleness=4).effective_max_staleness == 0
     assert _schedule(max_staleness=3).effective_max_staleness == 3
-    ev = EvalSection(every=3, prompts=8, slots=8)
+    ev = EvalSection(every=3, prompts=8, slots=8, weights="own")
     assert [v for v in range(11) if ev.due(v, last=10)] == [0, 3, 6, 9, 10]
-    assert [v for v in range(6) if EvalSection(every=0, prompts=8, slots=8).due(v, last=5)] == [5]
+    at_the_end = EvalSection(every=0, prompts=8, slots=8, weights="own")
+    assert [v for v in range(6) if at_the_end.due(v, last=5)] == [5]
     assert EvalSection(1, 8, 8, "shared").shares_weights and not ev.shares_weights
 
 

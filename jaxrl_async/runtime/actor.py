@@ -21,9 +21,9 @@ import logging
 import time
 from collections.abc import Callable
 
-from jaxrl_async.rewards import RewardConfig
-from jaxrl_async.run_config import EvalSection, Schedule
+from jaxrl_async.run_config import RunConfig
 from jaxrl_async.runtime.arrivals import Arrivals
+from jaxrl_async.runtime.cluster import Roles
 from jaxrl_async.runtime.eval_schedule import EvalSchedule
 from jaxrl_async.runtime.messages import (
     ActorStats,
@@ -45,27 +45,24 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class ActorConfig:
-    """What an actor needs to know of the run.
+    """What an actor needs to know of the run: its place among the actors, and the run's settings (it
+    reads the seed, which seeds each prompt's sampling stream with the group id; the schedule; the eval
+    section; the reward's overlong shaping; verify_weights).
 
     Attributes:
       index: this actor's number (0 measures held-out accuracy).
-      seed: the run's seed (each prompt's sampling stream derives from it and the group id).
-      schedule: the run's Schedule (samples_per_prompt = G; total_steps = the last version, always
-        evaluated).
-      eval: the run's EvalSection (when actor 0 evaluates; whether the eval engine shares the sampler's
-        weights).
-      reward: the run's RewardConfig (the overlong shaping added to each reward).
-      verify_weights: checksum every received version (a host read of the weights; for tests).
-      actors: how many actors share the run's prompts (this one's share of a step sizes its queue).
+      run: the run's RunConfig.
+      roles: which process plays which role.
     """
 
     index: int
-    seed: int
-    schedule: Schedule
-    eval: EvalSection
-    reward: RewardConfig
-    verify_weights: bool = False
-    actors: int = 1
+    run: RunConfig
+    roles: Roles
+
+    @property
+    def actors(self) -> int:
+        """How many actors share the run's prompts (this one's share of a step sizes its queue)."""
+        return len(self.roles.samplers)
 
 
 class Actor:
@@ -94,13 +91,14 @@ class Actor:
         self.cfg, self.engine, self.rewards, self.tokenizer = cfg, engine, rewards, tokenizer
         self.transport, self.members, self.executables = transport, members, executables
         self.loop = SamplerLoop(engine)
-        self.tickets = TicketBook(cfg.index, cfg.seed, cfg.schedule, engine.cfg.num_slots, cfg.actors,
+        run = cfg.run
+        self.tickets = TicketBook(cfg.index, run.seed, run.schedule, engine.cfg.num_slots, cfg.actors,
                                   max_new_tokens_fn)  # fmt: skip
-        self.groups = GroupAssembly(cfg.schedule.samples_per_prompt, cfg.reward, engine.cfg.max_new_tokens,
+        self.groups = GroupAssembly(run.schedule.samples_per_prompt, run.reward, engine.cfg.max_new_tokens,
                                     rewards, tokenizer)  # fmt: skip
-        self.arrivals = Arrivals(weights, cfg.verify_weights)
+        self.arrivals = Arrivals(weights, run.verify_weights)
         send = lambda m: transport.send("learner", m)  # noqa: E731
-        self.eval_schedule = EvalSchedule(cfg.eval, cfg.schedule.total_steps, eval_engine, rewards, tokenizer,
+        self.eval_schedule = EvalSchedule(run.eval, run.schedule.total_steps, eval_engine, rewards, tokenizer,
                                   eval_prompts, send, self._tell)  # fmt: skip
         self.version: int | None = None  # the policy version in use (None until the first arrives)
         self.done = False  # Stop arrived (the final report is sent)
@@ -140,7 +138,7 @@ class Actor:
             return True
         for m in new:  # every published version must be taken, oldest first; each lands while we decode
             due = self.cfg.index == 0 and (self.version is None or self.eval_schedule.due(m.version))
-            self._tell(MemberReceive(m.version, hold=due and not self.cfg.eval.shares_weights))
+            self._tell(MemberReceive(m.version, hold=due and not self.cfg.run.eval.shares_weights))
             self.arrivals.start(m, due)
         if self.arrivals:
             self._take_arrived(block=self.version is None)  # nothing to sample with yet: wait for it

@@ -457,10 +457,7 @@ def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
         schedule=run.schedule,
         log=run.log,
         checkpoint=run.checkpoint,
-        followers=tuple(f"trainer:{p}" for p in roles.trainers[1:]),
-        actors=len(roles.samplers),
-        dynamic_sampling=run.trainer.dynamic_sampling,
-        dynamic_sampling_patience=run.trainer.dynamic_sampling_patience,
+        roles=roles,
     )
     if roles.multi:
         _await_hellos(transport, cluster)
@@ -504,10 +501,7 @@ def _build_actor(proc, run, cluster, transport, tokenizer, model_cfg, scfg, t_me
         pull = _pull_index(roles, pid)
         weights = TransferReceiver(cluster, pull, model_cfg, t_mesh, s_mesh, sampler_dtype(model_cfg),
                                    transport=run.mesh.weight_transport)  # fmt: skip
-    acfg = ActorConfig(
-        index=index, seed=run.seed, schedule=run.schedule, eval=run.eval, reward=run.reward,
-        verify_weights=run.verify_weights, actors=len(roles.samplers),
-    )
+    acfg = ActorConfig(index=index, run=run, roles=roles)
     eval_prompts = held_out_prompts(run.data, tokenizer, run.eval.prompts) if index == 0 else []
     caps = length_cap_fn(run.length_caps) if run.length_caps else None
     rewards.wait_ready()

@@ -24,6 +24,7 @@ import numpy as np
 from jaxrl_async.model import attention
 from jaxrl_async.rollouts import GroupFilter, NonFiniteSteps, Rollout, RolloutQueue, staleness_stats
 from jaxrl_async.run_config import CheckpointSection, LogSection, Schedule
+from jaxrl_async.runtime.cluster import Roles
 from jaxrl_async.runtime.learner_log import (
     SUMMARY_KEYS,
     ActorReports,
@@ -64,21 +65,27 @@ class LearnerConfig:
         (actor 0 runs them beside sampling; the lead waits only for the last one, before stopping): a
         checkpoint due at an evaluated version carries its accuracy (for the best-checkpoint policy) only
         if that evaluation had finished; the final checkpoint always does.
-      followers: endpoints of the other trainer processes.
-      actors: number of actors.
-      dynamic_sampling: discard groups whose rewards are all equal as they arrive (DAPO), so every batch
-        holds `prompts_per_step` informative groups; the coordinator admits a new prompt for each.
-      dynamic_sampling_patience: stop the run (saving first) once this many batches' worth of groups in
-        a row were discarded: the policy solves (or fails) everything the data offers.
+      roles: which process plays which role (the other trainer processes follow the lead's steps; every
+        actor gets each version).
+
+    Dynamic sampling (trainer.dynamic_sampling and its patience) is the TrainConfig's, read from the
+    core's `train_cfg`: uninformative groups are discarded as they arrive and the coordinator admits a new
+    prompt for each; patience batches' worth in a row stop the run.
     """
 
     schedule: Schedule
     log: LogSection
     checkpoint: CheckpointSection
-    followers: tuple[str, ...] = ()
-    actors: int = 1
-    dynamic_sampling: bool = False
-    dynamic_sampling_patience: int = 20
+    roles: Roles
+
+    @property
+    def followers(self) -> tuple[str, ...]:
+        """Endpoints of the other trainer processes."""
+        return tuple(f"trainer:{p}" for p in self.roles.trainers[1:])
+
+    @property
+    def actors(self) -> int:
+        return len(self.roles.samplers)
 
 
 class TrainerCore:
@@ -157,8 +164,9 @@ class Learner:
         self.data_exhausted = False
         self.preempting = False
         self.checkpoint_stall_s: list[float] = []
-        patience = cfg.dynamic_sampling_patience * cfg.schedule.prompts_per_step
-        self.filter = GroupFilter(cfg.dynamic_sampling, patience)
+        train_cfg = core.train_cfg
+        patience = train_cfg.dynamic_sampling_patience * cfg.schedule.prompts_per_step
+        self.filter = GroupFilter(train_cfg.dynamic_sampling, patience)
         self.groups_received = 0  # for the stall warning: where groups stop
         self.no_signal = False
         self.non_finite = NonFiniteSteps()
@@ -223,7 +231,7 @@ class Learner:
             log.error(
                 "dynamic sampling: the last %d groups all had equal rewards (trainer.dynamic_sampling_"
                 "patience=%d batches); no learning signal is left, stopping at version %d",
-                self.filter.in_a_row, self.cfg.dynamic_sampling_patience, self.version,
+                self.filter.in_a_row, self.core.train_cfg.dynamic_sampling_patience, self.version,
             )  # fmt: skip
             self.no_signal = True
 
