@@ -24,15 +24,14 @@ import socket
 import time
 from collections.abc import Sequence
 
+from jaxrl_async.runtime import secret
+from jaxrl_async.runtime.errors import ClusterError
+
 log = logging.getLogger(__name__)
 
 _FAILED = "jaxrl/failed/"  # key prefix: process id -> why it stopped
 ENV = {"coordinator_address": "JAXRL_COORDINATOR", "num_processes": "JAXRL_NUM_PROCESSES",
        "process_id": "JAXRL_PROCESS_ID"}  # fmt: skip
-
-
-class ClusterError(ValueError):
-    """A cluster flag or the process layout is wrong; the message names the flag or config field."""
 
 
 class PeerFailure(RuntimeError):
@@ -382,8 +381,6 @@ def connect(mesh, flags: Flags) -> Cluster:
         roles = Roles.from_config(mesh, flags.num_processes, dpp)
         if dpp is not None:
             check_placement(mesh, roles, dpp)
-    from jaxrl_async.runtime import secret
-
     secret.require()  # every message between the processes is signed with it
     import jax
 

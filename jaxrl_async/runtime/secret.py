@@ -16,7 +16,7 @@ import os
 import secrets
 import stat
 
-from jaxrl_async.runtime.cluster import ClusterError
+from jaxrl_async.runtime.errors import ClusterError
 
 ENV_SECRET = "JAXRL_SECRET"
 ENV_SECRET_FILE = "JAXRL_SECRET_FILE"
