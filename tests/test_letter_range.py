@@ -14,6 +14,7 @@ from jaxrl_async.data.letter_range import (
     _draw,
     letter_range,
     letter_range_example,
+    letter_range_problem,
     range_probabilities,
 )
 from jaxrl_async.data.prompt import is_heldout
@@ -120,9 +121,19 @@ def test_answers_run_both_ways_and_across_the_case_boundary():
     assert letter_range("x", "C") == "xyzABC" and letter_range("c", "a") == "cba"
     assert letter_range("q", "q") == "q" and letter_range("a", "Z") == ALPHABET
     assert letter_range("Z", "a") == ALPHABET[::-1]
-    for a in ALPHABET:  # the verifier's own copy of the order agrees with the generator's
+
+
+def test_the_verifier_grades_with_the_generators_span_rule():
+    """One rule (jaxrl_async.letters), so the reward cannot drift from the data: every range's generated
+    answer gets reward 1, and that answer one letter short or long gets 0."""
+    assert reward_synthetic.letter_range is letter_range
+    for a in ALPHABET:
         for b in ALPHABET:
-            assert reward_synthetic.letter_span(a, b) == letter_range(a, b)
+            prompt, answer = letter_range_problem(a, b)
+            meta = {"first": a, "last": b}
+            assert reward_synthetic.letter_range_reward(prompt, f" {answer}\n", meta) == 1.0
+            assert reward_synthetic.letter_range_reward(prompt, answer[:-1], meta) == 0.0
+            assert reward_synthetic.letter_range_reward(prompt, answer + answer[-1], meta) == 0.0
 
 
 def test_reference_answers_are_long_tailed_in_tokens():

@@ -26,7 +26,7 @@ training: the held-out split is then the 269 other held-out ranges, and its heav
 accuracy by 1.2 (1.5) points. Fewer than
 all of them are a random subset (fixed order per seed) whose weighted accuracy estimates the same number.
 Metadata carries "first" and "last"; the verifier ("letter_range", jaxrl_async.rewards.synthetic) rebuilds
-the answer from them.
+the answer from them with the same rule (`jaxrl_async.letters.letter_range`).
 """
 
 from __future__ import annotations
@@ -37,22 +37,9 @@ import re
 from typing import Any
 
 from jaxrl_async.data.prompt import DataConfig, is_heldout
+from jaxrl_async.letters import ALPHABET, letter_range  # the span rule the verifier shares
 
-ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 _RANGE_RE = re.compile(r"range ([a-zA-Z])-([a-zA-Z]):")
-
-
-def letter_range(first: str, last: str) -> str:
-    """Every letter of ALPHABET from `first` to `last`, both included, in either direction.
-
-    Raises:
-      ValueError: a bound is not one letter of ALPHABET.
-    """
-    if len(first) != 1 or len(last) != 1 or first not in ALPHABET or last not in ALPHABET:
-        raise ValueError(f"letter_range: bounds must be letters of {ALPHABET!r}, got {first!r}, {last!r}")
-    i, j = ALPHABET.index(first), ALPHABET.index(last)
-    step = 1 if j >= i else -1
-    return ALPHABET[i : j + step : step] if j + step >= 0 else ALPHABET[i::-1]
 
 
 def letter_range_problem(first: str, last: str) -> tuple[str, str]:

@@ -14,12 +14,10 @@ from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
+from jaxrl_async.letters import letter_range  # the generator's own span rule (data imports it too)
 from jaxrl_async.rewards.registry import register_reward
 
 _EXPR_CHARS = set("0123456789+-*/() ")
-# The letter-range task's order (jaxrl_async.data.letter_range.ALPHABET; the packages import nothing of
-# each other, and a test checks the two agree).
-_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 _MAX_EXPR_LEN = 200
 
 
@@ -78,18 +76,6 @@ def shift_reward(prompt: str, completion: str, metadata: Mapping[str, Any]) -> f
     return hits / max(len(answer), len(got), 1)
 
 
-def letter_span(first: str, last: str) -> str:
-    """The letters of _LETTERS from `first` to `last` in either direction, both included.
-
-    Raises:
-      ValueError: a bound is not one letter of _LETTERS.
-    """
-    if len(first) != 1 or len(last) != 1 or first not in _LETTERS or last not in _LETTERS:
-        raise ValueError(f"letter range bounds must be single letters, got {first!r}, {last!r}")
-    i, j = _LETTERS.index(first), _LETTERS.index(last)
-    return _LETTERS[i : j + 1] if i <= j else _LETTERS[j : i + 1][::-1]
-
-
 @register_reward("letter_range")
 def letter_range_reward(prompt: str, completion: str, metadata: Mapping[str, Any]) -> float:
     """1.0 when the stripped completion is exactly the range metadata["first"] to metadata["last"], else 0.
@@ -97,4 +83,4 @@ def letter_range_reward(prompt: str, completion: str, metadata: Mapping[str, Any
     Exact, not shift's share of positions right: with partial credit, RL from the warm start lost held-out
     accuracy (0.315 -> 0.125 in 60 steps of configs/letter_range.py; its completions got shorter), with
     this reward it gained (0.315 -> 0.45 in 100 steps)."""
-    return 1.0 if completion.strip() == letter_span(str(metadata["first"]), str(metadata["last"])) else 0.0
+    return 1.0 if completion.strip() == letter_range(str(metadata["first"]), str(metadata["last"])) else 0.0
