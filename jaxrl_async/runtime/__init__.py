@@ -13,9 +13,12 @@ Layers, top to bottom (no module imports one above it):
   orchestrator, calibration, plan_check   a process's event loop; role timing; compile-before-you-pay
   build                                   puts the roles of one process together from a RunConfig
   actor, replica, learner, coordinator    the roles: each a non-blocking `poll()`
+  eval_schedule, tickets, rollout_groups, the roles' parts: actor 0's evaluations, prompt grants, groups
+  arrivals, learner_log                   being graded, versions in transit; the learner's bookkeeping
   weight_sync, checkpoint, metrics,       what the roles use
   evaluation
   transport                               messages between roles: in memory, or ZeroMQ between processes
-  codec, secret, messages                 the wire format, the run's signing key, the message types
+  codec, messages                         the wire format, the message types
   cluster                                 `jax.distributed` start-up, roles of processes, failure reports
+  secret, errors                          the run's signing key; the error of a wrong process layout
 """
