@@ -45,7 +45,8 @@ def _every_completion(prompt, max_new, temperature):
 def test_it_is_the_exact_probability_of_the_accepted_completions(temperature):
     max_new = 3
     prompts = [_prompt("p0", "ab", "ab"), _prompt("p1", "b", "ba", weight=3.0), _prompt("p2", "a", "bab")]
-    got = expected_reward(CFG, PARAMS, prompts, TOK, STOP, max_new, temperature)
+    got = expected_reward(CFG, PARAMS, prompts=prompts, tokenizer=TOK, stop_tokens=STOP,
+                          max_new_tokens=max_new, temperature=temperature)
     per_prompt, graded = [], []
     for p in prompts:
         every = _every_completion(p, max_new, temperature)
@@ -69,3 +70,35 @@ def test_it_refuses_what_it_cannot_compute_exactly_naming_the_field():
     with pytest.raises(ValueError, match="config.sampler.top_k=5"):
         check_applicable("letter_range", 1.0, 5, 1.0)
     check_applicable("letter_range", 1.0, 0, 1.0)
+
+
+def test_a_run_reports_the_expected_reward_of_the_versions_it_evaluates(tmp_path):
+    """The run's own evaluations carry it (TensorBoard, summary.json), equal to the figure of the saved
+    version scored again from its checkpoint; the format bonus gives the untrained model a signal."""
+    import os
+
+    from jaxrl_async.data import held_out_prompts
+    from jaxrl_async.run_config import validate
+    from jaxrl_async.runtime.build import build_tokenizer, sampler_config
+    from jaxrl_async.runtime.checkpoint import load_policy
+    from jaxrl_async.runtime.metrics import read_scalars
+    from jaxrl_async.runtime.orchestrator import run_from_config
+    from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
+    from tests.test_orchestrator import _small
+
+    c = _small(tmp_path, mode="sync", total_steps=2, eval_every=2, checkpoint_every=2,
+               **{"reward.reward": "arithmetic", "reward.format_weight": 0.5})  # fmt: skip
+    summary = run_from_config(c)
+    got = {e["step"]: e["expected_reward"] for e in summary["evals"]}
+    assert sorted(got) == [0, 2] and all(0 < v < 1 for v in got.values()), got
+    logged = dict(read_scalars(os.path.join(tmp_path, "tb"))["eval/expected_reward"])
+    assert logged == pytest.approx(got)
+    run = validate(c, len(jax.devices()))
+    tok = build_tokenizer(run)
+    mesh = make_mesh((1, 1), ("data", "tensor"), jax.devices()[:1])
+    model_cfg, params, _, version = load_policy(str(tmp_path), mesh, SAMPLER_RULES)
+    smp = sampler_config(run, tok)
+    again = expected_reward(model_cfg.compute_copy(), params, prompts=held_out_prompts(run.data, tok, 16),
+                            tokenizer=tok, stop_tokens=smp.stop_tokens, max_new_tokens=smp.max_new_tokens,
+                            temperature=smp.temperature)  # fmt: skip
+    assert version == 2 and again.mean == pytest.approx(got[2], rel=1e-4)

@@ -103,8 +103,9 @@ def main(argv) -> None:
             if _BY_LENGTH.value or _EXPECTED.value:
                 results[version] = {"accuracy": accuracy}
             if _EXPECTED.value:
-                e = expected_reward(model_cfg.compute_copy(), params, prompts, tokenizer,
-                                    sampling.stop_tokens, sampling.max_new_tokens, sampling.temperature)
+                e = expected_reward(model_cfg.compute_copy(), params, prompts=prompts, tokenizer=tokenizer,
+                                    stop_tokens=sampling.stop_tokens, max_new_tokens=sampling.max_new_tokens,
+                                    temperature=sampling.temperature)
                 print(f"version {version}: {name} expected reward {e.mean:.4f} +- {e.stderr:.4f} (standard "
                       f"error, {e.prompts} prompts)", flush=True)  # fmt: skip
                 results[version].update(expected_reward=e.mean, expected_reward_stderr=e.stderr)

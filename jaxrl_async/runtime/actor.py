@@ -25,6 +25,7 @@ from jaxrl_async.run_config import RunConfig
 from jaxrl_async.runtime.arrivals import Arrivals
 from jaxrl_async.runtime.cluster import Roles
 from jaxrl_async.runtime.eval_schedule import EvalSchedule
+from jaxrl_async.runtime.expected_reward import scorer
 from jaxrl_async.runtime.messages import (
     ActorStats,
     MemberApply,
@@ -98,8 +99,12 @@ class Actor:
                                     rewards, tokenizer)  # fmt: skip
         self.arrivals = Arrivals(weights, run.verify_weights)
         send = lambda m: transport.send("learner", m)  # noqa: E731
+        # The exact expected reward needs the version's whole weights in this process: not in a replica
+        # that spans processes (its forward pass would need every member).
+        score = None if members else scorer(run.reward.reward, engine.cfg, engine.model_cfg, eval_prompts,
+                                            tokenizer)  # fmt: skip
         self.eval_schedule = EvalSchedule(run.eval, run.schedule.total_steps, eval_engine, rewards, tokenizer,
-                                  eval_prompts, send, self._tell)  # fmt: skip
+                                          eval_prompts, send, self._tell, score)  # fmt: skip
         self.version: int | None = None  # the policy version in use (None until the first arrives)
         self.done = False  # Stop arrived (the final report is sent)
         self.idle_s = 0.0

@@ -31,11 +31,15 @@ class EvalSchedule:
       send: delivers each finished evaluation's `EvalResult` (to the learner).
       tell: forwards a command to the members of a replica that spans processes (they run every
         evaluation's generate calls with this process).
+      scorer: `params -> ExpectedReward` (runtime/expected_reward.py), or None where the task, the
+        sampling or the layout allows no exact figure; an evaluation with weights of its own reports it.
     """
 
     def __init__(self, cfg: EvalSection, last_version: int, engine, rewards, tokenizer, prompts,
-                 send: Callable[[EvalResult], None], tell: Callable[[Any], None]):  # fmt: skip
-        self.cfg, self.last_version = cfg, last_version
+                 send: Callable[[EvalResult], None], tell: Callable[[Any], None],
+                 scorer: Callable | None = None):  # fmt: skip
+        self.cfg, self.last_version, self.scorer = cfg, last_version, scorer
+        self._expected = None  # the running evaluation's expected reward (ExpectedReward), if scored
         self.engine, self.rewards, self.tokenizer, self.prompts = engine, rewards, tokenizer, prompts
         self._send, self._tell = send, tell
         self.running: Evaluation | None = None  # the evaluation in progress
@@ -64,6 +68,9 @@ class EvalSchedule:
                 self.skipped.append(version)
                 return
         if self.running is None:
+            # Scored before the eval engine takes the weights (its layout change may donate them).
+            scored = self.scorer is not None and params is not None
+            self._expected = self.scorer(params) if scored else None
             self._tell(MemberEvaluate(version, own_weights=params is not None))
             self.running = Evaluation(self.engine, self.rewards, self.tokenizer, self.prompts, params,
                                       version)  # fmt: skip
@@ -103,6 +110,8 @@ class EvalSchedule:
         self.seconds += seconds
         self.results.append((ev.version, ev.accuracy))
         self.spans.append((ev.version, self._began, time.monotonic()))
-        self._send(EvalResult(ev.version, ev.accuracy, seconds))
+        e = self._expected
+        self._send(EvalResult(ev.version, ev.accuracy, seconds, expected_reward=e and e.mean,
+                              expected_reward_stderr=e and e.stderr))  # fmt: skip
         if self._waiting:
             self.add(*self._waiting.pop(0), sampling_version)

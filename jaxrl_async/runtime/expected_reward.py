@@ -19,7 +19,10 @@ and the figure is a lower bound by their (tiny) probability. A task whose reward
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +30,8 @@ import numpy as np
 
 from jaxrl_async.model import ModelConfig
 from jaxrl_async.model.transformer import forward_logits, token_logprobs
+
+log = logging.getLogger(__name__)
 
 # Rewards that give 1 exactly when the stripped completion equals the reference answer.
 EXACT_MATCH_REWARDS = ("arithmetic", "letter_range")
@@ -70,7 +75,7 @@ def completion_logprobs(model_cfg: ModelConfig, params, prompt_tokens, completio
     return np.asarray(jax.device_get(jnp.sum(logp_NxT * mask_NxT, axis=1)), np.float64)
 
 
-def expected_reward(model_cfg: ModelConfig, params, prompts, tokenizer, stop_tokens, max_new_tokens: int,
+def expected_reward(model_cfg: ModelConfig, params, *, prompts, tokenizer, stop_tokens, max_new_tokens: int,
                     temperature: float, batch: int = 64) -> ExpectedReward:  # fmt: skip
     """The held-out expected reward of `params` on `prompts` (jaxrl_async.data.Prompt records, weighted by
     `Prompt.weight`), sampling at `temperature` with `stop_tokens` and `max_new_tokens` as the sampler
@@ -101,3 +106,19 @@ def expected_reward(model_cfg: ModelConfig, params, prompts, tokenizer, stop_tok
     var = float(np.sum(w * (prob - mean) ** 2)) if len(prompts) else 0.0
     stderr = math.sqrt(var / max(n_eff - 1.0, 1.0)) if len(prompts) > 1 else 0.0
     return ExpectedReward(mean, stderr, len(prompts))
+
+
+def scorer(reward: str, sampler_cfg, model_cfg: ModelConfig, prompts, tokenizer) -> Callable | None:
+    """`params -> ExpectedReward` on `prompts` as the run samples (`sampler_cfg`: its temperature, stop
+    tokens and generation limit), or None, saying why once, where the figure cannot be exact or there is
+    nothing to score."""
+    try:
+        check_applicable(reward, sampler_cfg.temperature, sampler_cfg.top_k, sampler_cfg.top_p)
+    except ValueError as e:
+        log.info("eval/expected_reward is not computed: %s", e)
+        return None
+    if not prompts:
+        return None
+    return functools.partial(expected_reward, model_cfg, prompts=prompts, tokenizer=tokenizer,
+                             stop_tokens=sampler_cfg.stop_tokens, max_new_tokens=sampler_cfg.max_new_tokens,
+                             temperature=sampler_cfg.temperature)  # fmt: skip

@@ -155,7 +155,7 @@ class Learner:
         self.version = core.version
         self.inflight: _InFlight | None = None
         self.reports = ActorReports(cfg.actors)
-        self.evals: list[tuple[int, float, float]] = []  # (version, accuracy, elapsed)
+        self.evals: list[tuple] = []  # (version, accuracy, elapsed, expected reward or None)
         self.checksums: dict[int, float] = {}
         self.eval_s = 0.0
         self.trained_tokens = 0
@@ -243,7 +243,7 @@ class Learner:
             self.reports.work_coming()
 
     def _eval_of(self, version: int) -> float | None:
-        return next((a for v, a, _ in reversed(self.evals) if v == version), None)
+        return next((e[1] for e in reversed(self.evals) if e[0] == version), None)
 
     def _dispatch(self, groups) -> None:
         now = self.clock.dispatch()
@@ -327,9 +327,15 @@ class Learner:
     def _record_eval(self, m: EvalResult) -> None:
         self.eval_s += m.seconds
         elapsed = self.elapsed()
-        self.evals.append((m.version, m.accuracy, elapsed))
+        self.evals.append((m.version, m.accuracy, elapsed, m.expected_reward))
         self.writer.scalars(m.version, {"eval/accuracy": m.accuracy})
-        log.info("version %d: held-out accuracy %.3f", m.version, m.accuracy)
+        if m.expected_reward is None:
+            log.info("version %d: held-out accuracy %.3f", m.version, m.accuracy)
+            return
+        self.writer.scalars(m.version, {"eval/expected_reward": m.expected_reward,
+                                        "eval/expected_reward_stderr": m.expected_reward_stderr})  # fmt: skip
+        log.info("version %d: held-out accuracy %.3f, expected reward %.4f +- %.4f", m.version, m.accuracy,
+                 m.expected_reward, m.expected_reward_stderr)  # fmt: skip
 
     def _maybe_stop(self) -> None:
         quit_now = self.data_exhausted or self.preempting or self.no_signal or self.non_finite.stop
@@ -441,8 +447,8 @@ class Learner:
             "non_finite_steps": self.non_finite.total,
             "stopped_non_finite": self.non_finite.stop,
             "dropped_lengths": self.queue.dropped_lengths,
-            "evals": [{"step": s, "accuracy": a, "elapsed_s": e, "trained_s": trained.get(s)}
-                      for s, a, e in self.evals],  # fmt: skip
+            "evals": [{"step": s, "accuracy": a, "elapsed_s": e, "trained_s": trained.get(s),
+                       "expected_reward": x} for s, a, e, x in self.evals],  # fmt: skip
             "final_accuracy": self.evals[-1][1] if self.evals else None,
             "initial_accuracy": self.evals[0][1] if self.evals else None,
             "weight_checksums": {"learner": self.checksums,

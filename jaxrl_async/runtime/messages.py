@@ -97,6 +97,8 @@ class EvalResult:
     accuracy: float
     seconds: float
     checksum: float | None = None
+    expected_reward: float | None = None  # runtime/expected_reward.py, where the task allows it
+    expected_reward_stderr: float | None = None
 
 
 @dataclasses.dataclass
