@@ -471,7 +471,7 @@ def clip_note(run: RunConfig) -> str | None:
     With trainer.minibatches = 1 the proximal policy is pi_theta itself, so a loss that clips against it
     (decoupled PPO, GSPO, M2PO) never clips: stale tokens are corrected by the behaviour weight alone.
     On letter_range that ended 7 points below sync at η = 2, and naive PPO (which clips against the
-    behaviour policy) level with it (docs/benchmarks.md). Logged, not refused: tiny_arith runs it so.
+    behaviour policy) level with it (docs/history/benchmarks.md). Logged, not refused: tiny_arith runs it so.
     """
     from jaxrl_async.trainer.losses import reads_prox
 
