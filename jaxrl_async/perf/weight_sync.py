@@ -6,7 +6,7 @@ loopback are one lane per host pair. The bandwidths are per direction. Where the
 (docs/performance-model.md, "Weight sync"):
 
   loopback  measured on this project's 2-core CPU host: `benchmarks/bench_transport.py`, cross-process
-            transfer-server pull (the figure in docs/history/benchmarks.md's weight-sync section); what processes
+            transfer-server pull (the figure in docs/history/benchmarks.md, weight sync); what processes
             on different hosts, or with config.mesh.weight_transport="transfer", pay
   shm       measured the same way: the shared-memory slots that processes of one CPU host use (one
             copy per version into a reused slot; the receiver maps it in place)

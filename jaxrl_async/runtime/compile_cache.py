@@ -2,8 +2,9 @@
 with the same shapes loads its compiled programs from disk instead of compiling them again.
 
 On letter_range's one-process run (2-core CPU) the first step ended 12.1 s after the start with no cache and
-3.8 s with a warm one (docs/history/benchmarks.md, "Start-up, and a warm compile cache"). Every compile is cached,
-however short: JAX's default skips those under a second, which on CPU is most of them (it kept 3 of 58).
+3.8 s with a warm one (docs/history/benchmarks.md, "Start-up, and a warm compile cache"). Every compile is
+cached, however short: JAX's default skips those under a second, which on CPU is most of them (it kept 3
+of 58).
 
 JAX runs what it loads from the cache, so the cache is code: anyone who can write to the directory can run
 code in every process that reads it (JAX's own warning). `enable` therefore refuses a directory that another

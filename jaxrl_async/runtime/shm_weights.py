@@ -1,7 +1,7 @@
 """Weights between processes of one CPU host: one copy per version, through shared-memory slots.
 
 Why: between two processes on a CPU host the transfer server moves about a tenth of what a memcpy into warm
-memory does (docs/history/benchmarks.md). Processes of one host share memory, so a version needs only one copy:
+memory does (docs/history/benchmarks.md). Processes of one host share memory, so a version needs one copy:
 each trainer process writes its pieces (`weight_sync._PiecePlan`) into a slot, a file under /dev/shm whose
 pages were touched when the slot was made, and every sampler process on the host turns the pieces of its
 own blocks into JAX arrays in place (`jax.device_put` of an aligned numpy array is zero-copy on the CPU

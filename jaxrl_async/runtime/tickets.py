@@ -35,7 +35,7 @@ class TicketBook:
         # step. The coordinator answers from the learner's process, whose train step holds its cores, so
         # an answer can come a step late and the queue must outlast that step. On letter_range a quarter
         # of an engine left the trainer idle 31% of the time, two engines 16-19%, and two engines plus a
-        # step 4-7.5% (pinned, and with the sampler's core lent to the learner; docs/history/benchmarks.md): with
+        # step 4-7.5% (pinned, and with the sampler's core lent to the learner; docs/history/): with
         # less the sampler never got a whole step ahead, whatever η allowed. The η bound still caps what
         # is granted: this changes when prompts start, not how stale they may be.
         engines = math.ceil(2 * num_slots / self.samples)
