@@ -16,6 +16,9 @@
                a GPU cannot run it (an error names config.model.attention).
   auto         GPU -> dot_product, TPU -> splash, otherwise reference.
 
+The platform is ModelConfig.platform when set (a program built here for a GPU or TPU target: the plan
+check, tests/test_lowering.py), else JAX's default backend; nothing below asks the backend directly.
+
 Every implementation masks a packed row the same way for real tokens: a token attends to itself and to
 earlier tokens of its own segment. Segments are contiguous runs of one id, as packing writes them (the
 cuDNN packed layout relies on it). Padding positions (segment id 0) get finite outputs that differ between
@@ -50,11 +53,19 @@ _BLOCK = 512
 _PACKED_GQA_OK = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
 
 
+def target(platform: str | None = None) -> str:
+    """The platform kernels are chosen for: `platform` (ModelConfig.platform; "cuda" and "rocm" are "gpu"), or
+    JAX's default backend when it is empty. A program lowered here for another target names it, so that
+    nothing asks the CPU it is built on."""
+    platform = platform or jax.default_backend()
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
 def resolve(impl: str, platform: str | None = None) -> str:
-    """The implementation `impl` runs as on `platform` (default: JAX's default backend)."""
+    """The implementation `impl` runs as on `platform` (`target`: default JAX's default backend)."""
     if impl not in ATTENTION:
         raise ValueError(f"config.model.attention: {impl!r} not in {ATTENTION}")
-    platform = platform or jax.default_backend()
+    platform = target(platform)
     if impl == "splash" and platform == "gpu":
         raise ValueError(
             "config.model.attention: 'splash' is the TPU Pallas kernel and cannot run on a GPU; "
@@ -86,29 +97,31 @@ def packed_causal_mask(segment_ids_BxT, t: int, b: int):
     return mask | jnp.eye(t, dtype=bool)[None]
 
 
-def attend(impl: str, q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT=None, mesh=None):
+def attend(impl: str, q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT=None, mesh=None, platform=None):
     """Causal self-attention of a (packed) row; returns [B, T, H, K] in q's dtype.
 
     Args:
-      impl: a ModelConfig.attention value ("auto" is resolved for the default backend).
+      impl: a ModelConfig.attention value ("auto" is resolved for `platform`).
+      platform: ModelConfig.platform, the target the kernel is chosen for ("" / None: the default backend).
       segment_ids_BxT: int32 segment of each position (0 = padding), or None for one sequence per row
         (right padding is then harmless: no real token looks ahead).
       mesh: the mesh the arrays are sharded on (trainer or sampler rules); the splash kernel runs under
         `shard_map` over it, one batch / KV-head shard per device. None = unsharded.
     """
-    impl = resolve(impl)
+    platform = target(platform)
+    impl = resolve(impl, platform)
     if impl == "reference":
         b, t = q_BxTxHxK.shape[:2]
         return reference_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, packed_causal_mask(segment_ids_BxT, t, b))
     if impl == "dot_product":
-        return _dot_product(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT)
+        return _dot_product(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT, platform)
     if impl == "blocked":
         return blocked_attention(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT)
-    return _splash_sharded(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT, mesh)
+    return _splash_sharded(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT, mesh, platform != "tpu")
 
 
-def _dot_product(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT):
-    cudnn = uses_cudnn_packed("dot_product", q_BxTxHxK.dtype)
+def _dot_product(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT, platform):
+    cudnn = uses_cudnn_packed("dot_product", q_BxTxHxK.dtype, platform)
     if cudnn and segment_ids_BxT is not None:
         return _cudnn_packed(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT)
     mask = None
@@ -145,7 +158,7 @@ def cudnn_workspace_bytes(rows: int, heads: int, t: int, head_dim: int) -> int:
 
 def uses_cudnn_packed(impl: str, dtype, platform: str | None = None) -> bool:
     """Whether `attend(impl, ...)` on packed rows of `dtype` runs cuDNN's packed layout on `platform`."""
-    platform = platform or jax.default_backend()
+    platform = target(platform)
     on_cudnn = resolve(impl, platform) == "dot_product" and platform == "gpu"
     return on_cudnn and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
 
@@ -366,9 +379,10 @@ def _splash_kernel(t: int, r: int, block: int, interpret: bool):
         return sk.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
-def _splash_local(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT):
+def _splash_local(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT, interpret: bool):
     """Splash attention on one device's shard: vmapped over rows and KV heads (a multi-query kernel per
-    KV head serves its R query heads). Rows are padded at the end to a whole number of blocks."""
+    KV head serves its R query heads). Rows are padded at the end to a whole number of blocks; `interpret`:
+    Pallas interpret mode (a target other than TPU)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
     b, t, h, kd = q_BxTxHxK.shape
@@ -376,7 +390,7 @@ def _splash_local(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT):
     r = h // g
     block = min(_SPLASH_BLOCK, _round_up(t, 128))
     tp = _round_up(t, block)
-    kernel = _splash_kernel(tp, r, block, jax.default_backend() != "tpu")
+    kernel = _splash_kernel(tp, r, block, interpret)
     scale = jnp.asarray(kd**-0.5, q_BxTxHxK.dtype)  # the kernel does not scale the scores
     q_BxGxRxTxK = (q_BxTxHxK * scale).reshape(b, t, g, r, kd).transpose(0, 2, 3, 1, 4)
     k_BxGxTxK, v_BxGxTxK = k_BxTxGxK.transpose(0, 2, 1, 3), v_BxTxGxK.transpose(0, 2, 1, 3)
@@ -396,11 +410,12 @@ def _splash_local(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT):
     return out.astype(q_BxTxHxK.dtype)
 
 
-def _splash_sharded(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT, mesh):
+def _splash_sharded(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT, mesh, interpret: bool):
     """`_splash_local` per device: a Pallas call has no partitioning rule, so under plain jit XLA would
     gather every operand onto each device; `shard_map` keeps rows and KV heads where they are."""
+    local = functools.partial(_splash_local, interpret=interpret)
     if mesh is None or mesh.size == 1:
-        return _splash_local(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT)
+        return local(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT)
     rules = rules_for(mesh)
     batch = rules.spec(("batch",), q_BxTxHxK.shape[:1], mesh)[0]
     kv_shape = k_BxTxGxK.shape
@@ -409,7 +424,7 @@ def _splash_sharded(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segment_ids_BxT, mesh):
     qkv = PartitionSpec(batch, None, heads, None)
     seg = PartitionSpec() if segment_ids_BxT is None else PartitionSpec(batch, None)
     fn = jax.shard_map(
-        _splash_local,
+        local,
         mesh=mesh,
         in_specs=(qkv, qkv, qkv, seg),
         out_specs=qkv,

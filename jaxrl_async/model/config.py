@@ -15,6 +15,8 @@ _MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 DTYPES = ("float32", "bfloat16")
 # Training and prefill attention (jaxrl_async.model.attention): "auto" picks by platform.
 ATTENTION = ("auto", "reference", "dot_product", "blocked", "splash")
+# Targets the kernels may be chosen for (ModelConfig.platform); "" = the devices the program runs on.
+PLATFORMS = ("", "cpu", "gpu", "tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +64,10 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype of activations and matmuls
     param_dtype: str = "float32"  # storage dtype of the weights (the trainer's master copy)
     attention: str = "auto"  # training / prefill attention implementation (one of ATTENTION)
+    # The platform every kernel choice is made for (attention "auto", the sampler's "auto" kernels, the paged
+    # kernel): "" = JAX's default backend, the devices the program runs on. A plan check or a lowering test
+    # names its target ("gpu", "tpu") and builds the programs on CPU devices as that target would run them.
+    platform: str = ""
     arch: str = "llama"  # which HF architecture to export as
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -81,6 +87,8 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} not in {DTYPES}")
         if self.attention not in ATTENTION:
             raise ValueError(f"ModelConfig.attention={self.attention!r} not in {ATTENTION}")
+        if self.platform not in PLATFORMS:
+            raise ValueError(f"ModelConfig.platform={self.platform!r} not in {PLATFORMS}")
         if self.qk_norm_all_heads and not self.qk_norm:
             raise ValueError("ModelConfig.qk_norm_all_heads=True needs qk_norm=True")
         if self.arch not in _HF_ARCH:

@@ -201,12 +201,15 @@ def forward(
     b, t = tokens_BxT.shape
     x_BxTxD = embed(cfg, params, tokens_BxT)
     inv_freq = rope_inv_freq(cfg)
-    if attention.resolve(cfg.attention) == "reference":
+    if attention.resolve(cfg.attention, cfg.platform) == "reference":
         # Padding rows attend to themselves so softmax stays finite; their outputs are masked downstream.
         mask_BxTxS = attention.packed_causal_mask(segment_ids, t, b)
         attend = lambda q, k, v: (attention.reference_attention(q, k, v, mask_BxTxS), None)
     else:
-        attend = lambda q, k, v: (attention.attend(cfg.attention, q, k, v, segment_ids, mesh), None)
+        attend = lambda q, k, v: (
+            attention.attend(cfg.attention, q, k, v, segment_ids, mesh, cfg.platform),
+            None,
+        )
 
     def body(x, lp):
         return layer(cfg, EINSUM, lp, x, positions_BxT, inv_freq, attend)

@@ -101,7 +101,7 @@ class TrainerCore:
         model_cfg = state.model_cfg  # its dtype is the compute dtype (train_step._with_compute_dtype)
         # cuDNN's packed attention is built for a fixed number of sequences per row: pack no more.
         self.row_segment_cap = attention.row_segment_cap(
-            model_cfg.attention, model_cfg.dtype, train_cfg.token_budget
+            model_cfg.attention, model_cfg.dtype, train_cfg.token_budget, model_cfg.platform
         )
 
     @property

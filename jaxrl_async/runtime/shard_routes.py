@@ -26,6 +26,7 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
 
 Block = tuple[tuple[int, int], ...]  # (start, stop) per dimension
 
@@ -64,7 +65,7 @@ class ShardRoutes:
     """
 
     def __init__(self, shapes: list[tuple], src: list, dst: list, dtype=None):
-        self.shapes, self.dst, self.dtype = [tuple(s) for s in shapes], list(dst), dtype
+        self.shapes, self.src, self.dst, self.dtype = [tuple(s) for s in shapes], list(src), list(dst), dtype
         self.pieces: list[_Piece] = []
         self.blocks: list[dict] = []  # per leaf: target device -> its block
         load: dict = {}  # source device -> pieces it sends (replicated sources share the work)
@@ -130,6 +131,31 @@ class ShardRoutes:
                 plan.append((shape, self._leaf_dtype(leaf), where))
             self._place[key] = place_fn(plan)
         return self._place[key]
+
+    def lower_for(self, src_dtypes: list, platforms: tuple[str, ...]) -> dict:
+        """Every program a sync of leaves of `src_dtypes` runs (each source device's cut, each target device's
+        placement), lowered for `platforms` (e.g. ("tpu",)) on abstract shards: nothing is compiled or
+        moved (tests/test_lowering.py). Keys: "cut <device id>", "place <device id>"."""
+        self._src_dtypes = [jnp.dtype(d) for d in src_dtypes]
+        on = lambda shape, dtype, dev: jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(dev))
+        out = {}
+        for dev, (idx, cut) in self._cuts_for(tuple(self._src_dtypes)).items():
+            shards = [on(self.src[p.leaf].shard_shape(self.shapes[p.leaf]), self._src_dtypes[p.leaf], dev)
+                      for p in (self.pieces[i] for i in idx)]  # fmt: skip
+            out[f"cut {dev.id}"] = cut.trace(shards).lower(lowering_platforms=platforms)
+        joins: dict = {}
+        for p in self.pieces:
+            joins.setdefault((p.dst_device, p.leaf), []).append(p)
+        by_dev: dict = {}
+        for (dev, leaf), pieces in joins.items():
+            if len(pieces) > 1:
+                by_dev.setdefault(dev, []).append(leaf)
+        for dev, leaves in by_dev.items():
+            parts = [[on(tuple(s.stop - s.start for s in p.dst_slices), self._leaf_dtype(leaf), dev)
+                      for p in joins[(dev, leaf)]] for leaf in leaves]  # fmt: skip
+            place = self._place_fn(dev, tuple(leaves))
+            out[f"place {dev.id}"] = place.trace(parts).lower(lowering_platforms=platforms)
+        return out
 
     def __call__(self, leaves: list) -> list:
         """The leaves (global arrays in the source shardings) in the target shardings."""

@@ -115,7 +115,7 @@ def prefill_kv(cfg: ModelConfig, dparams: dict, tokens_BxT, mesh=None):
     positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     inv_freq = rope_inv_freq(cfg)
     mask_BxTxS = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    reference = attention.resolve(cfg.attention) == "reference"
+    reference = attention.resolve(cfg.attention, cfg.platform) == "reference"
     x_BxTxD = embed(cfg, dparams, tokens_BxT)
     keys, values = [], []
     for i, lp in enumerate(dparams["layers"]):
@@ -127,7 +127,7 @@ def prefill_kv(cfg: ModelConfig, dparams: dict, tokens_BxT, mesh=None):
             if reference:
                 attn_BxTxHxK = _attend(q, k_BxGxTxK, v_BxGxTxK, mask_BxTxS)
             else:
-                attn_BxTxHxK = attention.attend(cfg.attention, q, k, v, mesh=mesh)
+                attn_BxTxHxK = attention.attend(cfg.attention, q, k, v, mesh=mesh, platform=cfg.platform)
             x_BxTxD = layer_output(cfg, PROJECTIONS, lp, x_BxTxD, attn_BxTxHxK)
     return keys, values
 

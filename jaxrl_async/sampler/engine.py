@@ -236,10 +236,39 @@ class Engine:
     def compile_generate(self):
         """`generate`'s executable, compiled on abstract weights and decode state on first use (a plan check
         calls it with nothing allocated)."""
+        return self._executable("generate", None, lambda: self._trace_generate().lower())
+
+    def _trace_generate(self) -> jax.stages.Traced:
         s = self.spec
         tables = s.cache.table_args(s.table_sh)
-        lower = lambda: self._jit.generate.lower(s.abstract_dparams(), s.abstract_state(), *tables)
-        return self._executable("generate", None, lower)
+        return self._jit.generate.trace(s.abstract_dparams(), s.abstract_state(), *tables)
+
+    def _trace_bucket(self, bucket: int, size: int) -> tuple[jax.stages.Traced, jax.stages.Traced]:
+        """(prefill, insert) traced on abstract arrays for `size` prompts of a prompt bucket."""
+        m, s = self.model_cfg, self.spec
+        dest = s.cache.dest_args(bucket, s.table_sh)
+        row = jax.ShapeDtypeStruct((len(layout.InsertRow._fields),), jnp.int32)
+        tokens = jax.ShapeDtypeStruct((size, bucket), jnp.int32)
+        kv_shape = (size, m.n_kv_heads, bucket, m.head_dim)
+        kv = [jax.ShapeDtypeStruct(kv_shape, m.dtype, sharding=s.kv_in_sh)] * m.n_layers
+        prefill = self._jit.prefill.trace(s.abstract_dparams(), tokens)
+        return prefill, self._jit.insert.trace(s.abstract_state(), kv, kv, row, *dest)
+
+    def lower_for(self, platforms: tuple[str, ...], bucket: int | None = None) -> dict:
+        """The weight-layout conversion, prefill and insert (of `bucket`, default the largest, at the
+        largest prefill batch) and generate, lowered for `platforms` (e.g. ("cuda",) or ("tpu",)) on abstract
+        arrays, not compiled: a program for an accelerator, built here on CPU devices, whose lowered text
+        shows its kernels (tests/test_lowering.py). Build the engine with ModelConfig.platform naming the
+        target, so that its kernels are the target's."""
+        bucket = self.cfg.max_prompt_len if bucket is None else bucket
+        prefill, insert = self._trace_bucket(bucket, self.cfg.prefill_batch)
+        traced = {
+            "to_layout": self._jit.to_layout.trace(self.spec.expected),
+            "prefill": prefill,
+            "insert": insert,
+            "generate": self._trace_generate(),
+        }
+        return {name: t.lower(lowering_platforms=tuple(platforms)) for name, t in traced.items()}
 
     def weight_bytes_per_device(self) -> int:
         """Bytes of the decode-layout weights on each sampler device (shared with `weights_from` engines)."""
@@ -304,17 +333,10 @@ class Engine:
         """(prefill, insert) executables for `n` prompts of a prompt bucket. A bucket's first use compiles
         them for every prefill batch size, so admissions of varying size never compile later."""
         if (bucket, n) not in self._executables.get("prefill", {}):
-            m, s = self.model_cfg, self.spec
-            dest = s.cache.dest_args(bucket, s.table_sh)
-            row = jax.ShapeDtypeStruct((len(layout.InsertRow._fields),), jnp.int32)
             for size in _batch_buckets(self.cfg.prefill_batch):
-                tokens = jax.ShapeDtypeStruct((size, bucket), jnp.int32)
-                lower = lambda t=tokens: self._jit.prefill.lower(s.abstract_dparams(), t)
-                self._executable("prefill", (bucket, size), lower)
-                kv_shape = (size, m.n_kv_heads, bucket, m.head_dim)
-                kv = [jax.ShapeDtypeStruct(kv_shape, m.dtype, sharding=s.kv_in_sh)] * m.n_layers
-                lower = lambda kv=kv: self._jit.insert.lower(s.abstract_state(), kv, kv, row, *dest)
-                self._executable("insert", (bucket, size), lower)
+                prefill, insert = self._trace_bucket(bucket, size)
+                self._executable("prefill", (bucket, size), prefill.lower)
+                self._executable("insert", (bucket, size), insert.lower)
         return self._executables["prefill"][(bucket, n)], self._executables["insert"][(bucket, n)]
 
     def _executable(self, name: str, key, lower):

@@ -1,6 +1,7 @@
 """Resolving SamplerConfig.attention / .linear = "auto" to concrete kernels.
 
-By platform: on TPU and GPU attention is the paged cache with the Pallas kernel and the matmuls are XLA's.
+By platform (ModelConfig.platform when set, else the sampler mesh's devices): on TPU and GPU attention is
+the paged cache with the Pallas kernel and the matmuls are XLA's.
 On one float32 CPU device with a C++ compiler (where the CPU kernels are allowed) every combination of
 {xla, cpu_kernel} for the "auto" fields is built and timed on the engine's own `generate` (all slots live,
 mid-context), alternating between candidates, and the fastest median is kept. The kernels were tuned on one
@@ -61,6 +62,13 @@ class Choice:
         return f"attention {self.attention}, linear {self.linear} ({how})"
 
 
+def target_platform(model_cfg, mesh) -> str:
+    """The platform the engine's kernels are chosen for: ModelConfig.platform when set (a program built here
+    for a GPU or TPU target, on CPU devices), else the mesh's devices' ("cuda" and "rocm" are "gpu")."""
+    platform = model_cfg.platform or mesh.devices.flat[0].platform
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
 def cpu_kernels_unavailable(model_cfg, mesh) -> str | None:
     """Why the CPU kernels cannot run on this mesh and model (None when they can)."""
     devices = mesh.devices
@@ -96,7 +104,7 @@ def resolve(
     auto = [n for n in ("attention", "linear") if getattr(cfg, n) == "auto"]
     if not auto:
         return Choice(cfg.attention, cfg.linear, "explicit")
-    platform = mesh.devices.flat[0].platform
+    platform = target_platform(model_cfg, mesh)
     fixed = {n: getattr(cfg, n) for n in ("attention", "linear") if n not in auto}
     if platform in ACCELERATORS:
         out = {"attention": "paged_kernel", "linear": "xla"} | fixed

@@ -111,6 +111,19 @@ class PagedLayout:
         return splits, per_block
 
 
+# Scalar memory of a TPU core, up to v6e: 1 MiB. The TPU paged kernel prefetches the whole call's page table
+# (and the lengths) into it; vLLM-TPU keeps its block tables under half of it, the rest being the kernel's
+# own (vllm-project/vllm#16871), after SMEM OOMs from this kernel at long contexts (#9350). Same bound here.
+TPU_SMEM_BYTES = 1 << 20
+SMEM_TABLE_SHARE = 0.5
+
+
+def table_smem_bytes(slots_per_shard: int, width: int) -> int:
+    """Scalar-memory bytes of one TPU paged-kernel call's page table and lengths (int32): one data shard's
+    slots x (table width + 1)."""
+    return slots_per_shard * (width + 1) * 4
+
+
 KEYS_PER_BLOCK = 128  # positions per compute block of both kernels on a device (one 128-key tile)
 MAX_SPLITS = 16  # the GPU kernel's k_splits at most
 
@@ -147,13 +160,14 @@ def table_width(pages_per_seq: int, page_size: int, impl: str, interpret: bool) 
 
 def engine_layout(mesh: Mesh, model_cfg, cfg) -> PagedLayout:
     """The page layout of an engine: `cfg.token_budget` split into pages over the data shards, each shard's
-    scratch page added, on the platform's kernel.
+    scratch page added, on the kernel of ModelConfig.platform (when set: a program built here for another
+    target) or of the mesh's devices.
 
     Raises:
       ValueError: a data shard gets too few pages for one sequence of max_prompt_len + max_new_tokens.
     """
     data = mesh.shape["data"]
-    impl, interpret = default_impl(mesh.devices.flat[0].platform)
+    impl, interpret = default_impl(model_cfg.platform or mesh.devices.flat[0].platform)
     pages_per_seq = pages_for(cfg.max_seq_len, cfg.page_size)
     usable = cfg.token_budget // (data * cfg.page_size)
     if usable < pages_per_seq:
@@ -163,6 +177,14 @@ def engine_layout(mesh: Mesh, model_cfg, cfg) -> PagedLayout:
             f"max_new_tokens = {cfg.max_seq_len} needs {pages_per_seq}"
         )
     width = table_width(pages_per_seq, cfg.page_size, impl, interpret)
+    smem = table_smem_bytes(cfg.num_slots // data, width)
+    if impl == "tpu" and not interpret and smem > SMEM_TABLE_SHARE * TPU_SMEM_BYTES:
+        raise ValueError(
+            f"SamplerConfig.num_slots={cfg.num_slots} over {data} data shard(s) x {width} page-table columns "
+            f"(max_prompt_len + max_new_tokens = {cfg.max_seq_len} in pages of page_size={cfg.page_size}) "
+            f"is a {smem / 2**10:.0f} KiB page table per TPU kernel call, over {SMEM_TABLE_SHARE:.0%} of the "
+            f"{TPU_SMEM_BYTES // 2**10} KiB of scalar memory; use fewer slots per data shard or larger pages"
+        )
     return PagedLayout(
         mesh, model_cfg.n_kv_heads, model_cfg.head_dim, cfg.page_size, usable + 1, width, impl, interpret
     )

@@ -376,6 +376,27 @@ def compile_abstract(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> di
       "optimizer_state_bytes": per-device bytes of the optimizer state, which stays live (but is not an
       argument) while `accumulate` runs}.
     """
+    out = trace_abstract(cfg, model_cfg, mesh)
+    for name in ("accumulate", "apply", "logprobs"):
+        if out[name] is not None:
+            out[name] = out[name].lower().compile()
+    return out
+
+
+def lower_abstract(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh, platforms: tuple[str, ...]) -> dict:
+    """`compile_abstract`'s programs lowered for `platforms` (e.g. ("cuda",)), not compiled: a program for
+    an accelerator built on CPU devices (name the target in ModelConfig.platform so that its attention
+    kernel is the target's). Keys as `compile_abstract`'s, each program a `jax.stages.Lowered`."""
+    out = trace_abstract(cfg, model_cfg, mesh)
+    for name in ("accumulate", "apply", "logprobs"):
+        if out[name] is not None:
+            out[name] = out[name].lower(lowering_platforms=tuple(platforms))
+    return out
+
+
+def trace_abstract(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> dict:
+    """`compile_abstract`'s programs traced on abstract arrays (`jax.stages.Traced`), neither lowered nor
+    compiled."""
     model_cfg = _with_compute_dtype(cfg, model_cfg)
     fns = _compile(cfg, model_cfg, mesh)
     shardings = jax.tree.map(lambda x: x.sharding, abstract_params(model_cfg, mesh, TRAINER_RULES))
@@ -406,9 +427,9 @@ def compile_abstract(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> di
     )
     return {
         "state": state,
-        "accumulate": fns.accumulate.lower(params, ref, acc, mb, prox, scalar).compile(),
-        "apply": fns.apply.lower(state, acc).compile(),
-        "logprobs": fns.logprobs.lower(params, mb).compile() if recompute else None,
+        "accumulate": fns.accumulate.trace(params, ref, acc, mb, prox, scalar),
+        "apply": fns.apply.trace(state, acc),
+        "logprobs": fns.logprobs.trace(params, mb) if recompute else None,
         "optimizer_state_bytes": per_device(opt_state),
     }
 
