@@ -244,8 +244,41 @@ def _packed_row(t: int, rng) -> np.ndarray:
 
 
 # The attention stage's agreement check: the largest gradient difference from the blocked path, over the
-# largest blocked gradient. bf16 rounding stays far below it; wrong masking or unwritten memory does not.
+# largest blocked gradient, both at real positions. bf16 rounding stays far below it; wrong masking or
+# offsets do not.
 ATTENTION_GRAD_TOLERANCE = 0.1
+
+
+def attention_loss(name: str, seg, w, platform: str | None = None):
+    """Jitted (loss, grads wrt q, k, v) of `name` on a packed row: the outputs weighted by `w` at real
+    positions only. Padding outputs are never used by a run (the trainer's loss masks them), and
+    implementations differ there by design (the blocked path's padding attends to itself, cuDNN's writes
+    nothing); weighting them would make a right kernel disagree and could hide a wrong one."""
+    from jaxrl_async.model import attention
+
+    w_real = jnp.where((seg != 0)[:, :, None, None], w, 0)
+
+    def loss(q, k, v):
+        out = attention.attend(name, q, k, v, seg, platform=platform)
+        return jnp.sum(out.astype(jnp.float32) * w_real.astype(jnp.float32))
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def compare_attention(out, ref, seg) -> dict:
+    """`out` against the blocked path's `ref` ((loss, (dq, dk, dv)) each) at the real positions of `seg`:
+    the largest gradient difference, relative to the largest blocked gradient, and whether it agrees.
+    Finiteness covers every position, padding included: a kernel that leaves memory unwritten shows."""
+    (lo, go), (lb, gb) = out, ref
+    real = (seg != 0)[:, :, None, None]
+    at_real = lambda x: jnp.where(real, x.astype(jnp.float32), 0)
+    diff = max(float(jnp.max(jnp.abs(at_real(a) - at_real(b)))) for a, b in zip(go, gb, strict=True))
+    scale = max(float(jnp.max(jnp.abs(at_real(b)))) for b in gb)
+    res = {"max_grad_diff": diff, "max_grad_rel_diff": diff / max(scale, 1e-30)}
+    res["loss"], res["loss_blocked"] = float(lo), float(lb)
+    res["finite"] = bool(np.isfinite(float(lo)) and all(bool(jnp.isfinite(a).all()) for a in go))
+    res["agrees"] = res["finite"] and res["max_grad_rel_diff"] <= ATTENTION_GRAD_TOLERANCE
+    return res
 
 
 def stage_attention(rec: Record, args) -> None:
@@ -262,11 +295,10 @@ def stage_attention(rec: Record, args) -> None:
     rec.put(impl=impl, seq_len=t, heads=h, kv_heads=g, head_dim=kd, dtype=args.dtype, layouts={})
     for layout, seg in (("one segment", np.ones((1, t), np.int32)), ("packed", _packed_row(t, rng))):
         seg = jnp.asarray(seg)
-        res = {"segments": int(np.max(np.asarray(seg)))}
+        res = {"segments": int(np.max(np.asarray(seg))), "real_positions": int(np.sum(np.asarray(seg) != 0))}
         outs = {}
         for name in (impl, "blocked"):
-            loss = lambda q, k, v, name=name, seg=seg: jnp.sum(attention.attend(name, q, k, v, seg) * w)
-            fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+            fn = attention_loss(name, seg, w)
             jax.block_until_ready(fn(q, k, v))
             times = []
             for _ in range(args.reps):
@@ -276,17 +308,7 @@ def stage_attention(rec: Record, args) -> None:
             res[f"{name}_fwd_bwd_s"] = float(np.median(times))
             res["peak_bytes_in_use"] = _peak_bytes()
             rec.put(layouts={**rec.data["layouts"], layout: res})
-        (lo, go), (lb, gb) = outs[impl], outs["blocked"]
-        res["max_grad_diff"] = max(
-            float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-            for a, b in zip(go, gb, strict=True)
-        )
-        scale = max(float(jnp.max(jnp.abs(b.astype(jnp.float32)))) for b in gb)
-        res["max_grad_rel_diff"] = res["max_grad_diff"] / max(scale, 1e-30)
-        res["loss"], res["loss_blocked"] = float(lo), float(lb)
-        # Gradients at every position, padding included (a kernel that leaves them unwritten shows here).
-        res["finite"] = bool(np.isfinite(float(lo)) and all(bool(jnp.isfinite(a).all()) for a in go))
-        res["agrees"] = res["finite"] and res["max_grad_rel_diff"] <= ATTENTION_GRAD_TOLERANCE
+        res.update(compare_attention(outs[impl], outs["blocked"], seg))
         rec.put(layouts={**rec.data["layouts"], layout: res})
 
 

@@ -68,3 +68,60 @@ def test_the_wheel_list_covers_the_imports_the_lent_machine_lacks():
     }
     assert set(lacking) <= wheels
     assert set(lacking.values()) <= set(PACKAGES)  # the env stage imports each of them
+
+
+def _stand_in_cudnn(shift: int):
+    """A CPU stand-in for cuDNN's packed-layout kernel, with `fa.dot_product_attention`'s arguments: exact
+    attention within the segments its lengths and offsets describe, nothing written at padding (zeros, as
+    `attention._cudnn_packed` selects). `shift` moves every segment's offset: the error a wrong packed
+    layout makes."""
+    import jax.numpy as jnp
+
+    from jaxrl_async.model import attention
+
+    def kernel(q, k, v, bias, mask, q_seqlen, kv_seqlen, q_offsets, kv_offsets, scale, mask_type):
+        b, t = q.shape[:2]
+        pos = jnp.arange(t)[None, None, :]
+        start, length = q_offsets[:, :-1, None] + shift, q_seqlen[:, :, None]
+        inside_BxMxT = (pos >= start) & (pos < start + length) & (length > 0)
+        seg = jnp.where(inside_BxMxT.any(1), jnp.argmax(inside_BxMxT, axis=1) + 1, 0)
+        allowed = attention.packed_causal_mask(seg, t, b) & (seg != 0)[:, :, None]
+        out = attention.reference_attention(q, k, v, allowed)
+        return jnp.where((seg != 0)[:, :, None, None], out, 0).astype(q.dtype)
+
+    return kernel
+
+
+def test_the_attention_stage_passes_a_right_kernel_and_fails_one_with_wrong_offsets(monkeypatch):
+    """The stage's loss and comparison read real positions only: a right stand-in for cuDNN (exact on real
+    tokens, zeros at padding) agrees with the blocked path, though the two differ at padding; the same
+    stand-in with every segment offset by one position fails."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    from benchmarks.device_probe import attention_loss, compare_attention
+
+    rng = np.random.default_rng(0)
+    t, h, g, kd = 256, 4, 2, 32
+    seg = np.zeros((1, t), np.int32)
+    for sid, (a, b) in enumerate([(0, 40), (40, 110), (110, 140), (140, 200)], start=1):
+        seg[0, a:b] = sid  # four sequences, then 56 positions of padding
+    seg = jnp.asarray(seg)
+    q = jnp.asarray(rng.standard_normal((1, t, h, kd)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((1, t, g, kd)), jnp.bfloat16) for _ in range(2))
+    w = jnp.asarray(rng.standard_normal((1, t, h, kd)), jnp.bfloat16)
+    blocked = attention_loss("blocked", seg, w)(q, k, v)
+    results = {}
+    for shift in (0, 1):
+        monkeypatch.setattr(fa, "dot_product_attention", _stand_in_cudnn(shift))
+        # "dot_product" built for a GPU: the packed cuDNN path, here through the stand-in
+        packed = attention_loss("dot_product", seg, w, "gpu")(q, k, v)
+        results[shift] = compare_attention(packed, blocked, seg)
+    assert results[0]["agrees"] and results[0]["max_grad_rel_diff"] < 0.02, results[0]
+    assert results[1]["finite"] and not results[1]["agrees"], results[1]
+    # Padding differs between the two by design and is not compared: the blocked path's padding attends to
+    # itself, the stand-in's is zero; with padding outputs out of the loss both gradients vanish there.
+    dq = jax.tree.leaves(blocked[1])[0]
+    assert not bool(jnp.any(dq[0, 200:] != 0))
