@@ -6,8 +6,9 @@
 # Stages, in order of value, each under its own time limit and each writing its own OUT/<stage>.json as
 # it goes (OUT/stages.json after every stage), so a stage that times out keeps what it measured:
 #   env             versions, devices, imports of everything the project needs        (benchmarks/device_probe.py)
-#   decode          8B-shaped paged decode, random bf16 weights, batch 1/64 x context 1k/8k: % of the
-#                   HBM roofline and the host gap between calls                        (benchmarks/device_probe.py)
+#   decode          8B-shaped paged decode, random bf16 weights, batch 1 x 1k and 64 x 8k (the bars)
+#                   first, then 64 x 1k and 1 x 8k: % of the HBM roofline and the host gap between calls;
+#                   each point in its own process under its own 70 s limit          (benchmarks/device_probe.py)
 #   attention       packed-row attention forward + backward at 32k positions, 8B heads (cuDNN packed
 #                   layout vs blocked)                                                  (benchmarks/device_probe.py)
 #   train_mfu       train step MFU at 2 x 4k-token rows, 1.5B shape                     (benchmarks/bench_train.py)
@@ -61,8 +62,8 @@ probe=("$python" -m benchmarks.device_probe)
 if [[ $smoke == 1 ]]; then
   export JAX_PLATFORMS=cpu
   limit=(240 240 240 240 240 240 240 300)  # generous: on a shared, loaded 2-core CPU only load times out
-  decode=(--preset tiny --dtype float32 --batches 1 --contexts 16,32 --new-tokens 8 --steps-per-call 4
-          --reps 1)
+  decode=(--preset tiny --dtype float32 --points 1x16,1x32 --new-tokens 8 --steps-per-call 4 --reps 1
+          --stage-limit-s 235)
   attention=(--preset tiny --dtype float32 --seq-len 256 --reps 1)
   train=(--model tiny --rows 2 --budget 64 --steps 1 --matmul-n 256)
   train_memory=(--preset tiny --rows 1 --budget 128)
@@ -86,8 +87,11 @@ else
   # What launch/gpu_node.sh gives a run: the 8B decode at batch 64 x 8k holds ~95 GB.
   export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"
   limit=(30 160 70 60 60 25 30 120)
-  decode=(--preset qwen3-8b --dtype bfloat16 --batches 1,64 --contexts 1024,8192 --new-tokens 64
-          --steps-per-call 16 --reps 3 --hardware "$hardware")
+  # The bars' points first (batch 1 x 1k, batch 64 x 8k), each in a process of its own under its own
+  # limit, then the others while the stage's time lasts; a point that the plan says cannot fit the
+  # device (64 x 8k needs ~94 GB: not on an 80 GB H100) is skipped, saying so.
+  decode=(--preset qwen3-8b --dtype bfloat16 --points 1x1024,64x8192,64x1024,1x8192 --new-tokens 64
+          --steps-per-call 16 --reps 3 --hardware "$hardware" --point-limit-s 70 --stage-limit-s 155)
   attention=(--preset qwen3-8b --dtype bfloat16 --seq-len 32768 --reps 3)
   train=(--model qwen2.5-1.5b --dtype bfloat16 --rows 2 --budget 4096 --steps 3 --hardware "$hardware")
   train_memory=(--preset qwen2.5-1.5b --rows 1 --budget 32768)

@@ -46,13 +46,19 @@ from jaxrl_async.cli import command_env, module_command
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="device_probe", description=__doc__.split("\n")[0])
-    ap.add_argument("--stage", required=True, choices=["env", "decode", "attention", "train_memory"])
+    ap.add_argument(
+        "--stage", required=True, choices=["env", "decode", "decode_point", "attention", "train_memory"]
+    )
     ap.add_argument("--json-out", default=None, help="the stage's JSON (rewritten after every point)")
     ap.add_argument("--preset", default="qwen3-8b", help="model shape (random weights)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights, compute")
     ap.add_argument("--hardware", default="", help="a jaxrl_async.perf preset: the roofline (decode)")
-    ap.add_argument("--batches", default="1,8,64", help="decode batch sizes")
-    ap.add_argument("--contexts", default="1024,8192", help="decode context lengths (the prompt)")
+    ap.add_argument(
+        "--points", default="1x1024,64x8192,64x1024,1x8192",
+        help="decode: batch x context (the prompt) points, in the order they run (the bars' first)",
+    )  # fmt: skip
+    ap.add_argument("--point-limit-s", type=float, default=0, help="decode: one point's limit, s")
+    ap.add_argument("--stage-limit-s", type=float, default=0, help="decode: the stage's seconds; 0 = any")
     ap.add_argument("--new-tokens", type=int, default=64, help="decode positions past the prompt")
     ap.add_argument("--steps-per-call", type=int, default=16, help="decode steps per generate call")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions (medians reported)")
@@ -190,47 +196,131 @@ def _decode_point(eng, prompt_len: int, reps: int) -> dict:
     }
 
 
+def _points(spec: str) -> list[tuple[int, int]]:
+    try:
+        return [(int(b), int(c)) for b, c in (p.split("x") for p in spec.split(","))]
+    except ValueError:
+        raise SystemExit(f"--points {spec!r}: expected BATCHxCONTEXT,... (e.g. 1x1024,64x8192)") from None
+
+
+def _decode_model(args, contexts: list[int]):
+    from jaxrl_async.model import presets
+
+    shape = dict(vocab_size=512) if args.preset == "tiny" else {}
+    cfg = presets.get(args.preset, dtype=args.dtype, param_dtype=args.dtype, **shape)
+    return cfg.replace(max_seq_len=max(cfg.max_seq_len, max(contexts) + args.new_tokens))
+
+
+def decode_fit(cfg, batch: int, context: int, new_tokens: int, hw) -> str | None:
+    """Why a decode point will not fit one device of `hw` (None: it fits, or no hardware named): its weights
+    and KV cache (`runtime.plan_check`'s analytic counts) against the memory JAX may use there."""
+    from jaxrl_async.runtime.plan_check import (
+        kv_cache_bytes,
+        mem_fraction,
+        sampler_weight_bytes,
+        target_platform,
+    )
+
+    if hw is None:
+        return None
+    itemsize = jnp.dtype(cfg.dtype).itemsize
+    kv = kv_cache_bytes(cfg, batch, context + new_tokens, (1, 1), itemsize)
+    need = sampler_weight_bytes(cfg, (1, 1), itemsize) + kv
+    fraction, source = mem_fraction(target_platform(hw.name), dict(os.environ))
+    usable = hw.mem_bytes * fraction
+    if need <= usable:
+        return None
+    return (f"weights + KV cache {need / 2**30:.1f} GiB > {usable / 2**30:.1f} GiB usable on {hw.name} "
+            f"({hw.mem_bytes / 2**30:.0f} GiB x {fraction:.2f} from {source})")  # fmt: skip
+
+
 def stage_decode(rec: Record, args) -> None:
+    """Each point in a process of its own under its own limit (`--stage decode_point`), in `--points`
+    order; a point the plan says will not fit is skipped, and so is one that the stage's remaining time
+    cannot hold, each saying why."""
+    from jaxrl_async.perf.hardware import get_hardware
+
+    hw = get_hardware(args.hardware) if args.hardware else None
+    points = _points(args.points)
+    cfg = _decode_model(args, [c for _, c in points])
+    rec.put(
+        model=args.preset, num_params=cfg.num_params, dtype=args.dtype, steps_per_call=args.steps_per_call,
+        hardware=hw and {"name": hw.name, "mem_bw": hw.mem_bw, "peak_flops": hw.peak_flops},
+        order=[f"{b}x{c}" for b, c in points], points=[], skipped=[],
+    )  # fmt: skip
+    t_start = time.perf_counter()
+    for b, ctx in points:
+        why = decode_fit(cfg, b, ctx, args.new_tokens, hw)
+        limit = args.point_limit_s or None
+        if args.stage_limit_s:
+            left = args.stage_limit_s - (time.perf_counter() - t_start) - 5  # 5 s to write and exit
+            limit = min(limit or left, left)
+            if why is None and limit < 10:
+                why = f"{left:.0f} s left of the stage's {args.stage_limit_s:.0f} s"
+        if why is not None:
+            print(f"decode {b}x{ctx}: skipped: {why}", flush=True)
+            rec.put(skipped=[*rec.data["skipped"], {"batch": b, "context": ctx, "why": why}])
+            continue
+        cmd = module_command("benchmarks.device_probe", *_point_argv(sys.argv[1:], f"{b}x{ctx}"))
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
+        except subprocess.TimeoutExpired:
+            why = f"timed out after its limit of {limit:.0f} s"
+            print(f"decode {b}x{ctx}: {why}", flush=True)
+            rec.put(skipped=[*rec.data["skipped"], {"batch": b, "context": ctx, "why": why}])
+            continue
+        if out.returncode != 0:
+            raise SystemExit(f"decode point {b}x{ctx} failed:\n{out.stderr[-3000:]}")
+        p = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"decode {b}x{ctx}: {p['tok_s']:.1f} tok/s", flush=True)
+        rec.put(points=[*rec.data["points"], p])
+
+
+def _point_argv(argv: list[str], point: str) -> list[str]:
+    """This stage's arguments for one point in a child process: --stage decode_point, --points POINT, no
+    --json-out (the child prints its point)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--stage", "--points", "--json-out"):
+            skip = True
+            continue
+        if a.startswith(("--stage=", "--points=", "--json-out=")):
+            continue
+        out.append(a)
+    return [*out, "--stage", "decode_point", "--points", point]
+
+
+def stage_decode_point(args) -> dict:
+    """One decode point (`--points` holds one), measured in this process; returns its JSON."""
     from benchmarks.bench_decode import decode_bytes, decode_flops
     from benchmarks.decode_timing import bench_engine
-    from jaxrl_async.model import init_params, presets
+    from jaxrl_async.model import init_params
     from jaxrl_async.perf.hardware import get_hardware
     from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
 
     hw = get_hardware(args.hardware) if args.hardware else None
+    ((b, ctx),) = _points(args.points)
     new, k = args.new_tokens, args.steps_per_call
-    contexts = [int(c) for c in args.contexts.split(",")]
-    shape = dict(vocab_size=512) if args.preset == "tiny" else {}
-    cfg = presets.get(args.preset, dtype=args.dtype, param_dtype=args.dtype, **shape)
-    cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, max(contexts) + new))
+    cfg = _decode_model(args, [ctx])
     mesh = make_mesh((1, 1), ("data", "tensor"), jax.devices()[:1])
     params = init_params(cfg, jax.random.key(0), mesh, SAMPLER_RULES)
-    rec.put(
-        model=args.preset,
-        num_params=cfg.num_params,
-        dtype=args.dtype,
-        steps_per_call=k,
-        hardware=hw and {"name": hw.name, "mem_bw": hw.mem_bw, "peak_flops": hw.peak_flops},
-        points=[],
-    )
     attention = "paged_kernel" if jax.default_backend() == "gpu" else "auto"
-    rec.put(attention=attention)
-    for ctx in contexts:
-        for b in (int(x) for x in args.batches.split(",")):
-            eng = bench_engine(cfg, params, mesh, b, ctx, new, k, attention=attention)
-            p = {"batch": b, "context": ctx, **_decode_point(eng, ctx, args.reps)}
-            if eng.paged:  # the paged kernel's blocking: page-table columns, k_splits, pages per block
-                lay = eng.spec.cache.layout
-                p["table_width"], (p["k_splits"], p["pages_per_block"]) = lay.width, lay.blocks
-            del eng
-            p["step_s"] = p["pipelined_call_s"] / k
-            p["tok_s"] = b / p["step_s"]
-            mid = ctx + new // 2
-            if hw is not None:
-                floor = max(decode_bytes(cfg, mid, b) / hw.mem_bw, decode_flops(cfg, mid, b) / hw.peak_flops)
-                p["roofline_step_s"] = floor
-                p["fraction_of_roofline"] = floor / p["step_s"]
-            rec.put(points=[*rec.data["points"], p])
+    eng = bench_engine(cfg, params, mesh, b, ctx, new, k, attention=attention)
+    p = {"batch": b, "context": ctx, "attention": attention, **_decode_point(eng, ctx, args.reps)}
+    if eng.paged:  # the paged kernel's blocking: page-table columns, k_splits, pages per block
+        lay = eng.spec.cache.layout
+        p["table_width"], (p["k_splits"], p["pages_per_block"]) = lay.width, lay.blocks
+    p["step_s"] = p["pipelined_call_s"] / k
+    p["tok_s"] = b / p["step_s"]
+    mid = ctx + new // 2
+    if hw is not None:
+        floor = max(decode_bytes(cfg, mid, b) / hw.mem_bw, decode_flops(cfg, mid, b) / hw.peak_flops)
+        p["roofline_step_s"] = floor
+        p["fraction_of_roofline"] = floor / p["step_s"]
+    return p
 
 
 def _packed_row(t: int, rng) -> np.ndarray:
@@ -384,6 +474,9 @@ def main(argv: list[str]) -> int:
 
         cfg, model = _train_cfg(args)
         print(train_memory(cfg, model, (1, 1), jax.devices()[:1], args.plan_target)["peak_estimate"])
+        return 0
+    if args.stage == "decode_point":  # a child of the decode stage: one point, printed as one JSON line
+        print(json.dumps(stage_decode_point(args)))
         return 0
     rec = Record(args.json_out, stage=args.stage, backend=jax.default_backend())
     t0 = time.perf_counter()

@@ -33,7 +33,7 @@ def test_device_check_smoke_runs_every_stage_and_writes_its_json(tmp_path):
         assert res[name]["done"], name
     assert res["env"]["missing"] == {}
     points = [(p["batch"], p["context"]) for p in res["decode"]["points"]]
-    assert points == [(1, 16), (1, 32)]
+    assert points == [(1, 16), (1, 32)] and res["decode"]["skipped"] == []  # in --points order
     assert all(p["tok_s"] > 0 and p["host_gap_s"] >= 0 for p in res["decode"]["points"])
     for layout in res["attention"]["layouts"].values():  # the run's attention vs blocked, same inputs
         assert layout["max_grad_diff"] < 1e-4 and abs(layout["loss"] - layout["loss_blocked"]) < 1e-3
@@ -125,3 +125,18 @@ def test_the_attention_stage_passes_a_right_kernel_and_fails_one_with_wrong_offs
     # itself, the stand-in's is zero; with padding outputs out of the loss both gradients vanish there.
     dq = jax.tree.leaves(blocked[1])[0]
     assert not bool(jnp.any(dq[0, 200:] != 0))
+
+
+def test_the_decode_stage_skips_a_point_the_plan_says_will_not_fit():
+    """Qwen3-8B at batch 64 x 8k holds ~94 GB of weights and KV: not on an 80 GB H100 (0.92 of it usable
+    under launch/gpu_node.sh), on a 141 GB H200 yes; batch 1 x 1k fits both. (The smoke run above shows
+    the points run in `--points` order, each in a process of its own.)"""
+    from benchmarks.device_probe import decode_fit
+    from jaxrl_async.model import presets
+    from jaxrl_async.perf.hardware import get_hardware
+
+    model = presets.get("qwen3-8b", dtype="bfloat16", param_dtype="bfloat16")
+    why = decode_fit(model, 64, 8192, 64, get_hardware("h100"))
+    assert why is not None and "GiB usable on h100" in why
+    assert decode_fit(model, 64, 8192, 64, get_hardware("h200")) is None
+    assert decode_fit(model, 1, 1024, 64, get_hardware("h100")) is None
