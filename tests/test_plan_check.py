@@ -264,3 +264,35 @@ def test_a_layout_under_the_margin_is_refused_with_the_numbers_and_fields():
         res.stdout,
     )
     assert "config.mesh.trainer" in res.stdout and "config.sampler.num_slots" in res.stdout
+
+
+def test_the_balance_and_the_evaluation_cost_come_from_the_measured_points_and_warn_past_the_limit():
+    """perf.balance: the measured H200 fractions of the roofline at their own points; a layout decoding 7
+    sequences per H100 is sampler-bound; the first evaluation's cost in train steps, and the warning when
+    it passes --max-eval-steps (and not below it)."""
+    from configs import math_8b
+    from jaxrl_async.cli.plan_check import balance_lines
+    from jaxrl_async.perf import balance
+    from jaxrl_async.perf.hardware import get_hardware
+    from jaxrl_async.run_config import memory_sections
+
+    for (b, ctx), frac in balance.MEASURED_DECODE_FRACTION.items():
+        assert balance.decode_fraction(b, ctx) == pytest.approx(frac)
+    assert balance.decode_fraction(8, 4096) < balance.decode_fraction(1, 1024)
+    c = math_8b.get_config("h100")
+    model = presets.get("qwen3-8b", dtype="bfloat16", param_dtype="float32")
+    sec = memory_sections(c.to_dict())
+    h100, h200 = get_hardware("h100"), get_hardware("h200")
+    assert balance.decode_step_s(model, h100, 1, 1024) == pytest.approx(
+        balance.decode_step_s(model, h200, 1, 1024) * h200.mem_bw / h100.mem_bw
+    )
+    slow = balance.predict(c, model, h100, sec["sampler"], sec["trainer"], 512, 4096, 256, 4, decode_batch=7)
+    fast = balance.predict(c, model, h100, sec["sampler"], sec["trainer"], 512, 4096, 256, 4, decode_batch=64)
+    assert slow.bound == "sampler" and slow.sampler_s > fast.sampler_s > 0
+    assert slow.trainer_s == fast.trainer_s
+    assert slow.eval_worst_s > slow.eval_s > 0 and 0 < slow.eval_sampling_loss < 1
+    assert slow.eval_train_steps == pytest.approx(slow.eval_s / slow.step_s)
+    warn = balance_lines(slow, max_eval_steps=slow.eval_train_steps * 0.9)
+    assert "warning: one evaluation may cost" in warn and "config.eval_prompts" in warn
+    assert "warning" not in balance_lines(slow, max_eval_steps=slow.eval_train_steps * 1.1)
+    assert "sampler-bound by" in warn and "first evaluation:" in warn

@@ -15,6 +15,7 @@ config's samples_per_prompt). `jaxrl-plan-check` runs the same program.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -40,6 +41,9 @@ _MEM_FRACTION = flags.DEFINE_float(
     "set, else launch/gpu_node.sh's on a GPU, the whole memory on a TPU)",
 )
 _MARGIN = flags.DEFINE_float("margin", None, "least headroom, as a share of the usable memory")
+_MAX_EVAL_STEPS = flags.DEFINE_float(
+    "max-eval-steps", 10, "warn when one evaluation (at the mean length) costs more train steps than this"
+)
 flags.mark_flags_as_required(["config"])
 
 
@@ -113,6 +117,14 @@ def main(argv) -> int:
         _MEDIAN_LEN.value, _P99_LEN.value, group, _PROMPT_LEN.value,
     )  # fmt: skip
     report["sharding_fallbacks"] = sharding_fallbacks(model_cfg, sampler_cfg, config.mesh)
+    from jaxrl_async.perf import balance
+
+    data = config.mesh.sampler[0]  # the paged cache's decode batch per device: slots, or what pages hold
+    batch = report["paged_kv"]["decode_batch_long_tail"] / data
+    bal = balance.predict(config, model_cfg, hw, sampler_cfg, train_cfg, _MEDIAN_LEN.value, _P99_LEN.value,
+                          _PROMPT_LEN.value, sa["eval_slots"], batch)  # fmt: skip
+    report["balance"] = {**dataclasses.asdict(bal), "bound": bal.bound,
+                         "eval_train_steps": bal.eval_train_steps}  # fmt: skip
     print(json.dumps(report, indent=2))
     print(summary(report, config, train_cfg, sampler_cfg))
     pk = report["paged_kv"]
@@ -140,6 +152,7 @@ def main(argv) -> int:
             f"{r['usable_bytes'] / 2**30:.2f} GiB usable (memory fraction {fraction:.2f} from {source}); "
             f"margin {margin:.0%} -> {'ok' if r['ok'] else 'REFUSED'}"
         )
+    print(balance_lines(bal, _MAX_EVAL_STEPS.value))
     if _OUT.value:
         with open(_OUT.value, "w") as f:
             json.dump(report, f, indent=2)
@@ -147,6 +160,28 @@ def main(argv) -> int:
         print("plan check refuses this layout:\n  " + "\n  ".join(refusals))
         return 1
     return 0
+
+
+def balance_lines(bal, max_eval_steps: float) -> str:
+    """The predicted balance and the first evaluation's cost (`perf.balance`), and a warning when one
+    evaluation costs more than `max_eval_steps` train steps."""
+    ratio = max(bal.sampler_s, bal.trainer_s) / min(bal.sampler_s, bal.trainer_s)
+    lines = [
+        f"  balance (perf.balance: the H200's measured decode fractions and MFU, scaled to this hardware; "
+        f"mean response {bal.mean_len:.0f} tokens): decode batch {bal.decode_batch:.1f} per sampler device; "
+        f"sampler {bal.sampler_s:.0f} s a step, trainer {bal.trainer_s:.0f} s a step -> {bal.bound}-bound "
+        f"by {ratio:.1f}x",
+        f"  first evaluation: {bal.eval_s / 60:.1f} min at the mean length ({bal.eval_train_steps:.1f} train "
+        f"steps of {bal.step_s:.0f} s), {bal.eval_worst_s / 60:.1f} min if every completion runs to "
+        f"max_new_tokens; it takes {bal.eval_sampling_loss:.0%} of the sampler's device time while it runs",
+    ]
+    if bal.eval_train_steps > max_eval_steps:
+        lines.append(
+            f"  warning: one evaluation may cost {bal.eval_train_steps:.1f} train steps, over "
+            f"--max-eval-steps={max_eval_steps:g}; lower config.eval_prompts, raise config.eval_slots, or "
+            "evaluate less often (config.eval_every)"
+        )
+    return "\n".join(lines)
 
 
 def weight_sync_plan(model_cfg, config, hardware: str) -> dict:
