@@ -119,8 +119,11 @@ def main(argv) -> int:
     report["sharding_fallbacks"] = sharding_fallbacks(model_cfg, sampler_cfg, config.mesh)
     from jaxrl_async.perf import balance
 
-    data = config.mesh.sampler[0]  # the paged cache's decode batch per device: slots, or what pages hold
-    batch = report["paged_kv"]["decode_batch_long_tail"] / data
+    # The paged cache's decode batch per device: its slots, or what its pool (token_budget) holds of the
+    # long-tailed mix, or what the free memory would hold, whichever is least.
+    pk, data = report["paged_kv"], config.mesh.sampler[0]
+    in_budget = sampler_cfg.token_budget / pk["long_tail"]["kv_tokens_per_sequence"]
+    batch = min(pk["decode_batch_long_tail"], in_budget) / data
     bal = balance.predict(config, model_cfg, hw, sampler_cfg, train_cfg, _MEDIAN_LEN.value, _P99_LEN.value,
                           _PROMPT_LEN.value, sa["eval_slots"], batch)  # fmt: skip
     report["balance"] = {**dataclasses.asdict(bal), "bound": bal.bound,
