@@ -58,7 +58,7 @@ def get_config(layout: str = "v5p"):
         # 80 GB GPU under launch/gpu_node.sh (XLA_PYTHON_CLIENT_MEM_FRACTION=0.92); see the trainer's row
         # length at the end of this function. Qwen3-8B, per GPU: trainer 62.4 GiB, sampler 57.5 GiB.
         # Re-planned with the split model (jaxrl-plan-check prints it: perf.balance, from the H200's measured
-        # decode and train figures, docs/benchmarks.md "First run on an H200"). The trainer keeps 4 of the 8
+        # decode and train figures, docs/history/benchmarks.md "First run on an H200"). The trainer keeps 4 of the 8
         # GPUs: that is the least its memory allows (fp32 masters and AdamW: 15.3 + 15.3 GiB a GPU at (2, 2)),
         # so the lever is the sampler's decode batch. At 7 sequences a GPU (the slotted sizing: every slot
         # reserved at full length) the run was predicted sampler-bound by ~6x on the plan check's default

@@ -1,7 +1,7 @@
 """A config's sampler/trainer balance and its evaluation's cost, predicted from measured step times.
 
 Decode: a step streams the sampler's weights and every live sequence's KV cache, so its roofline is
-bytes / HBM bandwidth; what a real step reaches of it was measured on one H200 (docs/benchmarks.md,
+bytes / HBM bandwidth; what a real step reaches of it was measured on one H200 (docs/history/benchmarks.md,
 "First run on an H200", Qwen3-8B shape, bf16, paged kernel, 16 steps a call): 64% at batch 1 x 1k
 context, 30% at 64 x 1k, 50% at 1 x 8k, 22% at 64 x 8k. `decode_step_s` takes that fraction at the
 point's (batch, context), interpolated in log(batch) and context and held at the edges, and applies it to
