@@ -56,13 +56,13 @@ def get_config(layout: str = "v5p"):
     elif layout == "h100":
         # Sized so that each role leaves the plan check's 8% margin of the 68.5 GiB JAX may use on an
         # 80 GB GPU under launch/gpu_node.sh (XLA_PYTHON_CLIENT_MEM_FRACTION=0.92); see the trainer's row
-        # length at the end of this function. Qwen3-8B, per GPU: trainer 62.4 GiB, sampler 57.5 GiB.
-        # Re-planned with the split model (jaxrl-plan-check prints it: perf.balance, from the H200's measured
-        # decode and train figures, docs/history/benchmarks.md "First run on an H200"). The trainer keeps 4 of the 8
-        # GPUs: that is the least its memory allows (fp32 masters and AdamW: 15.3 + 15.3 GiB a GPU at (2, 2)),
-        # so the lever is the sampler's decode batch. At 7 sequences a GPU (the slotted sizing: every slot
-        # reserved at full length) the run was predicted sampler-bound by ~6x on the plan check's default
-        # length mix; at 64 a GPU, ~1.4x.
+        # length at the end of this function. Qwen3-8B, per GPU: trainer 62.4 GiB, sampler 60.0 GiB.
+        # Re-planned with the split model (jaxrl-plan-check prints it: perf.balance, from the H200's
+        # measured decode and train figures, docs/history/benchmarks.md "First run on an H200"). The
+        # trainer keeps 4 of the 8 GPUs, the least its memory allows (fp32 masters and AdamW: 15.3 + 15.3
+        # GiB a GPU at (2, 2)), so the lever is the sampler's decode batch: at 7 sequences a GPU (every
+        # slot reserved at full length) the run was predicted sampler-bound by 6.0x on the plan check's
+        # default length mix, at 64 a GPU by 1.4x (docs/performance-model.md).
         c.mesh.sampler = (4, 1)
         c.mesh.trainer = (2, 2)  # (4, 1) with 4 rows needed ~71 of 75 GiB at 8k-token rows: too tight
         # 64 sequences a GPU, the batch the device check's bar measures. The paged cache (the GPU default)
@@ -72,12 +72,14 @@ def get_config(layout: str = "v5p"):
         c.sampler.num_slots = 256
         c.sampler.token_budget = 28 * 24576
         # Evaluation: more eval slots, not a bounded or skipped one. With 1 slot a GPU, 500 greedy prompts
-        # of up to 23,552 tokens were predicted to take 1-9 hours at ~40% of the sampler's device time (the
-        # eval engine alternates calls with it). 16 a GPU (the eval engine's pages are slots x the
-        # sampler's positions a slot: 64 x 2,688 = 43,008 a GPU, 5.9 GiB, room for one full-length
-        # sequence and 16 typical ones) cut it 16x; 256 prompts (+-3% on pass@1) halve it again, so the
-        # first evaluation is minutes at the mean length and about an hour if every completion ran to the
-        # limit. Version 0 is still evaluated: it is the baseline every later accuracy is read against.
+        # were predicted to take 12 min at the plan check's default mean length, 91 min at a 4,000-token
+        # median and 9 h if every completion ran to 23,552 tokens, at ~40% of the sampler's device time
+        # (the eval engine alternates calls with it). 16 a GPU cut it up to 16x: the eval engine's pages
+        # are its slots x the sampler's positions a slot, 64 x 2,688 = 43,008 a GPU (5.9 GiB), room for one
+        # full-length sequence and ~20 typical ones (long ones: the pages, not the slots, bound it). 256
+        # prompts (+-3% on pass@1) halve it again: minutes at the mean length, about an hour if every
+        # completion ran to the limit. Version 0 is still evaluated: the baseline every later accuracy is
+        # read against.
         c.eval_slots = 64
         c.eval_prompts = 256
         # The eval engine shares the sampler's weights: a copy of its own would add 15 GiB per GPU (the
