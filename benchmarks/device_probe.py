@@ -261,7 +261,7 @@ def stage_decode(rec: Record, args) -> None:
             print(f"decode {b}x{ctx}: skipped: {why}", flush=True)
             rec.put(skipped=[*rec.data["skipped"], {"batch": b, "context": ctx, "why": why}])
             continue
-        cmd = module_command("benchmarks.device_probe", *_point_argv(sys.argv[1:], f"{b}x{ctx}"))
+        cmd = module_command("benchmarks.device_probe", *_point_argv(args, f"{b}x{ctx}"))
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
         except subprocess.TimeoutExpired:
@@ -276,21 +276,12 @@ def stage_decode(rec: Record, args) -> None:
         rec.put(points=[*rec.data["points"], p])
 
 
-def _point_argv(argv: list[str], point: str) -> list[str]:
-    """This stage's arguments for one point in a child process: --stage decode_point, --points POINT, no
-    --json-out (the child prints its point)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a in ("--stage", "--points", "--json-out"):
-            skip = True
-            continue
-        if a.startswith(("--stage=", "--points=", "--json-out=")):
-            continue
-        out.append(a)
-    return [*out, "--stage", "decode_point", "--points", point]
+def _point_argv(args, point: str) -> list[str]:
+    """The arguments of one decode point in a child process (`--stage decode_point`, which prints it)."""
+    out = ["--stage", "decode_point", "--points", point, "--preset", args.preset, "--dtype", args.dtype,
+           "--new-tokens", str(args.new_tokens), "--steps-per-call", str(args.steps_per_call),
+           "--reps", str(args.reps)]  # fmt: skip
+    return out + (["--hardware", args.hardware] if args.hardware else [])
 
 
 def stage_decode_point(args) -> dict:
