@@ -8,14 +8,17 @@
 Stages:
   env           versions (Python, jax, jaxlib, the accelerator plugins), devices and their memory, and an
                 import of every package the project needs (which ones are missing).
-  decode        the sampler engine's decode step with random weights (`--preset`, bf16) at every
-                `--batches` x `--contexts` point: tokens/s against the HBM roofline of `--hardware`
-                (`bench_decode.decode_bytes` / `decode_flops`), and the host gap: seconds per call when
-                each call's tokens are read before the next is dispatched, minus those of calls dispatched
-                back to back (what a loop that blocks on every call leaves the device idle).
+  decode        the sampler engine's decode step with random weights (`--preset`, bf16) at each
+                `--points` batch x context, in that order (the bars' first), each in a process of its own
+                under `--point-limit-s`, within `--stage-limit-s`; a point whose weights and KV cache the
+                plan says will not fit `--hardware` is skipped, saying so: tokens/s against the HBM
+                roofline (`bench_decode.decode_bytes` / `decode_flops`), and the host gap: seconds per call
+                when each call's tokens are read before the next is dispatched, minus those of calls
+                dispatched back to back (what a loop that blocks on every call leaves the device idle).
   attention     packed-row training attention (`--attention`, default the run's "auto") forward and
                 backward at `--seq-len` with the 8B head shape, against `blocked` on the same inputs:
-                seconds, the largest difference, and the device's peak bytes.
+                seconds, the largest gradient difference at real positions (the loss weighs no padding),
+                and the device's peak bytes.
   train_memory  the train step at `--rows` x `--budget` (remat, bf16 compute, fp32 masters): the device
                 compiler's memory analysis, the peak bytes in use after one real step, and the plan
                 check's figure for the same shape (compiled on CPU in a subprocess, as jaxrl-plan-check
