@@ -24,3 +24,28 @@ import sys  # noqa: E402
 
 # configs/ is a directory of config files at the repository root, not an installed package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import host_caps  # noqa: E402  (tests/ is on sys.path: pytest imports this conftest from it)
+import pytest  # noqa: E402
+
+_ALLOWED_MISSING = host_caps.allowed_missing()  # read once: a bad name fails the run at collection
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A skip for a missing host capability (tests/host_caps.py) becomes a failure, unless
+    JAXRL_CI_ALLOW_MISSING names that capability: a host without a compiler or user namespaces would
+    otherwise pass CI with whole suites unrun."""
+    outcome = yield
+    rep = outcome.get_result()
+    if not rep.skipped or not isinstance(rep.longrepr, tuple):
+        return
+    why = rep.longrepr[2]
+    cap = host_caps.capability_of(why)
+    if cap is None or cap in _ALLOWED_MISSING:
+        return
+    rep.outcome = "failed"
+    rep.longrepr = (
+        f"{why}\nThis suite needs {host_caps.CAPABILITIES[cap]}, which CI's hosts have: its skip fails. "
+        f"On a host that cannot have it, set {host_caps.ALLOW_ENV}={cap} to let it skip."
+    )

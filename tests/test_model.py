@@ -20,8 +20,12 @@ from jaxrl_async.model import (
 )
 from jaxrl_async.sharding import SAMPLER_RULES, TRAINER_RULES, Rules, make_mesh
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+
+def _torch_and_transformers():
+    """Imported by the tests that compare with transformers only, not at module level: the jax 0.11 stage
+    of .ci/run installs neither, and runs every other test of this file."""
+    return pytest.importorskip("torch"), pytest.importorskip("transformers")
+
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -55,6 +59,7 @@ CASES = {
 
 
 def _make_hf(tmp_path, case):
+    torch, transformers = _torch_and_transformers()
     cfg_cls, model_cls, extra = CASES[case]
     torch.manual_seed(0)
     hf_cfg = getattr(transformers, cfg_cls)(**{**COMMON, **extra})
@@ -73,6 +78,7 @@ def _tokens(b=2, t=11, v=97, seed=0):
 
 
 def _hf_logits(model, tokens):
+    torch, _ = _torch_and_transformers()
     with torch.no_grad():
         return model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
 
@@ -88,7 +94,7 @@ def test_hf_parity_and_export_roundtrip(tmp_path, case):
 
     out = str(tmp_path / (case + "_export"))
     save_hf(cfg, params, out)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    reloaded = _torch_and_transformers()[1].AutoModelForCausalLM.from_pretrained(out).eval()
     np.testing.assert_allclose(_hf_logits(reloaded, tokens), ref, atol=1e-4, rtol=0)
     cfg2, params2 = load_hf(out)
     assert cfg2 == cfg
@@ -122,7 +128,13 @@ def test_bf16_load_close_to_fp32(tmp_path):
     logits = np.asarray(forward_logits(cfg, params, _tokens()))
     ref = _hf_logits(model, _tokens())
     assert logits.dtype == np.float32
-    assert np.abs(logits - ref).max() < 0.15 * np.abs(ref).max()
+    # The bound from the dtype: bf16 keeps 8 significant bits, so each rounding (of a weight, or of an
+    # activation entering a matmul) errs by at most eps/2 relative. Counted in series along the residual
+    # path: ~8 per layer (norm, q/k/v, attention output, gate/up, down) plus the embedding and the head.
+    # Measured on this case (2026-12-05): 0.13 on a largest logit of 5.9, i.e. 2.8 eps of it.
+    roundings = 8 * cfg.n_layers + 2
+    bound = roundings * float(jnp.finfo(jnp.bfloat16).eps) / 2 * np.abs(ref).max()
+    assert np.abs(logits - ref).max() < bound
 
 
 def _corrupt(path, mutate):

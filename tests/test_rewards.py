@@ -442,8 +442,11 @@ def test_strict_equal(got, want, equal):
 
 
 def test_service_survives_errors_hangs_and_deaths(user_module, caplog):
+    """The 1 s timeout runs on a clock the test advances: until it does, no call can time out (however
+    slowly a loaded host runs the others), and when it does only the hanging call is still in flight."""
+    now = [0.0]
     cfg = RewardConfig(reward="arithmetic", num_workers=2, timeout_s=1.0, imports=(user_module,))
-    with RewardService(cfg) as svc:
+    with RewardService(cfg, clock=lambda: now[0]) as svc:
         svc.wait_ready()
         items = [
             ("37+85=", "122", {"answer": "122"}),
@@ -455,10 +458,13 @@ def test_service_survives_errors_hangs_and_deaths(user_module, caplog):
             ("p", "abcd", {"reward": "user_len"}),  # registered by decorator in the imported module
             ("p", "x", {"reward": "no_such_reward"}),
         ]
-        t0 = time.monotonic()
-        results = svc.grade_batch_results(items, timeout=60)
-        assert time.monotonic() - t0 < 15
-        got = [(r.reward, r.reason) for r in results]
+        for i, (prompt, completion, meta) in enumerate(items):
+            svc.submit(i, prompt, completion, meta)
+        results = _poll_until(svc, len(items) - 1)  # every call but the hanging one, clock standing still
+        assert 3 not in {r.request_id for r in results}
+        now[0] += cfg.timeout_s + 0.5
+        results += _poll_until(svc, 1)
+        got = [(r.reward, r.reason) for r in sorted(results, key=lambda r: r.request_id)]
         assert got == [
             (1.0, "ok"),
             (0.0, "ok"),
@@ -476,6 +482,17 @@ def test_service_survives_errors_hangs_and_deaths(user_module, caplog):
     assert stats["timeouts"] == 1 and stats["errors"]["worker_died"] == 1
     assert stats["worker_restarts"] == 2 and stats["workers_alive"] == 2
     assert "timeout" in caplog.text and "worker_died" in caplog.text
+
+
+def _poll_until(svc, n, timeout_s=120):
+    """The next `n` results (the real-time limit only guards against a hang)."""
+    out, deadline = [], time.monotonic() + timeout_s
+    while len(out) < n:
+        assert time.monotonic() < deadline, f"{len(out)} of {n} results after {timeout_s} s: {out}"
+        svc.wait(0.5)
+        out += svc.poll()
+    assert len(out) == n, out
+    return out
 
 
 def test_service_submit_poll_and_backpressure(user_module):

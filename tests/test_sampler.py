@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import host_caps
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -442,7 +443,7 @@ def test_generate_cli_prompt_ids_need_no_tokenizer(tmp_path):
 
 def _need_cxx():
     if shutil.which("g++") is None and shutil.which("c++") is None and not os.environ.get("CXX"):
-        pytest.skip("no C++ compiler to build the CPU kernels")
+        host_caps.skip("compiler", "no C++ compiler to build the CPU kernels")
 
 
 def test_cpu_kernels_match_the_trainer(params):

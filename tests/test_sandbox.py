@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import socket
 
+import host_caps
 import pytest
 
 from jaxrl_async.rewards import RewardConfig, RewardService, grade_one
@@ -16,7 +17,10 @@ from jaxrl_async.rewards.testing import reward_hacks
 from jaxrl_async.rewards.testing.hostile import BREACH_MARKER, CASES, SECRET_ENV, render
 
 LIMITS = {"timeout_s": 2.0, "cpu_s": 2, "memory_mb": 256, "max_processes": 32, "max_output_bytes": 1 << 16}
-SLACK_S = 3.0  # startup + kill + cleanup on 2 shared cores
+# What a run may take past its timeout (startup, kill, cleanup) on 2 cores shared with other work. The
+# statuses say which limit stopped each program; this bound only catches a run the sandbox failed to
+# stop at all (e.g. waiting on a leftover child that sleeps 600 s), so it is generous, not a race.
+SLACK_S = 10.0
 # Isolation layer each case relies on beyond rlimits; without it the case is reported, not asserted.
 NEEDS = {"fork bomb": "uid", "read parent's env secrets": "uid", "kill its parent": "uid"}
 WORKERS = 3
@@ -97,7 +101,7 @@ def hostile_run(tmp_path_factory):
 def test_hostile_case_contained(hostile_run, caps, case):
     need = NEEDS.get(case.name)
     if need and not getattr(caps, need):
-        pytest.skip(f"isolation layer {need!r} unavailable here: {caps.describe()}")
+        host_caps.skip("sandbox", f"isolation layer {need!r} unavailable here: {caps.describe()}")
     res = hostile_run["results"][case.name]
     assert res.reason == "ok", res  # the reward function itself finished: the sandbox, not the pool, coped
     assert res.reward == 0.0, f"{case.name} escaped: {res.info}"
@@ -204,9 +208,9 @@ def test_math_hacks_score_expected_under_both_answer_rules(case, rule):
 @pytest.mark.parametrize("case", reward_hacks.CASES, ids=[c.name for c in reward_hacks.CASES])
 def test_reward_hack_scores_expected(hack_run, caps, case):
     if case.kind == "read" and not caps.fsview:
-        pytest.skip(f"minimal filesystem view unavailable here: {caps.describe()}")
+        host_caps.skip("sandbox", f"minimal filesystem view unavailable here: {caps.describe()}")
     if case.kind in ("exit", "equality", "tamper") and not caps.uid:
-        pytest.skip(f"the harness's judge needs its own uid: {caps.describe()}")
+        host_caps.skip("sandbox", f"the harness's judge needs its own uid: {caps.describe()}")
     res = hack_run["results"][case.name]
     assert res.reason == "ok", res
     assert res.reward == case.expected, f"{case.kind}: {case.name}: {res.info}"
@@ -253,7 +257,7 @@ print(json.dumps(out))
 
 def test_minimal_filesystem_view(sandbox_proc, caps):
     if not caps.fsview:
-        pytest.skip(f"minimal filesystem view unavailable here: {caps.describe()}")
+        host_caps.skip("sandbox", f"minimal filesystem view unavailable here: {caps.describe()}")
     with reward_hacks.hack_environment() as values:
         assert open(values["SECRET_PATH"]).read()  # readable by everyone on the host
         code = _VIEW_PROBE.replace("@SECRET_PATH@", values["SECRET_PATH"])
@@ -279,7 +283,7 @@ def _default_plan():
 
 def test_plan_binds_only_the_interpreter(sandbox_proc, caps):
     if not caps.fsview:
-        pytest.skip(f"minimal filesystem view unavailable here: {caps.describe()}")
+        host_caps.skip("sandbox", f"minimal filesystem view unavailable here: {caps.describe()}")
     plan = sandbox_proc(_default_plan)
     assert os.path.isfile(plan.python) and plan.python in plan.binds
     for path in plan.binds:
@@ -317,7 +321,7 @@ def _broken_layer_run(layer: str):
 @pytest.mark.parametrize("layer", ["fsview", "mountns"])
 def test_strict_fails_when_a_layer_fails(caps, layer):
     if not caps.strict:
-        pytest.skip(f"strict isolation unavailable here: {caps.describe()}")
+        host_caps.skip("sandbox", f"strict isolation unavailable here: {caps.describe()}")
     with mp.get_context("spawn").Pool(1) as pool:
         probed, strict, launch = pool.apply(_broken_layer_run, (layer,))
     assert not getattr(probed, layer) and not probed.strict

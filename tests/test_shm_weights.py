@@ -6,6 +6,7 @@ import gc
 import os
 import subprocess
 
+import host_caps
 import jax
 import numpy as np
 import pytest
@@ -13,7 +14,9 @@ import pytest
 from jaxrl_async.runtime import shm_weights
 from jaxrl_async.runtime.cluster import PeerFailure
 
-pytestmark = pytest.mark.skipif(not os.path.isdir(shm_weights.SHM_ROOT), reason="no /dev/shm")
+pytestmark = pytest.mark.skipif(
+    not os.path.isdir(shm_weights.SHM_ROOT), reason=host_caps.reason("shm", "no /dev/shm")
+)
 
 SHAPES = [(3, 5), (7,), (2, 2, 2)]
 

@@ -15,7 +15,7 @@ import logging
 import multiprocessing as mp
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, NamedTuple
 
@@ -173,11 +173,14 @@ class RewardService:
       svc.close()
     """
 
-    def __init__(self, cfg: RewardConfig):
+    def __init__(self, cfg: RewardConfig, clock: Callable[[], float] = time.monotonic):
+        """`clock` (seconds) times each call against `cfg.timeout_s`; tests pass one they advance, so that
+        only the call under test times out however loaded the host is."""
         # A name a worker cannot load fails here, not in a loop of dying workers. The package's own
         # rewards are known good and stay out of this process (math-verify pulls in sympy).
         _load(cfg, builtins=False)
         self.cfg = cfg
+        self._clock = clock
         self._ctx = mp.get_context(cfg.mp_context)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -344,7 +347,7 @@ class RewardService:
     def _replace(self, i: int, reason: str, info: str):
         w = self._workers[i]
         if w.job is not None:
-            self._deliver(RewardResult(w.job.request_id, 0.0, reason, time.monotonic() - w.started, info))
+            self._deliver(RewardResult(w.job.request_id, 0.0, reason, self._clock() - w.started, info))
         self._stop_worker(w, graceful=False)
         with self._lock:
             self._counts["worker_restarts"] += 1
@@ -361,7 +364,7 @@ class RewardService:
                     return
                 item = self._pending.popleft()
                 self._cond.notify_all()
-            w.started = time.monotonic()
+            w.started = self._clock()
             try:
                 w.conn.send(item)
                 w.job = item
@@ -381,7 +384,7 @@ class RewardService:
                         self._wake_r.recv_bytes()
                 elif obj in conns:
                     self._receive(conns[obj])
-            now = time.monotonic()
+            now = self._clock()
             for i, w in enumerate(self._workers):
                 if w.job is not None and now - w.started > self.cfg.timeout_s:
                     self._replace(i, "timeout", f"no result after {self.cfg.timeout_s}s; worker replaced")

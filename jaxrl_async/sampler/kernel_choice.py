@@ -91,6 +91,7 @@ def resolve(
     make_runner: Callable[[SamplerConfig], Callable[[], None]] | None,
     rounds: int = 3,
     min_bytes: int = MIN_TIMED_BYTES,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Choice:
     """Concrete kernels for `cfg` (see module doc).
 
@@ -100,6 +101,8 @@ def resolve(
         CPU candidates then resolve to xla.
       rounds: timed calls per candidate (after one warm-up call that compiles).
       min_bytes: weights below this resolve to xla without timing.
+      clock: seconds, read around each timed call (tests pass a clock the runners advance, so the choice
+        they check does not depend on how loaded the host is).
     """
     auto = [n for n in ("attention", "linear") if getattr(cfg, n) == "auto"]
     if not auto:
@@ -126,13 +129,15 @@ def resolve(
         return Choice(attention, linear, "cached", "timed earlier in this process", step_ms)
     options = [(fixed[n],) if n in fixed else ("xla", "cpu_kernel") for n in ("attention", "linear")]
     candidates = list(itertools.product(*options))
-    step_ms = time_candidates(cfg, candidates, make_runner, rounds)
+    step_ms = time_candidates(cfg, candidates, make_runner, rounds, clock)
     attention, linear = min(candidates, key=lambda c: step_ms[f"{c[0]}/{c[1]}"])
     _DECISIONS[key] = (attention, linear, step_ms)
     return Choice(attention, linear, "timed", "fastest decode step of the candidates", step_ms)
 
 
-def time_candidates(cfg: SamplerConfig, candidates, make_runner, rounds: int) -> dict[str, float]:
+def time_candidates(
+    cfg: SamplerConfig, candidates, make_runner, rounds: int, clock: Callable[[], float] = time.perf_counter
+) -> dict[str, float]:
     """Median ms per decode step of each (attention, linear) candidate, timed alternately."""
     runners = {}
     for attention, linear in candidates:
@@ -142,9 +147,9 @@ def time_candidates(cfg: SamplerConfig, candidates, make_runner, rounds: int) ->
     times: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(rounds):
         for name, run in runners.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             run()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     # The candidate engines (weights, caches) sit in reference cycles (jitted bound methods): free them now
     # rather than at some later collection, before the chosen engine allocates its own.
     runners.clear()
