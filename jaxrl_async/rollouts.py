@@ -154,7 +154,8 @@ class RolloutQueue:
 
 
 def staleness_stats(groups: list[list[Rollout]], trainer_version: int) -> dict[str, Any]:
-    """Head and per-token staleness of a train batch."""
+    """Head and per-token staleness of a train batch, and the fraction of its samples whose tokens came
+    from more than one policy version (weights updated in flight; 0 with the "finish" update mode)."""
     rollouts = [r for g in groups for r in g]
     head = np.array([trainer_version - r.start_version for r in rollouts], np.int64)
     tok = np.concatenate(
@@ -166,6 +167,7 @@ def staleness_stats(groups: list[list[Rollout]], trainer_version: int) -> dict[s
         "head_max": int(head.max()) if head.size else 0,
         "token_mean": float(tok.mean()) if tok.size else 0.0,
         "token_max": int(tok.max()) if tok.size else 0,
+        "mixed_frac": float(np.mean([len(np.unique(r.versions)) > 1 for r in rollouts])) if rollouts else 0.0,
         "head_values": head,
         "token_values": tok,
     }

@@ -74,6 +74,7 @@ def test_staleness_stats_head_vs_token():
     assert stats["head_max"] == 4 and stats["head_mean"] == 2.0
     np.testing.assert_array_equal(np.sort(stats["token_values"]), [0, 0, 1, 4, 4])
     assert stats["token_mean"] == pytest.approx(9 / 5)
+    assert stats["mixed_frac"] == 0.5  # the first sample's tokens came from versions 1, 4 and 5
 
 
 def test_weight_sync_reshards_into_sampler_layout_and_keeps_values():

@@ -81,6 +81,7 @@ def staleness_values(st: dict[str, Any], dropped_groups: int) -> dict[str, float
         "staleness/max": float(st["head_max"]),
         "staleness/token_mean": st["token_mean"],
         "staleness/token_max": float(st["token_max"]),
+        "staleness/mixed_frac": st["mixed_frac"],
         "staleness/dropped_groups": float(dropped_groups),
     }
 
