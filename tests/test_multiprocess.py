@@ -98,12 +98,15 @@ def test_roles_and_flags_are_validated_before_anything_connects():
 
 
 def test_bad_process_layout_fails_fast_naming_the_flag(tmp_path):
+    """Every process refuses the layout itself, before it connects: none reaches its role (the line
+    "process i of 3: ..." follows the connection) and none has to be stopped by the launcher."""
     flags = _flags(tmp_path, **{"mesh.sampler_processes": "(1,)", "mesh.trainer_processes": "(0,)"})
-    t0 = time.monotonic()
     res = _launch(3, 1, flags, timeout=120)
     assert res.returncode != 0
     assert "process(es) [2] are in neither config.mesh.sampler_processes" in res.stdout
-    assert time.monotonic() - t0 < 60  # nothing compiled, nothing waited for a missing peer
+    assert not re.search(r"process \d of 3: ", res.stdout), res.stdout[-3000:]
+    assert set(re.findall(r"\[launcher\] process (\d) exited with status 1", res.stdout)) == {"0", "1", "2"}
+    assert "killed by" not in res.stdout
 
 
 def test_sampler_and_trainer_processes_sync_weights_every_step(tmp_path):
@@ -180,8 +183,9 @@ def test_trainer_mesh_over_three_processes_with_one_sampler(tmp_path):
 
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_killed_process_ends_every_process(tmp_path, victim):
-    """SIGKILL one process mid-run: the others exit non-zero within 60 s, and the message names it; the
-    same cluster started again resumes from the last checkpoint."""
+    """SIGKILL one process mid-run: the others exit non-zero, and the message says why (the dead peer, by
+    name or through the heartbeat; the launcher's 10 s heartbeat timeout bounds the wait, and a 90 s limit
+    only guards against a hang); the same cluster started again resumes from the last checkpoint."""
     flags = _flags(
         tmp_path,
         **{"total_steps": 1000, "eval_every": 0, "mesh.sampler_processes": "(1,)"},
@@ -203,15 +207,12 @@ def test_a_killed_process_ends_every_process(tmp_path, victim):
                 break
         assert len(pids) == 2, "".join(lines)
         os.kill(pids[victim], signal.SIGKILL)
-        killed = time.monotonic()
         out, _ = proc.communicate(timeout=90)
-        elapsed = time.monotonic() - killed
     finally:
         if proc.poll() is None:
             proc.kill()
     text = "".join(lines) + out
     assert proc.returncode != 0
-    assert elapsed < 60, f"took {elapsed:.0f} s"
     assert f"[launcher] process {victim} was killed by SIGKILL" in text
     survivor = 1 - victim
     assert re.search(
@@ -319,9 +320,9 @@ def test_replica_over_two_processes_applies_in_flight_updates_on_every_member(tm
 
 
 def test_a_killed_replica_member_ends_the_run(tmp_path):
-    """SIGKILL the replica's non-leader member mid-run: every process exits non-zero within 60 s, and the
-    leader's error names process 2 (the collective it waited in only names a socket), or JAX's heartbeat does
-    when that collective hangs instead of failing."""
+    """SIGKILL the replica's non-leader member mid-run: every process exits non-zero (a 90 s limit only
+    guards against a hang), and the leader's error names process 2 (the collective it waited in only
+    names a socket), or JAX's heartbeat does when that collective hangs instead of failing."""
     flags = _flags(tmp_path, **REPLICA, **{"total_steps": 1000, "eval_every": 0, "checkpoint_every": 0})
     proc = _launch(3, 2, flags, popen=True)
     pids, lines = {}, []
@@ -337,15 +338,12 @@ def test_a_killed_replica_member_ends_the_run(tmp_path):
                 break
         assert len(pids) == 3, "".join(lines)
         os.kill(pids[2], signal.SIGKILL)
-        killed = time.monotonic()
         out, _ = proc.communicate(timeout=90)
-        elapsed = time.monotonic() - killed
     finally:
         if proc.poll() is None:
             proc.kill()
     text = "".join(lines) + out
     assert proc.returncode != 0
-    assert elapsed < 60, f"took {elapsed:.0f} s"
     assert "[launcher] process 2 was killed by SIGKILL" in text
     for survivor in (0, 1):
         assert re.search(

@@ -216,9 +216,6 @@ def test_lent_core_with_the_shared_paces_measured_side_by_side():
 
 
 def test_rendezvous_waits_for_its_peer_and_works_meanwhile(tmp_path):
-    import threading
-    import time
-
     from jaxrl_async.runtime.calibration import Rendezvous
 
     meet = Rendezvous(str(tmp_path), "sampler", "trainer", timeout_s=0.3)
@@ -226,11 +223,15 @@ def test_rendezvous_waits_for_its_peer_and_works_meanwhile(tmp_path):
         meet.wait("ready")
     meet.timeout_s = 30.0
     peer = Rendezvous(str(tmp_path), "trainer", "sampler")
-    threading.Timer(0.3, peer.mark, ("done",)).start()
     calls = []
-    t0 = time.monotonic()
-    meet.wait("done", lambda: (calls.append(1), time.sleep(0.01)))
-    assert time.monotonic() - t0 >= 0.25 and len(calls) > 5  # it kept working until the peer was done
+
+    def work():  # the peer marks "done" on the 10th call: the wait must keep working until then, no longer
+        calls.append(1)
+        if len(calls) == 10:
+            peer.mark("done")
+
+    meet.wait("done", work)
+    assert len(calls) == 10  # it worked until the peer was done, and stopped as soon as it was
 
 
 @pytest.mark.parametrize("role", ["sampler", "trainer"])
