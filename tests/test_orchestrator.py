@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from configs import tiny_arith
-from jaxrl_async.model import forward_logits, init_params
+from jaxrl_async.model import forward_logits, init_params, load_hf
 from jaxrl_async.run_config import ConfigError, validate
 from jaxrl_async.runtime.checkpoint import load_policy
 from jaxrl_async.runtime.metrics import SCALAR_TAGS, read_scalars
@@ -304,3 +304,27 @@ def test_trainer_steps_while_an_evaluation_is_in_progress(tmp_path, eval_weights
         assert max(versions_during_eval) > min(versions_during_eval), versions_during_eval
     finally:
         proc.close()
+
+
+def test_warm_start_trains_once_then_loads_from_its_cache(tmp_path):
+    """config.warm_start with a cache: the first run trains it and writes the cache; a second run of the
+    same config (another workdir) loads it, trains nothing, and starts RL from the same weights."""
+    # The task's own reward (arithmetic): "format" would score the untrained model 1.0, and nothing trains.
+    ws = {"warm_start.enabled": True, "warm_start.max_steps": 3, "warm_start.batch": 8,
+          "warm_start.eval_every": 3, "warm_start.target_accuracy": 1.0,
+          "warm_start.cache_dir": str(tmp_path / "cache"),
+          "reward.reward": ""}  # fmt: skip
+    runs = [
+        run_from_config(_small(tmp_path / name, mode="sync", total_steps=1, eval_every=0, verify_weights=True,
+                               **ws))  # fmt: skip
+        for name in ("first", "second")
+    ]
+    first, second = (r["warm_start"] for r in runs)
+    assert first["cached"] is False and first["steps"] == 3
+    assert second["cached"] is True and second["steps"] == 0 and second["accuracy"] == first["accuracy"]
+    (key,) = os.listdir(tmp_path / "cache")  # one warm start, one entry
+    model_cfg, cached = load_hf(str(tmp_path / "cache" / key))
+    # Both runs started from the cached weights (version 0), which the warm start moved from the init.
+    start = [r["weight_checksums"]["learner"][0] for r in runs]
+    assert start[0] == start[1] == pytest.approx(checksum(cached), rel=1e-6)
+    assert checksum(init_params(model_cfg, jax.random.key(0))) != pytest.approx(start[0], rel=1e-6)
