@@ -233,6 +233,60 @@ def test_a_killed_process_ends_every_process(tmp_path, victim):
     _checksums_equal_from(summary, summary["evals"][0]["step"])
 
 
+def _start_running(tmp_path, flags, n=2, devices=1, timeout_s=300):
+    """Launches the cluster and reads its output until a train step is logged and a checkpoint exists;
+    returns (process, {process id: pid}, lines read)."""
+    proc = _launch(n, devices, flags, popen=True)
+    pids, lines = {}, []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        m = re.match(r"\[launcher\] process (\d+).*: pid (\d+)", line)
+        if m:
+            pids[int(m.group(1))] = int(m.group(2))
+        ckpt = tmp_path / "checkpoints"
+        if re.search(r"step \d+ \|", line) and ckpt.exists() and any(d.isdigit() for d in os.listdir(ckpt)):
+            break
+    assert len(pids) == n, "".join(lines)
+    return proc, pids, lines
+
+
+def test_sigterm_on_the_sampler_process_saves_and_stops_the_run(tmp_path):
+    """SIGTERM on a process that is not the lead (the sampler): it asks the learner lead to save after
+    the step in flight and stop; every process then exits cleanly, and the checkpoint is the last step."""
+    layout = {"mesh.sampler_processes": "(1,)", "mesh.trainer_processes": "(0,)"}
+    flags = _flags(tmp_path, **{"total_steps": 1000, "eval_every": 0}, **layout)
+    proc, pids, lines = _start_running(tmp_path, flags)
+    try:
+        os.kill(pids[1], signal.SIGTERM)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(lines) + out
+    assert proc.returncode == 0, text[-4000:]
+    assert "process 1 got SIGTERM: saving after the step in flight, then stopping" in text
+    with open(tmp_path / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["preempted"] and 1 <= summary["steps"] < 1000
+    saved = max(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
+    assert saved == summary["steps"]
+
+
+def test_an_exception_in_the_sampler_process_stops_the_lead_with_its_reason(tmp_path):
+    """A Python exception on process 1 (its reward service cannot import a module the config names): the
+    lead stops too, and its error names process 1, its role and the exception."""
+    layout = {"mesh.sampler_processes": "(1,)", "mesh.trainer_processes": "(0,)"}
+    flags = _flags(tmp_path, **{"eval_every": 0, "reward.imports": "('no_such_module_q57',)"}, **layout)
+    res = _launch(2, 1, flags, timeout=300)
+    assert res.returncode != 0
+    text = res.stdout
+    lead = [line for line in text.splitlines() if line.startswith("[p0]")]
+    assert any(re.search(r"process 1 \(sampler 0\) failed: .*ModuleNotFoundError.*no_such_module_q57", line)
+               for line in lead), text[-4000:]  # fmt: skip
+
+
 # ----- a sampler replica that spans processes --------------------------------------------------------
 
 REPLICA = {"mesh.sampler": "(2,2)", "mesh.trainer": "(2,1)"}  # 3 processes x 2 devices: trainer, 2 members
