@@ -128,6 +128,26 @@ def test_sampler_and_trainer_processes_sync_weights_every_step(tmp_path):
     assert "process 1 of 2: sampler 0" in res.stdout and "process 0 of 2: learner lead" in res.stdout
 
 
+def test_two_sampler_replicas_share_eta_get_every_version_and_only_actor_0_evaluates(tmp_path):
+    """A trainer process and two sampler replicas (one process each): admission across both actors stays
+    within eta (= 1) at every step, every version reaches both replicas (equal checksums), and only actor
+    0 evaluates (one held-out result per evaluated version)."""
+    layout = {"mesh.sampler_processes": "(1,2)", "mesh.trainer_processes": "(0,)"}
+    flags = _flags(tmp_path, **{"mesh.sampler": "(1,1)", "mesh.trainer": "(1,1)"}, **layout)
+    res = _launch(3, 1, flags)
+    assert res.returncode == 0, res.stdout[-4000:]
+    with open(tmp_path / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["processes"] == 3 and summary["steps"] == 4
+    assert sorted(summary["weight_checksums"]["actors"]) == ["0", "1"]
+    _checksums_equal(summary)  # both replicas hold the trainer's weights after every version
+    assert summary["max_admission_ahead"] <= 1 and summary["staleness_max"] <= 1
+    scalars = read_scalars(str(tmp_path / "tb"))
+    assert all(v <= 1 for _, v in scalars["staleness/token_max"]) and len(scalars["staleness/token_max"]) == 4
+    assert [e["step"] for e in summary["evals"]] == [0, 2, 4]
+    assert "process 1 of 3: sampler 0" in res.stdout and "process 2 of 3: sampler 1" in res.stdout
+
+
 def test_two_trainer_processes_match_one_process(tmp_path):
     """1 sampler + 2 trainer processes, sync mode, fixed seeds: the same losses as one process with the
     same trainer mesh shape."""

@@ -328,3 +328,34 @@ def test_warm_start_trains_once_then_loads_from_its_cache(tmp_path):
     start = [r["weight_checksums"]["learner"][0] for r in runs]
     assert start[0] == start[1] == pytest.approx(checksum(cached), rel=1e-6)
     assert checksum(init_params(model_cfg, jax.random.key(0))) != pytest.approx(start[0], rel=1e-6)
+
+
+def test_a_second_sigint_aborts_and_a_first_signal_asks_to_stop():
+    """The run's signal handlers (installed in the main thread, as pytest runs tests): the first SIGTERM
+    or SIGINT is recorded for the event loop (save after the step in flight, then stop); a second SIGTERM
+    changes nothing; a SIGINT after either aborts at once (KeyboardInterrupt). raise_signal delivers to
+    this thread before it returns (a kill of the process could land on one of JAX's threads later)."""
+    import signal
+
+    from jaxrl_async.runtime.orchestrator import _StopSignals
+
+    before = signal.getsignal(signal.SIGINT)
+    signals = _StopSignals()
+    try:
+        signal.raise_signal(signal.SIGTERM)
+        assert signals.received == "SIGTERM"
+        signal.raise_signal(signal.SIGTERM)
+        assert signals.received == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        signals.restore()
+    assert signal.getsignal(signal.SIGINT) is before
+    signals = _StopSignals()
+    try:
+        signal.raise_signal(signal.SIGINT)
+        assert signals.received == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        signals.restore()
