@@ -205,7 +205,8 @@ def test_trainer_mesh_over_three_processes_with_one_sampler(tmp_path):
 def test_a_killed_process_ends_every_process(tmp_path, victim):
     """SIGKILL one process mid-run: the others exit non-zero, and the message says why (the dead peer, by
     name or through the heartbeat; the launcher's 10 s heartbeat timeout bounds the wait, and a 90 s limit
-    only guards against a hang); the same cluster started again resumes from the last checkpoint."""
+    only guards against a hang); the same cluster started again resumes from the last checkpoint, with
+    the sampler's weights equal to the trainer's at every version and the ledger whole."""
     flags = _flags(
         tmp_path,
         **{"total_steps": 1000, "eval_every": 0, "mesh.sampler_processes": "(1,)"},
@@ -251,6 +252,16 @@ def test_a_killed_process_ends_every_process(tmp_path, victim):
         summary = json.load(f)
     assert summary["steps"] == 5 and summary["evals"][0]["step"] >= 1  # from a checkpoint, not from 0
     _checksums_equal_from(summary, summary["evals"][0]["step"])
+    # The ledger across the kill: versions 1..5 without a gap, each trained on a full batch, and no
+    # prompt trained twice (a version retrained after the resume counts by its last line).
+    trained = {}
+    with open(tmp_path / "trained_uids.jsonl") as f:
+        for line in f:
+            row = json.loads(line)
+            trained[row["version"]] = row["uids"]
+    assert sorted(trained) == [1, 2, 3, 4, 5]
+    uids = [u for v in sorted(trained) for u in trained[v]]
+    assert all(len(trained[v]) == 4 for v in trained) and len(set(uids)) == len(uids), trained
 
 
 def _start_running(tmp_path, flags, n=2, devices=1, timeout_s=300):
