@@ -289,18 +289,18 @@ def test_trainer_steps_while_an_evaluation_is_in_progress(tmp_path, eval_weights
     proc = build_local(_small(tmp_path, total_steps=3, eval_every=0, eval_prompts=32, eval_slots=2,
                               eval_weights=eval_weights))  # fmt: skip
     try:
-        actor, learner = proc.actor, proc.learner
+        evals, learner = proc.actor.eval_schedule, proc.learner
         versions_during_eval, rounds = set(), 0
-        while not actor.evals:  # until the evaluation of version 0 ends
+        while not evals.results:  # until the evaluation of version 0 ends
             rounds += 1
-            assert rounds < 20_000, actor.describe()
+            assert rounds < 20_000, proc.actor.describe()
             for role in proc.roles:
                 role.poll()
             if learner.inflight is not None:
                 jax.block_until_ready(learner.inflight.metrics)
-            if actor.evaluating == 0:
+            if evals.running is not None and evals.running.version == 0:
                 versions_during_eval.add(learner.version)
-        assert actor.evals[0][0] == 0 and actor.sample_calls_during_eval >= 1
+        assert evals.results[0][0] == 0 and evals.sample_calls_during >= 1
         assert max(versions_during_eval) > min(versions_during_eval), versions_during_eval
     finally:
         proc.close()

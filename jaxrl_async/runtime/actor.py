@@ -115,11 +115,6 @@ class Actor:
     def endpoint(self) -> str:
         return f"actor:{self.cfg.index}"
 
-    @property
-    def evaluating(self) -> int | None:
-        """The version whose evaluation is in progress (None: none is)."""
-        return None if self._eval is None else self._eval.version
-
     # ----- the event loop -----
 
     def poll(self) -> bool:
