@@ -9,7 +9,6 @@ built from that dataclass's defaults, so the dataclass docstring is the one plac
 from __future__ import annotations
 
 import dataclasses
-import os
 import types
 import typing
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
+from jaxrl_async import storage
 from jaxrl_async.data import DataConfig
 from jaxrl_async.model.config import ATTENTION, DTYPES
 from jaxrl_async.rewards import RewardConfig
@@ -131,7 +131,7 @@ class ModelSection:
     def __post_init__(self):
         if not self.preset and not self.checkpoint:
             raise ConfigError(
-                "config.model.checkpoint: required (a local HF checkpoint directory), "
+                "config.model.checkpoint: required (an HF checkpoint directory, local or gs://), "
                 "or set config.model.preset"
             )
         for name, allowed in (("dtype", DTYPES), ("param_dtype", DTYPES), ("attention", ATTENTION)):
@@ -141,7 +141,7 @@ class ModelSection:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ConfigError(f"config.model.{name}: must be an integer >= 0 (0 = {what}), got {v!r}")
-        if self.checkpoint and not os.path.isdir(self.checkpoint):
+        if self.checkpoint and not storage.isdir(self.checkpoint):
             raise ConfigError(f"config.model.checkpoint: directory {self.checkpoint!r} not found")
 
 
@@ -380,7 +380,7 @@ def run_sections(c: dict[str, Any]) -> dict[str, Any]:
 def _check_data_files(run: RunConfig, num_devices: int | None) -> None:
     for field in ("path", "eval_path"):
         path = getattr(run.data, field)
-        if path and not os.path.exists(path):
+        if path and not storage.exists(path):
             raise ConfigError(f"config.data.{field}: file {path!r} not found")
 
 

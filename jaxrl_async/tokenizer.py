@@ -7,6 +7,8 @@ import os
 from collections.abc import Sequence
 from typing import Protocol
 
+from jaxrl_async import storage
+
 
 class Tokenizer(Protocol):
     """What the rest of the stack needs from a tokenizer."""
@@ -92,6 +94,7 @@ class HFTokenizer:
     def __init__(self, path: str):
         from tokenizers import Tokenizer as _Tok
 
+        path = storage.local_dir(path)  # a gs:// directory: this host's copy of its files
         tok_file = os.path.join(path, "tokenizer.json")
         if not os.path.exists(tok_file):
             raise FileNotFoundError(f"no tokenizer.json in {path}")

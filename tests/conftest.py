@@ -49,3 +49,15 @@ def pytest_runtest_makereport(item, call):
         f"{why}\nThis suite needs {host_caps.CAPABILITIES[cap]}, which CI's hosts have: its skip fails. "
         f"On a host that cannot have it, set {host_caps.ALLOW_ENV}={cap} to let it skip."
     )
+
+
+@pytest.fixture(scope="session")
+def bucket(tmp_path_factory):
+    """gs://jaxrl-test served on localhost by a GCS emulator for the whole session (one process; tests
+    keep to prefixes of their own). Its environment is set in os.environ, which subprocesses inherit."""
+    pytest.importorskip("gcp_storage_emulator", reason="the 'test' extra's GCS emulator")
+    from jaxrl_async.cli.local_bucket import LocalBucket
+
+    log = tmp_path_factory.mktemp("bucket") / "emulator.log"  # every request, for a failure's post-mortem
+    with LocalBucket("jaxrl-test", log_path=str(log)) as b:
+        yield b

@@ -55,7 +55,7 @@ print(json.dumps(sorted(set(sys.modules) - before)))
 LIBRARIES = ("jaxrl_async.model", "jaxrl_async.data", "jaxrl_async.sampler", "jaxrl_async.rewards",
              "jaxrl_async.trainer", "jaxrl_async.perf", "jaxrl_async.rollouts", "jaxrl_async.sharding",
              "jaxrl_async.tokenizer", "jaxrl_async.run_config", "jaxrl_async.paging",
-             "jaxrl_async.letters")  # fmt: skip
+             "jaxrl_async.letters", "jaxrl_async.storage")  # fmt: skip
 
 
 @pytest.mark.parametrize("package", LIBRARIES)
@@ -65,7 +65,7 @@ def test_libraries_import_nothing_from_the_runtime(package):
     module_only = ("import importlib, json, sys; importlib.import_module({package!r}); "
                    "print(json.dumps(sorted(sys.modules)))")
     is_module = package.rsplit(".", 1)[-1] in ("rollouts", "sharding", "tokenizer", "run_config", "paging",
-                                               "letters")  # fmt: skip
+                                               "letters", "storage")  # fmt: skip
     code = (module_only if is_module else _IMPORT_ALL).format(package=package)
     modules = _modules_after(code)
     assert package in modules

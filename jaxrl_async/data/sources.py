@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from typing import Any
 
 import grain
 import numpy as np
 
+from jaxrl_async import storage
 from jaxrl_async.data.prompt import SYNTHETIC_TASKS, DataConfig, Prompt, is_heldout
 from jaxrl_async.data.synthetic import synthetic_distinct, synthetic_example
 
@@ -32,7 +32,7 @@ _UNPARSED = ("malformed JSON", "not a JSON object")
 
 def _rows_jsonl(path: str, skips: dict[str, list[int]]):
     """Yields (line number, dict) for well-formed lines; malformed ones are recorded in `skips`."""
-    with open(path, encoding="utf-8") as f:
+    with storage.path(path).open("r", encoding="utf-8") as f:  # a gs:// path too
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -50,7 +50,8 @@ def _rows_jsonl(path: str, skips: dict[str, list[int]]):
 def _rows_parquet(path: str, required: list[str], skips: dict[str, list[int]]):
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path)
+    with storage.path(path).open("rb") as f:  # pyarrow's own gs:// support would bypass epath's settings
+        table = pq.read_table(f)
     for name in required:
         if name not in table.column_names:
             raise ValueError(
@@ -72,7 +73,7 @@ def load_records(cfg: DataConfig, path: str) -> list[dict[str, Any]]:
     rows = _rows_parquet(path, required, skips) if parquet else _rows_jsonl(path, skips)
     seen_fields: set[str] = set()
     records, total = [], 0
-    base = os.path.basename(path)
+    base = storage.path(path).name  # the same uids whether the file is local or in a bucket
     for lineno, row in rows:
         total += 1
         seen_fields.update(k for k, v in row.items() if v is not None)

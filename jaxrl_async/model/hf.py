@@ -16,6 +16,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from jaxrl_async import storage
 from jaxrl_async.model.config import ModelConfig, from_hf_config, to_hf_config
 from jaxrl_async.model.params import ParamSpec, param_shardings, param_specs
 from jaxrl_async.sharding import Rules
@@ -168,7 +169,7 @@ def load_hf(
     param_dtype: str = "float32",
     attention: str = "auto",
 ):
-    """Loads a local HF checkpoint directory.
+    """Loads an HF checkpoint directory (a gs:// one is first copied to this host, `storage.local_dir`).
 
     Args:
       path: directory with config.json and *.safetensors (optionally model.safetensors.index.json).
@@ -184,6 +185,7 @@ def load_hf(
     Raises:
       ValueError / FileNotFoundError naming the missing file, tensor or field, or the mismatched shape.
     """
+    path = storage.local_dir(path)
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"{path}: no config.json")

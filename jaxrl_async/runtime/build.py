@@ -12,13 +12,13 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import time
 
 import jax
 import numpy as np
 from tqdm import tqdm
 
+from jaxrl_async import storage
 from jaxrl_async.data import held_out_prompts, make_prompt_iterator, prompt_at, reference_completion
 from jaxrl_async.data.length_caps import length_cap_fn
 from jaxrl_async.data.prompt import SYNTHETIC_TASKS
@@ -77,13 +77,15 @@ def validate_for(config, cluster) -> RunConfig:
 
 
 def tokenizer_path(run: RunConfig) -> str:
+    """The tokenizer's directory as given (absolute if local; a gs:// URL stays one, so model.json names a
+    place every host can read), or "char"."""
     path = run.tokenizer or run.model.checkpoint or "char"
-    return path if path == "char" else os.path.abspath(path)
+    return path if path == "char" else storage.resolve(path)
 
 
 def build_tokenizer(run: RunConfig) -> Tokenizer:
     path = tokenizer_path(run)
-    if path != "char" and not os.path.isdir(path):
+    if path != "char" and not storage.isdir(path):
         raise ConfigError(
             f"config.tokenizer / config.model.checkpoint: tokenizer directory {path!r} not found"
         )
@@ -94,8 +96,8 @@ def model_config(run: RunConfig, tokenizer: Tokenizer) -> ModelConfig:
     """The model's shape from the HF checkpoint's config.json or the preset (no weights are read)."""
     m = run.model
     if m.checkpoint:
-        with open(os.path.join(m.checkpoint, "config.json")) as f:
-            cfg = from_hf_config(json.load(f), m.dtype, m.param_dtype, m.attention)
+        text = storage.read_text(storage.join(m.checkpoint, "config.json"))
+        cfg = from_hf_config(json.loads(text), m.dtype, m.param_dtype, m.attention)
     else:
         vocab = m.vocab_size or -(-tokenizer.vocab_size // 8) * 8
         if vocab < tokenizer.vocab_size:
@@ -271,7 +273,7 @@ def train_state(run: RunConfig, model_cfg: ModelConfig, mesh, params) -> TrainSt
 def checkpoints(run: RunConfig, cluster, model_cfg: ModelConfig) -> RunCheckpoints:
     roles = cluster.roles
     ckpt = RunCheckpoints(
-        os.path.join(run.workdir, "checkpoints"),
+        storage.join(run.workdir, "checkpoints"),
         keep=run.checkpoint.keep,
         processes=roles.trainers if roles.multi else None,
     )
@@ -361,7 +363,7 @@ def build_process(config, cluster: Cluster, transport, key: bytes | None = None,
     tokenizer = build_tokenizer(run)
     model_cfg = model_config(run, tokenizer)
     scfg = sampler_config(run, tokenizer)
-    os.makedirs(run.workdir, exist_ok=True)
+    storage.makedirs(run.workdir)
     t_mesh = trainer_mesh(run, cluster)
     local_weights = None
     if pid in roles.trainers:
@@ -447,7 +449,7 @@ def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
         core.version,
         coordinator_state or None,
         lookup=functools.partial(prompt_at, run.data, tokenizer),
-        trained_log=os.path.join(run.workdir, "trained_uids.jsonl"),
+        trained_log=storage.join(run.workdir, "trained_uids.jsonl"),
     )
     proc.coordinator = coordinator
     proc.closers.append(coordinator.close)

@@ -6,6 +6,9 @@ lead must be process 0: orbax 0.12.8 writes array metadata, host (numpy) arrays 
 process 0 only (a run whose trainer state lives on one process saves it through host memory, see
 `_host_local`).
 
+The directory may be a bucket (gs://...): orbax and tensorstore write there directly, and every other
+path here goes through `jaxrl_async.storage` (never `os.path`, which would make `gs://b/run` a local folder).
+
 Beside the steps, `model.json` records the model config and tokenizer, so a policy can be loaded from a run
 directory alone (`load_policy`, used by jaxrl-generate).
 """
@@ -13,11 +16,8 @@ directory alone (`load_policy`, used by jaxrl-generate).
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import logging
-import os
-import shutil
 import time
 
 import jax
@@ -25,6 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as cm
 
+from jaxrl_async import storage
 from jaxrl_async.model import ModelConfig, abstract_params
 from jaxrl_async.model.config import RopeScaling
 
@@ -88,14 +89,14 @@ class RunCheckpoints:
 
     def __init__(self, directory: str, keep: int = 3, processes=None):
         """`processes`: the trainer processes of a multi-process run (None: every process)."""
-        self.directory = os.path.abspath(directory)
+        self.directory = storage.resolve(directory)
         mp = ocp.options.MultiprocessingOptions(
             primary_host=0,
             active_processes=None if processes is None else set(processes),
             barrier_sync_key_prefix=None if processes is None else "trainers",
         )
         if processes is not None:  # orbax creates the root itself only when every process takes part
-            os.makedirs(self.directory, exist_ok=True)
+            storage.makedirs(self.directory)
         policy = cm.AnyPreservationPolicy(
             [
                 cm.LatestN(n=keep),
@@ -167,8 +168,11 @@ class RunCheckpoints:
         list the failed one) and warns; returns the last good checkpoint, described."""
         self.failures += 1
         if jax.process_index() == 0:  # orbax's primary host writes the step directory
-            for partial in glob.glob(os.path.join(self.directory, f"{version}{_PARTIAL}*")):
-                shutil.rmtree(partial, ignore_errors=True)
+            for partial in storage.path(self.directory).glob(f"{version}{_PARTIAL}*"):
+                try:
+                    partial.rmtree()
+                except OSError as e:  # a leftover is harmless (orbax skips it); say so and go on
+                    log.warning("could not remove the partial checkpoint %s (%s)", partial, e)
         self.manager.reload()
         steps = self.manager.all_steps()
         last = f"version {max(steps)} in {self.directory}" if steps else f"none (in {self.directory})"
@@ -216,16 +220,16 @@ class RunCheckpoints:
 
 def write_model_info(directory: str, model_cfg: ModelConfig, tokenizer: str) -> None:
     """Records the model config and tokenizer (a directory or "char") beside a run's checkpoints."""
-    os.makedirs(directory, exist_ok=True)
+    storage.makedirs(directory)
     info = {"model": dataclasses.asdict(model_cfg), "tokenizer": tokenizer}
-    with open(os.path.join(directory, MODEL_FILE), "w") as f:
-        json.dump(info, f, indent=1)
+    storage.write_text(storage.join(directory, MODEL_FILE), json.dumps(info, indent=1))
 
 
 def find_checkpoints(path: str) -> str | None:
     """The checkpoints directory for a run workdir, its checkpoints directory or one step in it."""
-    for d in (path, os.path.join(path, "checkpoints"), os.path.dirname(os.path.abspath(path))):
-        if os.path.exists(os.path.join(d, MODEL_FILE)):
+    path = storage.resolve(path)
+    for d in (path, storage.join(path, "checkpoints"), str(storage.path(path).parent)):
+        if storage.exists(storage.join(d, MODEL_FILE)):
             return d
     return None
 
@@ -246,21 +250,21 @@ def load_policy(path: str, mesh, rules, step: int | None = None) -> tuple[ModelC
     directory = find_checkpoints(path)
     if directory is None:
         raise FileNotFoundError(f"{path}: no {MODEL_FILE} in it, its checkpoints/ or its parent")
-    with open(os.path.join(directory, MODEL_FILE)) as f:
-        info = json.load(f)
+    info = json.loads(storage.read_text(storage.join(directory, MODEL_FILE)))
     m = dict(info["model"])
     if m.get("rope_scaling") is not None:
         m["rope_scaling"] = RopeScaling(**m["rope_scaling"])
     model_cfg = ModelConfig(**m)
-    if step is None and os.path.abspath(path) != directory and os.path.basename(path).isdigit():
-        step = int(os.path.basename(path))
+    name = storage.path(path).name
+    if step is None and storage.resolve(path) != directory and name.isdigit():
+        step = int(name)
     manager = ocp.CheckpointManager(directory)
     step = manager.latest_step() if step is None else step
     if step is None or step not in manager.all_steps():
         raise FileNotFoundError(f"{directory}: no checkpoint step {step} (saved: {manager.all_steps()})")
     target = {"params": abstract_params(model_cfg, mesh, rules)}
     restored = ocp.PyTreeCheckpointer().restore(
-        os.path.join(directory, str(step), "state"),
+        storage.join(directory, str(step), "state"),
         args=ocp.args.PyTreeRestore(
             item=target,
             restore_args=ocp.checkpoint_utils.construct_restore_args(target),

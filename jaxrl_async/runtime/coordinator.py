@@ -29,6 +29,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from jaxrl_async import storage
 from jaxrl_async.rollouts import StalenessController
 from jaxrl_async.runtime.messages import TicketRequest, Tickets, Trained
 
@@ -64,7 +65,7 @@ class Coordinator:
         self.max_ahead = 0  # the most versions admission ever ran ahead of training (<= max_staleness)
         self.regranted = 0
         self.filtered = 0  # groups dynamic sampling discarded (their budget returned)
-        self._log = open(trained_log, "a") if trained_log else None  # noqa: SIM115 - closed in close()
+        self._log = storage.AppendLog(trained_log) if trained_log else None  # a bucket path too
         if state is None:
             self.controller.started = version * batch_prompts
             return
@@ -97,8 +98,7 @@ class Coordinator:
         self.version = max(self.version, m.version)
         keys = [self.in_flight.pop(gid).key for gid in m.group_ids if gid in self.in_flight]
         if self._log is not None and m.group_ids:
-            self._log.write(json.dumps({"version": m.version, "uids": keys}) + "\n")
-            self._log.flush()
+            self._log.write(json.dumps({"version": m.version, "uids": keys}))
         for gid in m.dropped:  # too stale to train: start it again, on the budget it already holds
             if gid in self.in_flight:
                 self.retry.append(gid)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import os
+import time
 from collections.abc import Mapping
 
 import numpy as np
+
+from jaxrl_async import storage
 
 # Scalar tags every run writes (README "Configs"); tests and benchmarks/device_check.sh check for them.
 SCALAR_TAGS = (
@@ -41,17 +43,23 @@ SCALAR_TAGS = (
 
 
 class MetricsWriter:
-    """Writes scalars, histograms and text under `workdir/tb` (process 0 only)."""
+    """Writes scalars, histograms and text under `workdir/tb` (process 0 only).
 
-    def __init__(self, workdir: str, enabled: bool = True):
+    A bucket workdir (gs://...): the event file is written in a local staging folder (the writer appends,
+    an object store cannot) and copied to `workdir/tb` at most every `sync_s` seconds while scalars come
+    in, and on `flush` and `close`; a run killed in between loses at most `sync_s` of TensorBoard history.
+    """
+
+    def __init__(self, workdir: str, enabled: bool = True, sync_s: float = 60.0):
         self.enabled = enabled
         self._writer = None
+        self.sync_s, self._synced = sync_s, time.monotonic()
         if enabled:
             from tensorboardX import SummaryWriter
 
-            self.logdir = os.path.join(workdir, "tb")
-            os.makedirs(self.logdir, exist_ok=True)
-            self._writer = SummaryWriter(self.logdir, flush_secs=10)
+            self.logdir = storage.join(workdir, "tb")
+            self._staged = storage.StagedDir(self.logdir)
+            self._writer = SummaryWriter(self._staged.local, flush_secs=10)
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
         if not self._writer:
@@ -59,6 +67,8 @@ class MetricsWriter:
         for tag, v in values.items():
             if v is not None and np.isfinite(v):
                 self._writer.add_scalar(tag, float(v), step)
+        if self._staged.remote and time.monotonic() - self._synced > self.sync_s:
+            self.flush()
 
     def histogram(self, step: int, tag: str, values) -> None:
         values = np.asarray(values)
@@ -70,13 +80,17 @@ class MetricsWriter:
             self._writer.add_text(tag, text, step)
 
     def flush(self) -> None:
+        """Writes out what is buffered (and copies it to the bucket, for a bucket workdir)."""
         if self._writer:
             self._writer.flush()
+            self._staged.sync()
+            self._synced = time.monotonic()
 
     def close(self) -> None:
         if self._writer:
             self._writer.close()
             self._writer = None
+            self._staged.close()
 
 
 def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:

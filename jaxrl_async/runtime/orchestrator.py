@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import threading
 import time
 from typing import Any
 
+from jaxrl_async import storage
 from jaxrl_async.run_config import ConfigError, validate
 from jaxrl_async.runtime import compile_cache, secret
 from jaxrl_async.runtime.build import Process, build_process, make_transport, single_process
@@ -153,6 +153,5 @@ def _summary(proc: Process, wall: float, cache: compile_cache.CacheUse | None) -
         # replicas that span processes: when each member applied each version, the tokens it decoded
         "replicas": {f"actor:{i}": s.replica for i, s in learner.reports.final.items() if s.replica},
     }
-    with open(os.path.join(run.workdir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2, default=str)
+    storage.write_text(storage.join(run.workdir, "summary.json"), json.dumps(summary, indent=2, default=str))
     return summary

@@ -1,0 +1,108 @@
+"""A GCS bucket served on localhost by an emulator (`gcp-storage-emulator`, the "test" extra), for the
+rehearsal and the tests: what a pod's hosts share instead of a disk.
+
+`LocalBucket` starts the emulator in a process of its own on a free port, in memory, with one bucket, and
+gives the environment that points every GCS client this project uses at it: gcsfs (under etils `epath`)
+reads `STORAGE_EMULATOR_HOST`; tensorstore (under orbax) reads `TENSORSTORE_GCS_HTTP_URL` and takes
+`GOOGLE_AUTH_TOKEN_FOR_TESTING` instead of looking for credentials. Subprocesses inherit `env`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalBucket:
+    """`with LocalBucket("b") as bucket:` serves gs://b until the block ends (everything in it is lost).
+
+    Attributes:
+      url: "gs://NAME".
+      env: the variables a process needs to reach it (also set in this process's os.environ while open).
+    """
+
+    def __init__(self, name: str = "bucket", log_path: str | None = None, start_timeout_s: float = 60.0):
+        self.name, self.log_path, self.start_timeout_s = name, log_path, start_timeout_s
+        self.url = f"gs://{name}"
+        self.env: dict[str, str] = {}
+        self._proc: subprocess.Popen | None = None
+        self._saved: dict[str, str | None] = {}
+
+    def start(self) -> LocalBucket:
+        try:
+            import gcp_storage_emulator  # noqa: F401
+        except ImportError:
+            raise RuntimeError("a local bucket needs gcp-storage-emulator (the 'test' extra)") from None
+        port = _free_port()
+        host = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port",
+               str(port), "--in-memory", "--default-bucket", self.name]  # fmt: skip
+        # The emulator logs every request: to a file when asked, else nowhere.
+        out = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            self._proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        finally:
+            if self.log_path:
+                out.close()
+        self.env = {
+            "STORAGE_EMULATOR_HOST": host,
+            "TENSORSTORE_GCS_HTTP_URL": host,
+            "GOOGLE_AUTH_TOKEN_FOR_TESTING": "local-bucket",
+            # gcsfs asks a storage-layout API that the emulator lacks (a warning per call); plain GCS here.
+            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+        }
+        self._wait_ready(f"{host}/storage/v1/b/{self.name}")
+        for k, v in self.env.items():
+            self._saved[k] = os.environ.get(k)
+            os.environ[k] = v
+        return self
+
+    def _wait_ready(self, probe: str) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"the bucket emulator exited with status {self._proc.returncode}"
+                                   + (f" (log: {self.log_path})" if self.log_path else ""))  # fmt: skip
+            try:
+                with urllib.request.urlopen(probe, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the bucket emulator did not answer {probe} "
+                                   f"in {self.start_timeout_s:.0f} s")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        for k, v in self._saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        self._saved = {}
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None
+
+    def __enter__(self) -> LocalBucket:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
