@@ -4,7 +4,7 @@
 #
 #   TPU_NAME=rl-v5p ZONE=us-east5-a ACCELERATOR=v5p-128 \
 #     launch/tpu_pod.sh configs/math_8b.py --config.workdir=gs://BUCKET/runs/math_8b \
-#       --config.model.checkpoint=/data/Qwen3-8B --config.data.path=/data/math.jsonl
+#       --config.model.checkpoint=gs://BUCKET/models/Qwen3-8B --config.data.path=gs://BUCKET/data/math.jsonl
 #   launch/tpu_pod.sh --dry-run configs/math_8b.py ...      # print every command, run none
 #
 # Variables (defaults in brackets):
@@ -26,8 +26,12 @@
 # (trainer first, then the sampler replicas; or config.mesh.sampler_processes / trainer_processes), every
 # mesh on whole hosts. A mismatch names ACCELERATOR and the config field, and nothing is created.
 # Launcher flags for the config take the --config.x=value form (so the check sees them).
-# The workdir must be storage every worker sees (a gs:// bucket or a shared filesystem): checkpoints are
-# written from every trainer host.
+# Storage (docs/distributed.md, "Pod storage"): a new slice's workers start empty and share no disk, so
+# with CREATE=1 config.workdir, config.model.checkpoint, config.tokenizer and config.data.path/eval_path
+# must be gs:// URLs (the workers read the model and the data from the bucket; checkpoints, TensorBoard
+# events, trained_uids.jsonl and summary.json are written there). A local path is refused, naming the
+# field, in --dry-run and before anything is created. CREATE=0 (a slice you prepared) allows local paths
+# that exist on every worker.
 set -euo pipefail
 dry=0
 if [[ "${1:-}" == "--dry-run" ]]; then dry=1; shift; fi
@@ -61,10 +65,17 @@ for arg in "$@"; do
   case "$arg" in --config.*) check_flags+=("$arg") ;; esac
 done
 status=0
+new_hosts=()
+if [[ "$CREATE" == 1 ]]; then new_hosts=(--new-hosts); fi
 hosts="$(cd "$here" && PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m jaxrl_async.cli.check_layout \
-  --accelerator="$ACCELERATOR" --source="ACCELERATOR=$ACCELERATOR" --config="$config" "${check_flags[@]}")" || status=$?
+  --accelerator="$ACCELERATOR" --source="ACCELERATOR=$ACCELERATOR" --config="$config" "${new_hosts[@]}" \
+  "${check_flags[@]}")" || status=$?
 if [[ $status -eq 2 ]]; then
   echo "launch/tpu_pod.sh: the config does not fit ACCELERATOR=$ACCELERATOR; nothing was created" >&2
+  exit 2
+elif [[ $status -eq 3 ]]; then
+  echo "launch/tpu_pod.sh: the config is not ready to run (the field named above), whatever the slice;" \
+    "nothing was created" >&2
   exit 2
 elif [[ $status -ne 0 ]]; then
   echo "launch/tpu_pod.sh: the layout check did not run with PYTHON=$PYTHON (it needs this project" \

@@ -11,8 +11,8 @@ from jaxrl_async.cli.local_cluster import child_env, core_blocks, parse_cpu_sets
 from jaxrl_async.runtime.cluster import tpu_slice
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The paths name files on the cluster's hosts (the layout check says so and checks the rest here).
-MATH_8B = ["--config.model.checkpoint=/data/Qwen3-8B", "--config.data.path=/data/math.jsonl"]
+# A new slice's workers read the model and the data from a bucket (the layout check leaves URLs to the run).
+MATH_8B = ["--config.model.checkpoint=gs://b/models/Qwen3-8B", "--config.data.path=gs://b/data/math.jsonl"]
 
 
 def _launch(script: str, *args: str, dry: bool = True, **env: str):
@@ -62,6 +62,25 @@ def test_tpu_pod_refuses_a_slice_the_layout_does_not_fit_before_any_gcloud_comma
     bad = _launch("tpu_pod.sh", "configs/math_8b.py", "--config.workdir=gs://b/r", *MATH_8B,
                   ACCELERATOR="v9-8")  # fmt: skip
     assert bad.returncode == 2 and "unknown TPU accelerator type 'v9-8'" in bad.stderr
+
+
+def test_tpu_pod_refuses_local_paths_on_a_new_slice_naming_the_field():
+    """A new slice's workers start empty: a local model, data or workdir path is refused, in --dry-run and
+    before `create`, naming the field; a missing field is blamed on the config, not on the slice."""
+    local = ["--config.model.checkpoint=/data/Qwen3-8B", "--config.data.path=gs://b/data/math.jsonl"]
+    for dry in (True, False):
+        res = _launch("tpu_pod.sh", "configs/math_8b.py", "--config.workdir=gs://b/r", *local, dry=dry)
+        assert res.returncode == 2 and "+ gcloud" not in res.stdout, res.stderr
+        assert "config.model.checkpoint=/data/Qwen3-8B: a local path" in res.stderr
+        assert "nothing was created" in res.stderr and "does not fit" not in res.stderr
+    res = _launch("tpu_pod.sh", "configs/math_8b.py", "--config.workdir=runs/m8b", *MATH_8B)
+    assert res.returncode == 2 and "config.workdir=runs/m8b: a local path" in res.stderr
+    # An existing slice (CREATE=0) may hold the files on its workers' disks: the path goes to the run.
+    kept = _dry("tpu_pod.sh", "configs/math_8b.py", "--config.workdir=gs://b/r", *local, CREATE="0")
+    assert "--config.model.checkpoint=/data/Qwen3-8B" in kept
+    res = _launch("tpu_pod.sh", "configs/math_8b.py", *MATH_8B)  # no --config.workdir
+    assert res.returncode == 2 and "config.workdir: required" in res.stderr
+    assert "does not fit" not in res.stderr and "ACCELERATOR" not in res.stderr.split("config.workdir")[0]
 
 
 def test_tpu_slice_types_count_cores_or_chips():
