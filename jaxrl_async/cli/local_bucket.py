@@ -5,15 +5,25 @@ rehearsal and the tests: what a pod's hosts share instead of a disk.
 gives the environment that points every GCS client this project uses at it: gcsfs (under etils `epath`)
 reads `STORAGE_EMULATOR_HOST`; tensorstore (under orbax) reads `TENSORSTORE_GCS_HTTP_URL` and takes
 `GOOGLE_AUTH_TOKEN_FOR_TESTING` instead of looking for credentials. Subprocesses inherit `env`.
+
+The emulator (2026.7) leaves out two things of the GCS JSON API that tensorstore's OCDBT writes (orbax's
+format) rely on: object preconditions (`ifGenerationMatch`, `ifGenerationNotMatch`: 412 / 304) and the
+`x-goog-generation` header of a download. Without them a checkpoint write fails at random with
+"Malformed StorageGeneration". `_Handler` adds both on top of the emulator's own request handler; this
+module's `main` serves that (`python -m jaxrl_async.cli.local_bucket --port P --bucket NAME`).
 """
 
 from __future__ import annotations
 
+import argparse
+import logging
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 
 
@@ -45,8 +55,8 @@ class LocalBucket:
             raise RuntimeError("a local bucket needs gcp-storage-emulator (the 'test' extra)") from None
         port = _free_port()
         host = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port",
-               str(port), "--in-memory", "--default-bucket", self.name]  # fmt: skip
+        cmd = [sys.executable, "-m", "jaxrl_async.cli.local_bucket", "--port", str(port), "--bucket",
+               self.name]  # fmt: skip
         # The emulator logs every request: to a file when asked, else nowhere.
         out = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         try:
@@ -106,3 +116,93 @@ class LocalBucket:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _handler_class():
+    """The emulator's request handler plus preconditions and the generation header (module docstring)."""
+    from gcp_storage_emulator.exceptions import NotFound
+    from gcp_storage_emulator.server import RequestHandler
+
+    class _Handler(RequestHandler):
+        _generation_header: str | None = None
+
+        def _object(self) -> tuple[str, str, dict] | None:
+            """(bucket, object name, query) of a request on one object, else None."""
+            url = urllib.parse.urlsplit(self.path)
+            query = urllib.parse.parse_qs(url.query)
+            m = re.match(r"^(?:/download)?/storage/v1/b/([^/]+)/o/(.+)$", url.path)
+            if m:
+                return m.group(1), urllib.parse.unquote(m.group(2)), query
+            m = re.match(r"^/upload/storage/v1/b/([^/]+)/o$", url.path)
+            if m and "name" in query:
+                return m.group(1), query["name"][0], query
+            return None
+
+        def _generation(self, bucket: str, name: str) -> str | None:
+            try:
+                return str(self.storage.get_file_obj(bucket, name)["generation"])
+            except NotFound:
+                return None
+
+        def _refused(self) -> bool:
+            """Answers 412 / 304 when a precondition fails (as GCS does); True if it did."""
+            target = self._object()
+            if target is None:
+                return False
+            bucket, name, query = target
+            gen = self._generation(bucket, name)
+            code = None
+            if "ifGenerationMatch" in query and query["ifGenerationMatch"][0] != (gen or "0"):
+                code = 412
+            elif gen is not None and query.get("ifGenerationNotMatch", [None])[0] == gen:
+                code = 304
+            if code is None:
+                if self.command == "GET" and query.get("alt") == ["media"]:
+                    self._generation_header = gen
+                return False
+            self.send_response(code)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return True
+
+        def end_headers(self):
+            if self._generation_header is not None:
+                self.send_header("x-goog-generation", self._generation_header)
+                self._generation_header = None
+            super().end_headers()
+
+        def do_GET(self):
+            if not self._refused():
+                super().do_GET()
+
+        def do_POST(self):
+            if not self._refused():
+                super().do_POST()
+
+        def do_DELETE(self):
+            if not self._refused():
+                super().do_DELETE()
+
+    return _Handler
+
+
+def main() -> None:
+    from functools import partial
+    from http import server
+
+    from gcp_storage_emulator.handlers import buckets
+    from gcp_storage_emulator.storage import Storage
+
+    parser = argparse.ArgumentParser(description="A GCS emulator with one bucket, in memory, on localhost.")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--bucket", required=True)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+    storage = Storage(use_memory_fs=True)
+    buckets.create_bucket(args.bucket, storage)
+    httpd = server.HTTPServer(("127.0.0.1", args.port), partial(_handler_class(), storage))
+    httpd.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
