@@ -45,19 +45,31 @@ def test_the_checks_fail_on_a_run_that_broke_them(tmp_path):
 
 
 def test_both_math_8b_layouts_rehearse_on_localhost(tmp_path):
-    """The TPU layout (16 hosts x 4 chips) as 2 processes x 4 CPU devices, the 8-GPU layout as one process
-    of 8: two async steps each; every check passes."""
+    """The TPU layout (16 hosts x 4 chips) as 2 processes x 4 CPU devices with the pod's storage: the model,
+    the data and the workdir only in a bucket (a GCS emulator), each process in a root of its own; the
+    learner lead is killed after step 1 of 3 and the job resumes from the bucket, each prompt trained once.
+    The 8-GPU layout as one process of 8 with a local workdir. Every check passes."""
+    pytest.importorskip("gcp_storage_emulator", reason="the 'test' extra's GCS emulator")
     out = {}
-    for spec in ("configs/math_8b.py", "configs/math_8b.py:h100"):
+    for spec, extra in (("configs/math_8b.py", ["--rehearse-kill-step", "1", "--rehearse-steps", "3"]),
+                        ("configs/math_8b.py:h100", ["--rehearse-storage", "local"])):  # fmt: skip
         workdir = tmp_path / spec.replace("/", "_").replace(":", "_")
         cmd = [sys.executable, os.path.join(REPO, "launch", "local_cluster.py"), "--rehearse", spec,
-               "--rehearse-steps", "2", "--rehearse-workdir", str(workdir)]  # fmt: skip
+               "--rehearse-steps", "2", "--rehearse-workdir", str(workdir), *extra]  # fmt: skip
         res = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), text=True,
                              capture_output=True, timeout=600)  # fmt: skip
         assert res.returncode == 0, res.stdout[-4000:]
-        assert f"[rehearsal] passed: {spec}" in res.stdout and "FAILED" not in res.stdout
+        assert f"[rehearsal] passed: {spec}" in res.stdout and "[rehearsal] FAILED" not in res.stdout
         assert "weight checksums equal the learner's after every sync" in res.stdout
         out[spec] = res.stdout
     tpu = out["configs/math_8b.py"]  # the roles came from the topology: no role lists in the config
     assert "process 0 of 2: learner lead" in tpu and "process 1 of 2: sampler 0" in tpu
     assert "rehearsed as 2 process(es) x 4 CPU devices: trainer (2, 2), 1 replica(s) of (1, 4)" in tpu
+    # The pod's storage: nothing of the run on a local disk, a resume from the bucket, each prompt once.
+    assert "[rehearsal] storage: gs://rehearsal" in tpu and "killed (SIGKILL)" in tpu
+    assert "resumed from gs://rehearsal/run/checkpoints at version" in tpu
+    assert "ok: the ledger: versions [1]..[3], 12 prompts trained, 0 of them twice" in tpu
+    assert "ok: one TensorBoard writer" in tpu
+    tpu_dir = tmp_path / "configs_math_8b.py"
+    local = {p.name for p in tpu_dir.rglob("*")}
+    assert not local & {"checkpoints", "summary.json", "trained_uids.jsonl", "tb", "gs:"}, sorted(local)

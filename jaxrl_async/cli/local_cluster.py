@@ -20,7 +20,12 @@ them; its exit status is the first failure's (0 when every process succeeded).
   jaxrl-local-cluster --rehearse configs/math_8b.py
 
 rehearses a config's process/role/mesh layout in miniature and checks the run (jaxrl_async/cli/rehearsal.py;
-flags after `--` apply on top of the rehearsal's config).
+flags after `--` apply on top of the rehearsal's config). With `--rehearse-storage=bucket` (the default)
+it also rehearses a pod's storage: a GCS emulator on localhost holds the model, the data and the workdir,
+and each process runs in a root of its own (cwd, HOME, TMPDIR under --rehearse-workdir; nothing else is
+shared). `--rehearse-kill-step=K` kills the learner lead (a trainer process) with SIGKILL once step K's
+checkpoint is in the bucket, then starts the job again on fresh roots: it must resume from the bucket and
+train every prompt once.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import time
 
 from absl import app, flags
 
+from jaxrl_async import storage
 from jaxrl_async.cli import module_command, run_command
 from jaxrl_async.runtime import secret
 
@@ -56,7 +62,13 @@ _REHEARSE = flags.DEFINE_string(
 _R_STEPS = flags.DEFINE_integer("rehearse-steps", 3, "Train steps of the rehearsal.", lower_bound=1)
 _R_REPLICAS = flags.DEFINE_integer("rehearse-replicas", 1, "Sampler replicas kept.", lower_bound=1)
 _R_TRAINERS = flags.DEFINE_integer("rehearse-trainer-processes", 1, "Trainer processes kept.", lower_bound=1)
-_R_WORKDIR = flags.DEFINE_string("rehearse-workdir", "runs/rehearsal", "The rehearsal's workdir.")
+_R_WORKDIR = flags.DEFINE_string("rehearse-workdir", "runs/rehearsal",
+                                  "The rehearsal's workdir (a bucket: its config, log, process roots).")
+_R_STORAGE = flags.DEFINE_enum("rehearse-storage", "bucket", ["bucket", "local"],
+                               "bucket: the pod's storage (a GCS emulator, no shared local disk); local: a "
+                               "local workdir every process shares.")
+_R_KILL = flags.DEFINE_integer("rehearse-kill-step", 0, "Kill the learner lead at this step and resume the "
+                               "job (0: no kill; needs --rehearse-storage=bucket).", lower_bound=0)
 
 
 def free_port() -> int:
@@ -110,8 +122,26 @@ def child_env(devices: int) -> dict[str, str]:
     return env
 
 
-def _pump(i: int, stream, log_file) -> None:
-    for line in iter(stream.readline, ""):
+def _ready(ready) -> bool:
+    try:
+        return bool(ready())
+    except OSError:  # the bucket did not answer: ask again at the next line (the output keeps flowing)
+        return False
+
+
+def _pump(i: int, proc, log_file, kill=None) -> None:
+    """Copies process i's output, prefixed. `kill` = (text, ready, killed): from the first line that
+    contains `text` on, each line asks `ready()`; when it says yes, the process is SIGKILLed and its id
+    appended to `killed`."""
+    seen = False
+    for line in iter(proc.stdout.readline, ""):
+        if kill is not None:
+            seen = seen or kill[0] in line
+            if seen and _ready(kill[1]):
+                proc.kill()
+                kill[2].append(i)
+                sys.stdout.write(f"[launcher] process {i} killed (SIGKILL) at: {line}")
+                kill = None
         sys.stdout.write(f"[p{i}] {line}")
         sys.stdout.flush()
         if log_file is not None:
@@ -157,19 +187,66 @@ def _rehearse(run_flags: list[str]) -> int:
     from jaxrl_async.cli import rehearsal
     from jaxrl_async.run_config import ConfigError, MeshConfig
 
+    if _R_KILL.value and _R_STORAGE.value != "bucket":
+        raise app.UsageError("--rehearse-kill-step: resuming needs --rehearse-storage=bucket")
+    if _R_KILL.value >= _R_STEPS.value:
+        raise app.UsageError(f"--rehearse-kill-step={_R_KILL.value}: must be below --rehearse-steps")
     try:
         target = rehearsal.load_config(_REHEARSE.value)
         mesh = MeshConfig(**target.mesh.to_dict())
         mini = rehearsal.miniature(mesh, _R_TRAINERS.value, _R_REPLICAS.value)
-        path = rehearsal.write_config(_REHEARSE.value, _R_WORKDIR.value, mini, _R_STEPS.value)
     except ConfigError as e:
         raise app.UsageError(f"--rehearse={_REHEARSE.value}: {e}") from None
     print(f"[rehearsal] {_REHEARSE.value}: {mini.describe()}", flush=True)
-    status = _launch(mini.num_processes, mini.devices_per_process, [f"--config={path}", *run_flags])
+    local = os.path.abspath(_R_WORKDIR.value)
+    if _R_STORAGE.value == "local":
+        path = rehearsal.write_config(_REHEARSE.value, local, mini, _R_STEPS.value)
+        return _rehearsal_result(rehearsal, mini, target, local, _launch_rehearsal(mini, path, run_flags))
+    from jaxrl_async.cli.local_bucket import LocalBucket
+
+    os.makedirs(local, exist_ok=True)
+    with LocalBucket("rehearsal", log_path=os.path.join(local, "bucket.log")) as bucket:
+        inputs = rehearsal.stage_inputs(bucket.url)
+        workdir = f"{bucket.url}/run"
+        path = rehearsal.write_config(_REHEARSE.value, workdir, mini, _R_STEPS.value, local, inputs)
+        print(f"[rehearsal] storage: {bucket.url} on {bucket.env['STORAGE_EMULATOR_HOST']} (model, data, "
+              f"workdir); each process in a root of its own under {local}", flush=True)  # fmt: skip
+        launches = 1
+        if _R_KILL.value:
+            # Killed once the step's checkpoint is in the bucket (orbax marks a finished step on GCS with
+            # commit_success.txt), so that the second start has something to resume from.
+            marker = storage.join(workdir, "checkpoints", str(_R_KILL.value), "commit_success.txt")
+            killed: list[int] = []
+            status = _launch_rehearsal(mini, path, run_flags, os.path.join(local, "roots_1"),
+                                       (f"step {_R_KILL.value} |", lambda: storage.exists(marker), killed))
+            if not killed:
+                print(f"[rehearsal] FAILED: the learner lead was not killed (no checkpoint of step "
+                      f"{_R_KILL.value} in the bucket before the run ended, status {status})", flush=True)
+                return 1
+            print(f"[rehearsal] the learner lead was killed after step {_R_KILL.value}'s checkpoint (the job "
+                  f"ended with status {status}); starting it again on fresh roots", flush=True)  # fmt: skip
+            launches = 2
+        status = _launch_rehearsal(mini, path, run_flags, os.path.join(local, f"roots_{launches}"))
+        return _rehearsal_result(rehearsal, mini, target, workdir, status, launches)
+
+
+def _launch_rehearsal(mini, path: str, run_flags: list[str], roots: str | None = None, kill=None) -> int:
+    """One start of the rehearsal's job; `roots`: a folder under which each process gets its own root;
+    `kill`: (text, ready, killed) for the learner lead (process 0), see `_pump`."""
+    dirs = None
+    if roots is not None:
+        dirs = [os.path.join(roots, f"process_{i}") for i in range(mini.num_processes)]
+        for d in dirs:
+            os.makedirs(os.path.join(d, "tmp"), exist_ok=True)
+    flags_ = [f"--config={path}", *run_flags]
+    return _launch(mini.num_processes, mini.devices_per_process, flags_, dirs, {0: kill} if kill else {})
+
+
+def _rehearsal_result(rehearsal, mini, target, workdir: str, status: int, launches: int = 1) -> int:
     if status != 0:
         print(f"[rehearsal] FAILED: the run ended with status {status}", flush=True)
         return status
-    lines = rehearsal.verify(os.path.abspath(_R_WORKDIR.value), mini, target.max_staleness, target.mode)
+    lines = rehearsal.verify(workdir, mini, target.max_staleness, target.mode, launches)
     for line in lines:
         print(f"[rehearsal] {line}", flush=True)
     failed = [line for line in lines if line.startswith("FAILED")]
@@ -177,7 +254,19 @@ def _rehearse(run_flags: list[str]) -> int:
     return 1 if failed else 0
 
 
-def _launch(n: int, devices: int, run_flags: list[str]) -> int:
+def _root_env(env: dict[str, str], root: str) -> dict[str, str]:
+    """`env` for a process whose host shares no disk with the others: its own HOME and TMPDIR (caches,
+    a bucket model's local copy), and no compilation cache folder shared through the environment."""
+    env = dict(env, HOME=root, TMPDIR=os.path.join(root, "tmp"), XDG_CACHE_HOME=os.path.join(root, ".cache"))
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env.pop("JAXRL_ASYNC_CACHE", None)
+    return env
+
+
+def _launch(n: int, devices: int, run_flags: list[str], roots: list[str] | None = None,
+            kills: dict | None = None) -> int:  # fmt: skip
+    """Starts and supervises the `n` processes. `roots`: each process's own cwd/HOME/TMPDIR. `kills`:
+    process -> (text, ready, killed): the rehearsal's failure (`_pump`)."""
     port = _PORT.value or free_port()
     cores = sorted(os.sched_getaffinity(0))
     if _CPU_SETS.value:
@@ -201,10 +290,11 @@ def _launch(n: int, devices: int, run_flags: list[str]) -> int:
         log_file = open(os.path.join(_LOG_DIR.value, f"process_{i}.log"), "w") if _LOG_DIR.value else None
         logs.append(log_file)
         proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=pre
-        )
+            cmd, env=_root_env(env, roots[i]) if roots else env, cwd=roots[i] if roots else None,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=pre,
+        )  # fmt: skip
         procs.append(proc)
-        t = threading.Thread(target=_pump, args=(i, proc.stdout, log_file), daemon=True)
+        t = threading.Thread(target=_pump, args=(i, proc, log_file, (kills or {}).get(i)), daemon=True)
         t.start()
         pumps.append(t)
         where = f" on cores {block}" if block else ""

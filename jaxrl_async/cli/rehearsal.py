@@ -7,6 +7,12 @@ replicas), the async mode and η. It shrinks what only costs time: fewer trainer
 fsdp axis shrinks with them), fewer replicas, a tiny model on fake CPU devices, a few steps. It then
 checks what the multi-process tests check: every process exits 0, the sampler's weight checksums equal
 the learner's after every sync, η holds, one TensorBoard writer (the learner lead).
+
+With the pod's storage (`storage="bucket"`, the default of `--rehearse`): a GCS emulator on localhost
+serves the only place the processes share. The model (a tiny HF checkpoint), the data (a JSONL file) and
+the workdir are in the bucket; each process runs in a root of its own (cwd, HOME, TMPDIR), as the hosts
+of a pod share no disk. A trainer process can be killed mid-run and the job started again on fresh
+roots: it resumes from the bucket, and the ledger in the bucket shows each prompt trained exactly once.
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ import dataclasses
 import importlib.util
 import json
 import os
+import tempfile
 
+from jaxrl_async import storage
 from jaxrl_async.run_config import ConfigError, MeshConfig
 from jaxrl_async.runtime.cluster import Roles, check_placement, processes_for
 
@@ -119,22 +127,57 @@ def get_config():
     c.sampler.num_slots = {slots}
     c.sampler.update_mode = {update_mode!r}
     c.trainer.loss, c.trainer.advantage = {loss!r}, {advantage!r}
-    c.trainer.token_budget, c.trainer.rows_per_micro = 64, {rows}
+    c.trainer.token_budget, c.trainer.rows_per_micro = 64, {rows}{storage}
     return c
 '''
 
+# The pod's storage: the model and the data come from the bucket, a checkpoint every step goes there.
+_BUCKET_INPUTS = '''
+    c.model.preset, c.model.n_layers, c.model.checkpoint = "", 0, {model!r}
+    c.data.task, c.data.path = "jsonl", {data!r}
+    c.checkpoint_every = 1'''
+DATA_ROWS = 64  # train prompts in the bucket's JSONL (a rehearsal trains steps x 4 of them)
 
-def write_config(target: str, workdir: str, mini: Miniature, steps: int) -> str:
-    """Writes the rehearsal's config file into `workdir` (the target's numerics swapped for tiny ones)."""
+
+def stage_inputs(root: str) -> tuple[str, str]:
+    """Writes a tiny HF checkpoint (random weights, the character vocabulary) and a JSONL file of
+    additions under `root` (a bucket URL); returns their URLs. What a user uploads before a pod run."""
+    import jax
+    import numpy as np
+
+    from jaxrl_async.model import init_params, presets, save_hf
+    from jaxrl_async.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    cfg = presets.get("tiny", vocab_size=-(-tok.vocab_size // 8) * 8, eos_token_id=tok.eos_id)
+    params = init_params(cfg, jax.random.key(0), None, None)
+    model = storage.join(root, "model")
+    with tempfile.TemporaryDirectory() as tmp:  # save_hf writes a local folder; it is then uploaded
+        save_hf(cfg, params, tmp)
+        for name in sorted(os.listdir(tmp)):
+            storage.copy_file(os.path.join(tmp, name), storage.join(model, name))
+    rng = np.random.default_rng(0)
+    rows = [(int(a), int(b)) for a, b in rng.integers(10, 100, size=(DATA_ROWS, 2))]
+    data = storage.join(root, "data", "train.jsonl")
+    storage.write_text(data, "".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                                     for a, b in rows))  # fmt: skip
+    return model, data
+
+
+def write_config(target: str, workdir: str, mini: Miniature, steps: int, config_dir: str | None = None,
+                 inputs: tuple[str, str] | None = None) -> str:
+    """Writes the rehearsal's config file (the target's numerics swapped for tiny ones) into `config_dir`
+    (default: `workdir`, which must then be local); `inputs`: the bucket's (model, data) URLs."""
     c = load_config(target)
-    os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, "rehearsal_config.py")
+    config_dir = config_dir or workdir
+    os.makedirs(config_dir, exist_ok=True)
+    path = os.path.join(config_dir, "rehearsal_config.py")
     single = mini.num_processes == 1
     text = _REHEARSAL.format(
         target=target,
         layout=mini.describe(),
         tiny=os.path.join(_CONFIGS, "tiny_arith.py"),
-        workdir=os.path.abspath(workdir),
+        workdir=storage.resolve(workdir),
         mode=c.mode,
         max_staleness=c.max_staleness,
         steps=steps,
@@ -147,16 +190,18 @@ def write_config(target: str, workdir: str, mini: Miniature, steps: int) -> str:
         loss=c.trainer.loss,
         advantage=c.trainer.advantage,
         rows=2 * mini.trainer[0],
+        storage=_BUCKET_INPUTS.format(model=inputs[0], data=inputs[1]) if inputs else "",
     )
     with open(path, "w") as f:
         f.write(text)
     return path
 
 
-def verify(workdir: str, mini: Miniature, max_staleness: int, mode: str) -> list[str]:
-    """What the finished rehearsal shows, one line per check, each starting with "ok" or "FAILED"."""
-    with open(os.path.join(workdir, "summary.json")) as f:
-        summary = json.load(f)
+def verify(workdir: str, mini: Miniature, max_staleness: int, mode: str, launches: int = 1) -> list[str]:
+    """What the finished rehearsal shows, one line per check, each starting with "ok" or "FAILED".
+    `workdir` may be a bucket URL; `launches`: how many times the job was started in it (a resumed run
+    publishes versions from its checkpoint on, and each start has its own TensorBoard writer)."""
+    summary = json.loads(storage.read_text(storage.join(workdir, "summary.json")))
     lines = []
 
     def check(ok: bool, what: str) -> None:
@@ -165,7 +210,9 @@ def verify(workdir: str, mini: Miniature, max_staleness: int, mode: str) -> list
     check(summary["processes"] == mini.num_processes, f"{summary['processes']} processes ran")
     sums = summary["weight_checksums"]
     learner = {int(k): v for k, v in sums["learner"].items()}
-    check(sorted(learner) == list(range(summary["steps"] + 1)), f"versions 0..{summary['steps']} published")
+    first = min(learner, default=0) if launches > 1 else 0
+    check(sorted(learner) == list(range(first, summary["steps"] + 1)),
+          f"versions {first}..{summary['steps']} published")  # fmt: skip
     actors = sums["actors"]
     check(len(actors) == mini.replicas, f"{len(actors)} sampler replica(s) reported checksums")
     for name, got in actors.items():
@@ -178,7 +225,33 @@ def verify(workdir: str, mini: Miniature, max_staleness: int, mode: str) -> list
     ahead = summary["max_admission_ahead"]
     check(ahead <= bound,
           f"max_staleness holds: admissions ran at most {ahead} version(s) ahead (bound {bound})")
-    events = [os.path.join(d, f) for d, _, fs in os.walk(workdir) for f in fs if "tfevents" in f]
-    one = len(events) == 1 and os.path.dirname(events[0]) == os.path.join(workdir, "tb")
-    check(one, f"one TensorBoard writer ({len(events)} event file(s))")
+    # At most one event file per start, all in tb/ (the learner lead's); a start killed before its events
+    # were copied to a bucket leaves none (metrics.MetricsWriter copies them every minute and at the end).
+    events = _event_files(workdir)
+    one = 1 <= len(events) <= launches and all(d == "tb" for d in events)
+    check(one, f"one TensorBoard writer ({len(events)} event file(s) in tb/ for {launches} start(s))")
+    if launches > 1 or storage.exists(storage.join(workdir, "trained_uids.jsonl")):
+        lines.append(_ledger_check(workdir, summary["steps"]))
     return lines
+
+
+def _event_files(workdir: str) -> list[str]:
+    """The folder (relative to the workdir) of every TensorBoard event file, two levels deep at most."""
+    found = []
+    for p in storage.path(workdir).iterdir():
+        children = list(p.iterdir()) if p.is_dir() else [p]
+        found += [p.name if c is not p else "." for c in children if "tfevents" in c.name]
+    return found
+
+
+def _ledger_check(workdir: str, steps: int) -> str:
+    """The ledger (trained_uids.jsonl; a version's last line counts after a resume): versions 1..steps,
+    and no prompt trained in two of them."""
+    last = {}
+    for line in storage.read_text(storage.join(workdir, "trained_uids.jsonl")).splitlines():
+        row = json.loads(line)
+        last[row["version"]] = row["uids"]
+    uids = [u for v in sorted(last) for u in last[v]]
+    ok = sorted(last) == list(range(1, steps + 1)) and len(uids) == len(set(uids))
+    return (f"{'ok' if ok else 'FAILED'}: the ledger: versions {sorted(last)[:1]}..{sorted(last)[-1:]}, "
+            f"{len(uids)} prompts trained, {len(uids) - len(set(uids))} of them twice")  # fmt: skip
