@@ -4,7 +4,7 @@ A pod's hosts share no disk, so everything a run reads from or promises to leave
 (`gs://bucket/run`, or any scheme etils `epath` understands through fsspec). These helpers go through
 `epath` for both kinds; `os.path` would turn `gs://b/run` into the local folder `<cwd>/gs:/b/run`.
 
-Object stores have no append and no rename-in-place: `AppendLog` rewrites the whole object on each flush,
+Object stores have no append and no rename-in-place: `AppendLog` rewrites the whole object on each write,
 and `StagedDir` keeps files that their writer appends to (TensorBoard's event files) in a local staging
 folder and copies them to the bucket on each `sync`. Local-only things (sockets, the sandbox's temporary
 folders, shared memory) never go through this module.
@@ -41,7 +41,7 @@ def resolve(path: str) -> str:
     URL unchanged."""
     if is_url(path):
         return str(path).rstrip("/")
-    return str(epath.Path(path).expanduser().resolve())
+    return os.path.abspath(os.path.expanduser(path))  # local: as before (symlinks kept as given)
 
 
 def join(base: str, *parts: str) -> str:

@@ -10,10 +10,9 @@ SGLang. Runs with the built-in "char" tokenizer get a `tokenizer.json` whose ids
 
 from __future__ import annotations
 
-import os
-
 from absl import app, flags
 
+from jaxrl_async import storage
 from jaxrl_async.cli import run_command
 
 _STEP = flags.DEFINE_integer("step", None, "the policy version (default: the newest)")
@@ -37,7 +36,9 @@ def main(argv) -> None:
         model_cfg, params, tokenizer, version = load_policy(workdir, mesh, SAMPLER_RULES, _STEP.value)
     except FileNotFoundError as e:
         raise app.UsageError(str(e)) from None
-    tok_dir = tokenizer if tokenizer != "char" and os.path.isdir(tokenizer) else None
+    tok_dir = None
+    if tokenizer != "char" and storage.isdir(tokenizer):  # a gs:// tokenizer: this host's copy of its files
+        tok_dir = storage.local_dir(tokenizer)
     save_hf(model_cfg, params, _OUT.value, tokenizer_dir=tok_dir)
     print(f"policy version {version} -> {_OUT.value}")
     if tokenizer == "char":
