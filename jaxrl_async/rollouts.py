@@ -14,10 +14,19 @@ from typing import Any
 
 import numpy as np
 
+# The version stamp of observation tokens (an environment's answer inside a multi-turn episode): no
+# policy produced them.
+OBSERVATION_VERSION = -1
+
 
 @dataclasses.dataclass
 class Rollout:
-    """One graded completion with everything the trainer needs."""
+    """One graded completion with everything the trainer needs.
+
+    A multi-turn episode's completion interleaves model turns and observations (`model_mask` False):
+    observation tokens carry behaviour logprob 0 and version OBSERVATION_VERSION, and the trainer masks
+    them out of the loss, the advantage, the KL and every per-token statistic.
+    """
 
     uid: str  # the prompt's id
     group_id: int  # admission order of the prompt (samples of one prompt share it)
@@ -29,10 +38,17 @@ class Rollout:
     reward: float = 0.0
     finish_reason: str = ""
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    model_mask: np.ndarray | None = None  # bool [N]: True = a model token; None = every token is
+
+    @property
+    def model_versions(self) -> np.ndarray:
+        """The versions of the model's tokens (observations have none)."""
+        return self.versions if self.model_mask is None else self.versions[np.asarray(self.model_mask, bool)]
 
     @property
     def start_version(self) -> int:
-        return int(self.versions[0]) if len(self.versions) else 0
+        versions = self.model_versions
+        return int(versions[0]) if len(versions) else 0
 
     @classmethod
     def for_trainer(cls, prompt_tokens, completion_tokens, behav_logprobs, versions, reward: float,
@@ -159,7 +175,7 @@ def staleness_stats(groups: list[list[Rollout]], trainer_version: int) -> dict[s
     rollouts = [r for g in groups for r in g]
     head = np.array([trainer_version - r.start_version for r in rollouts], np.int64)
     tok = np.concatenate(
-        [trainer_version - r.versions.astype(np.int64) for r in rollouts if len(r.versions)]
+        [trainer_version - r.model_versions.astype(np.int64) for r in rollouts if len(r.model_versions)]
         or [np.zeros(0, np.int64)]
     )
     return {

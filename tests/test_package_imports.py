@@ -55,7 +55,7 @@ print(json.dumps(sorted(set(sys.modules) - before)))
 LIBRARIES = ("jaxrl_async.model", "jaxrl_async.data", "jaxrl_async.sampler", "jaxrl_async.rewards",
              "jaxrl_async.trainer", "jaxrl_async.perf", "jaxrl_async.rollouts", "jaxrl_async.sharding",
              "jaxrl_async.tokenizer", "jaxrl_async.run_config", "jaxrl_async.paging",
-             "jaxrl_async.letters", "jaxrl_async.storage")  # fmt: skip
+             "jaxrl_async.letters", "jaxrl_async.storage", "jaxrl_async.envs")  # fmt: skip
 
 
 @pytest.mark.parametrize("package", LIBRARIES)
