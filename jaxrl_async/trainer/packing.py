@@ -2,8 +2,11 @@
 
 A sequence of P prompt and C completion tokens occupies P + C - 1 row positions: inputs are its tokens
 but the last, targets are its tokens shifted by one, and the loss mask covers the C targets that are
-completion tokens. Packed rows have the fixed shape [rows_per_micro, token_budget] (segment id 0 =
-padding; positions restart at 0 in every segment), so the train step compiles once.
+completion tokens, less the observation tokens of a multi-turn episode (`model_mask` False): those are
+inputs like the prompt, with loss mask, behaviour logprob, version and advantage all 0, so the loss, the
+KL and every per-token statistic (all weighted by the loss mask) leave them out. Packed rows have the
+fixed shape [rows_per_micro, token_budget] (segment id 0 = padding; positions restart at 0 in every
+segment), so the train step compiles once.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class TrainSample(Protocol):
       versions: [C] policy version that sampled each completion token.
       reward: scalar reward.
       group_id: int; sequences sampled from the same prompt share it.
+      model_mask (optional; None or absent = all True): [C] bool, False for observation tokens (an
+        environment's answers in a multi-turn episode), which the loss leaves out.
     """
 
     prompt_tokens: Sequence[int]
@@ -154,10 +159,14 @@ def _sequence_fields(r: TrainSample, advantage: float) -> dict:
             f"behav_logprobs ({behav.size}) and versions ({versions.size}) must match the "
             f"{completion.size} completion tokens"
         )
+    model = getattr(r, "model_mask", None)
+    model = np.ones(completion.size, bool) if model is None else np.asarray(model, bool).reshape(-1)
+    if model.size != completion.size:
+        raise ValueError(f"model_mask ({model.size}) must match the {completion.size} completion tokens")
     full = np.concatenate([prompt, completion])
     n = full.size - 1
     p = prompt.size - 1  # first position whose target is a completion token
-    pad_f = lambda x, dtype: np.concatenate([np.zeros(p, dtype), x])
+    pad_f = lambda x, dtype: np.concatenate([np.zeros(p, dtype), np.where(model, x, 0).astype(dtype)])
     return {
         "tokens": full[:-1],
         "targets": full[1:],
@@ -165,7 +174,10 @@ def _sequence_fields(r: TrainSample, advantage: float) -> dict:
         "loss_mask": pad_f(np.ones(completion.size, np.float32), np.float32),
         "behav_logp": pad_f(behav, np.float32),
         "versions": pad_f(versions, np.int32),
-        "advantages": np.full(n, advantage, np.float32),
+        # Prompt positions keep the advantage as before (the loss mask hides them); observations get 0.
+        "advantages": np.concatenate([np.full(p, advantage), np.where(model, advantage, 0.0)]).astype(
+            np.float32
+        ),
     }
 
 
