@@ -99,6 +99,26 @@ class SlottedCache:
         """`decode_step`'s per-layer attention: (K, V buffers of a layer) -> the layer's `attend`."""
         return decode.slotted_attention(attention, positions_B, keys[0].shape[2])
 
+    # ----- extend (a parked slot's sequence grows by an observation) -----
+
+    def extend_args(self, replicated) -> tuple:
+        """Abstract extra arguments of extend (none)."""
+        return ()
+
+    def extend_extra(self, page_table, slot: int) -> tuple:
+        """extend's extra arguments on the host (none)."""
+        self.check_table(page_table)
+        return ()
+
+    def extend_view(self, buf, slot, view_len: int, *extra):
+        """One layer's K or V of `slot`, its first `view_len` positions, as a contiguous row [1, G, L, K]."""
+        _, g, _, k = buf.shape
+        return jax.lax.dynamic_slice(buf, (slot, 0, 0, 0), (1, g, view_len, k))
+
+    def extend_write(self, buf, new_TxGxK, slot, positions_T, *extra):
+        """Writes T new keys (or values) of `slot` at `positions_T` (positions past the slot: dropped)."""
+        return buf.at[slot, :, positions_T].set(new_TxGxK.astype(buf.dtype), mode="drop")
+
 
 class PagedCache:
     """One K and one V page pool [G, data * pages_per_shard, page_size, K] per layer (`paged.py`)."""
@@ -186,6 +206,31 @@ class PagedCache:
 
     def step_attention(self, attention: str, keys, positions_B, done_B, table_BxW):
         return decode.paged_attention(self.layout, table_BxW, positions_B, done_B)
+
+    # ----- extend -----
+
+    def extend_args(self, replicated) -> tuple:
+        """extend's page list: the slot's pages as pool-global ids [width + 1] (the last: its scratch)."""
+        return (jax.ShapeDtypeStruct((self.layout.width + 1,), jnp.int32, sharding=replicated),)
+
+    def extend_extra(self, page_table, slot: int) -> tuple:
+        """The slot's page-table row as pool-global page ids (a data shard owns a contiguous range of the
+        pool), unused columns and the extra last entry its shard's scratch page."""
+        table = np.asarray(self.check_table(page_table)[0])
+        shard = slot // (self.cfg.num_slots // self.layout.data)
+        base = shard * self.layout.pages_per_shard
+        return (np.append(table[slot], SCRATCH).astype(np.int32) + base,)
+
+    def extend_view(self, pool, slot, view_len: int, pages_W1):
+        g, k = pool.shape[0], pool.shape[3]
+        n_pages = min(pages_for(view_len, self.layout.page_size), pages_W1.shape[0] - 1)
+        return pool[:, pages_W1[:n_pages]].reshape(1, g, -1, k)
+
+    def extend_write(self, pool, new_TxGxK, slot, positions_T, pages_W1):
+        ps, width = self.layout.page_size, pages_W1.shape[0] - 1
+        column_T = positions_T // ps
+        page_T = jnp.where(column_T < width, pages_W1[jnp.minimum(column_T, width - 1)], pages_W1[-1])
+        return pool.at[:, page_T, positions_T % ps].set(new_TxGxK.transpose(1, 0, 2).astype(pool.dtype))
 
 
 def make_cache(model_cfg, cfg: SamplerConfig, mesh) -> SlottedCache | PagedCache:

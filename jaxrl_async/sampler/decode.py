@@ -132,6 +132,36 @@ def prefill_kv(cfg: ModelConfig, dparams: dict, tokens_BxT, mesh=None):
     return keys, values
 
 
+def extend_kv(cfg: ModelConfig, dparams: dict, views: list, tokens_1xT, positions_1xT):
+    """Keys and values of T tokens appended to one sequence (a multi-turn episode's observation).
+
+    Args:
+      views: per layer (K, V) [1, G, S, K]: the sequence's cache as one contiguous row (cache index ==
+        position), valid below positions_1xT[0, 0].
+      tokens_1xT, positions_1xT: the tokens and their absolute positions (consecutive).
+
+    Returns:
+      (keys, values): per layer [T, G, K]; each token attends to the valid cache and to the tokens before
+      it, exactly as a prefill of the whole sequence would (the reference `_attend`, float32 scores).
+    """
+    inv_freq = rope_inv_freq(cfg)
+    mask_1xTxS = jnp.arange(views[0][0].shape[2])[None, None, :] <= positions_1xT[:, :, None]
+    x_1xTxD = embed(cfg, dparams, tokens_1xT)
+    keys, values = [], []
+    for i, lp in enumerate(dparams["layers"]):
+        q, k, v = attention_inputs(cfg, PROJECTIONS, lp, x_1xTxD, positions_1xT, inv_freq)
+        keys.append(k[0])
+        values.append(v[0])
+        if i + 1 < len(dparams["layers"]):  # the last layer's output is never needed
+            kc, vc = (
+                view.at[0, :, positions_1xT[0]].set(new[0].astype(view.dtype), mode="drop")
+                for view, new in zip(views[i], (k, v), strict=True)
+            )
+            attn_1xTxHxK = _attend(q, kc.astype(q.dtype), vc.astype(q.dtype), mask_1xTxS)
+            x_1xTxD = layer_output(cfg, PROJECTIONS, lp, x_1xTxD, attn_1xTxHxK)
+    return keys, values
+
+
 def _slotted_attend(attention_impl: str, k_BxGxSxK, v_BxGxSxK, positions_B, mask_Bx1xS):
     """A decode step's attention over one layer's slotted cache: writes each row's new key/value at its
     position, then attends to the positions <= it (`layer`'s `attend`; aux = the updated buffers)."""

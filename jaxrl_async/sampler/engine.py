@@ -416,6 +416,54 @@ class Engine:
         )
         return self._executable("recompute", bucket, lower)(self.decode_params, state, tokens, *dest)
 
+    def extend(
+        self,
+        state: DecodeState,
+        slot: int,
+        context_len: int,
+        observation,
+        max_new_tokens: int,
+        page_table=None,
+    ) -> DecodeState:
+        """Appends `observation` to the sequence parked in `slot` and lets the slot generate again (donating
+        `state`): a prefill of the observation's tokens on top of the slot's cache, whose cost grows with
+        the observation, not the context (`spec.extend_body`).
+
+        Args:
+          context_len: tokens the slot's sequence holds now (prompt and everything generated or appended,
+            its last sampled token included).
+          observation: the tokens to append (at least one).
+          max_new_tokens: tokens the slot may generate after it.
+          page_table: paged cache only: the host page table (`PagePlanner.host_table()`); the slot must own
+            the pages of every position the observation and the next call write (`PagePlanner.extend`).
+
+        Raises:
+          ValueError: an empty observation, or a sequence that would not fit the slot.
+        """
+        obs = np.asarray(observation, np.int32).reshape(-1)
+        if obs.size < 1:
+            raise ValueError("extend: the observation needs at least one token")
+        if context_len < 1 or context_len + obs.size + max_new_tokens > self.capacity:
+            raise ValueError(
+                f"extend: a context of {context_len} tokens + an observation of {obs.size} + max_new_tokens="
+                f"{max_new_tokens} exceeds {self.spec.cache.limit()}"
+            )
+        if not 0 <= slot < self.cfg.num_slots:
+            raise ValueError(f"slot {slot} out of range [0, {self.cfg.num_slots})")
+        bucket = self.cfg.recompute_bucket(int(obs.size), self.capacity)
+        tokens = np.zeros((bucket,), np.int32)
+        tokens[: obs.size] = obs
+        row = np.asarray([slot, obs.size, max_new_tokens], np.int32)
+        extra = self.spec.cache.extend_extra(page_table, slot)
+        s = self.spec
+        host = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+        # The view: a length bucket of the whole sequence (compiled once per bucket pair).
+        view = self.cfg.recompute_bucket(context_len + int(obs.size), self.capacity)
+        args = (host(tokens), host(row), view, *s.cache.extend_args(s.replicated))
+        lower = lambda: self._jit.extend.lower(s.abstract_dparams(), s.abstract_state(), *args)
+        exe = self._executable("extend", (bucket, view), lower)
+        return exe(self.decode_params, state, tokens, row, *extra)
+
     def release(self, state: DecodeState, slots: list[int]) -> DecodeState:
         """Marks `slots` finished on the device (donating `state`): they stop writing their cache (used when
         the loop takes a sequence's pages away)."""
@@ -427,7 +475,7 @@ class Engine:
 
     def cache_sizes(self) -> dict[str, int]:
         """Number of compiled executables per entry point (for recompilation checks)."""
-        names = ("prefill", "insert", "generate", "recompute", "release")
+        names = ("prefill", "insert", "generate", "recompute", "extend", "release")
         return {name: len(self._executables.get(name, {})) for name in names}
 
 

@@ -46,6 +46,9 @@ class Request:
       seed: completions i of a request use the random stream (seed, i), whatever slot they land in.
       max_new_tokens: None = the engine's max_new_tokens.
       metadata: anything; copied into every completion.
+      park: a multi-turn episode: when a sample's turn ends its slot is parked with its KV cache in place
+        (its Completion has `parked=True`) until the caller appends an observation (`resume`) or lets it
+        go (`finish`).
     """
 
     uid: Any
@@ -54,6 +57,7 @@ class Request:
     seed: int = 0
     max_new_tokens: int | None = None
     metadata: Any = None
+    park: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_tokens", tuple(int(t) for t in self.prompt_tokens))
@@ -77,6 +81,8 @@ class Completion:
         sampled from (equal to logprobs without truncation; 0 when greedy).
       versions: int64 weight version that produced each token.
       finish_reason: "stop" (a stop token) or "length" (max_new_tokens reached).
+      parked: the request parks its slots (`Request.park`): this is one turn, and the slot waits for
+        `resume` or `finish`. `tokens` are this turn's; `prompt_tokens` the request's prompt.
     """
 
     uid: Any
@@ -88,6 +94,7 @@ class Completion:
     versions: np.ndarray
     finish_reason: str
     metadata: Any = None
+    parked: bool = False
 
 
 @dataclasses.dataclass
@@ -95,7 +102,8 @@ class SamplerStats:
     """Counters since the loop started; occupancy counts slot-steps that produced a token.
 
     `preemptions` counts sequences restarted because the paged cache ran out of pages; `peak_live` is the
-    most sequences that ran in one call.
+    most sequences that ran in one call. `extensions` counts observations appended to parked slots
+    (`extension_tokens` their tokens); `parked_slot_steps` counts decode steps of parked slots.
     """
 
     calls: int = 0
@@ -108,6 +116,14 @@ class SamplerStats:
     weight_updates: int = 0
     preemptions: int = 0
     peak_live: int = 0
+    extensions: int = 0
+    extension_tokens: int = 0
+    parked_slot_steps: int = 0
+
+    @property
+    def parked_fraction(self) -> float:
+        """Share of the slot-steps of dispatched calls that parked slots held (multi-turn episodes)."""
+        return self.parked_slot_steps / self.slot_steps if self.slot_steps else 0.0
 
     @property
     def occupancy(self) -> float:
@@ -134,6 +150,8 @@ class _Live:
     request: Request
     sample_index: int
     max_new_tokens: int = 0
+    context: tuple = ()  # the tokens before this turn (the prompt, and earlier turns and observations)
+    parked: bool = False
     tokens: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
     sample_logprobs: list = dataclasses.field(default_factory=list)
@@ -164,6 +182,8 @@ class SamplerLoop:
         self._stop = set(self.cfg.stop_tokens)
         self._source_empty = False  # the last admission found no request to take
         self._planner = engine.new_planner()  # admission, placement, growth, preemption; the page table
+        self._parked: dict[tuple, int] = {}  # (uid, sample_index) -> slot of a parked turn (`Request.park`)
+        self._resumes: collections.deque = collections.deque()  # resumes waiting for pages (paged cache)
 
     @property
     def planner(self):
@@ -196,9 +216,89 @@ class SamplerLoop:
         return sum(s is not None for s in self._slots)
 
     @property
+    def num_running(self) -> int:
+        """Slots holding a sequence that decodes (live and not parked)."""
+        return sum(s is not None and not s.parked for s in self._slots)
+
+    @property
+    def parked(self) -> list[tuple]:
+        """(uid, sample_index) of the parked turns, waiting for `resume` or `finish`."""
+        return list(self._parked)
+
+    @property
     def idle(self) -> bool:
-        """Nothing running, in flight, or waiting to be inserted."""
-        return not self.num_live and self._pending is None and not self._groups and not self._queue
+        """Nothing running, in flight, waiting to be inserted or resumed (parked turns wait for the caller:
+        they do not keep the loop busy)."""
+        return (
+            not self.num_running
+            and self._pending is None
+            and not self._groups
+            and not self._queue
+            and not self._resumes
+        )
+
+    # ----- multi-turn episodes -----
+
+    def resume(self, uid, sample_index: int, observation, max_new_tokens: int | None = None) -> None:
+        """Appends `observation` (token ids) to a parked turn's sequence and lets it decode again: a prefill
+        of the observation on top of the slot's KV cache (`Engine.extend`), not of the whole context. With
+        the paged cache the slot first gets the pages the observation and its next call write; when its
+        shard has none free the resume waits (retried every step).
+
+        Raises:
+          KeyError: no parked turn (uid, sample_index).
+          ValueError: an empty observation, or one that (with max_new_tokens) no longer fits the slot; with
+            the paged cache also a context past max_prompt_len (a preempted turn restarts from its whole
+            context, prefilled like a prompt).
+        """
+        key = (uid, sample_index)
+        b = self._parked[key]
+        live = self._slots[b]
+        obs = tuple(int(t) for t in observation)
+        max_new = max_new_tokens or self.cfg.max_new_tokens
+        context = len(live.context) + len(live.tokens)
+        if not obs:
+            raise ValueError(f"resume {key}: an empty observation")
+        if context + len(obs) + max_new > self.engine.capacity:
+            raise ValueError(
+                f"resume {key}: a context of {context} tokens + an observation of {len(obs)} + "
+                f"max_new_tokens={max_new} exceeds the slot's capacity {self.engine.capacity}"
+            )
+        if self.engine.paged and context + len(obs) > self.cfg.max_prompt_len:
+            raise ValueError(
+                f"resume {key}: the paged cache restarts a preempted turn from its whole context, which must "
+                f"fit max_prompt_len={self.cfg.max_prompt_len} (it would hold {context + len(obs)} tokens)"
+            )
+        del self._parked[key]
+        self._resumes.append((b, obs, max_new))
+        self._start_resumes()
+
+    def finish(self, uid, sample_index: int) -> None:
+        """Ends a parked turn's episode: its slot (and pages) are free again.
+
+        Raises:
+          KeyError: no parked turn (uid, sample_index).
+        """
+        self._free_slot(self._parked.pop((uid, sample_index)))
+
+    def _start_resumes(self) -> None:
+        """Extends the parked slots whose resumes can get their pages (oldest first)."""
+        waiting = collections.deque()
+        while self._resumes:
+            b, obs, max_new = self._resumes.popleft()
+            live = self._slots[b]
+            context = (*live.context, *live.tokens)
+            if not self._planner.extend(b, len(context) + len(obs), max_new):
+                waiting.append((b, obs, max_new))
+                continue
+            table = self._planner.host_table()
+            self._state = self.engine.extend(self._state, b, len(context), obs, max_new, *table)
+            # A new record for the new turn: rounds dispatched while the slot was parked still name the old
+            # one (finished), so their `done` flag for this slot is not taken for the new turn's end.
+            self._slots[b] = _Live(live.request, live.sample_index, max_new, context=(*context, *obs))
+            self.stats.extensions += 1
+            self.stats.extension_tokens += len(obs)
+        self._resumes = waiting
 
     # ----- stepping -----
 
@@ -209,17 +309,20 @@ class SamplerLoop:
         self._source_empty = False
         if self._pending is not None:
             self._release_finished(*self._pending)
+        if self._resumes:
+            self._start_resumes()
         if self._admitting():
             self._admit(admit)
         for b in self._planner.grow([g.shared for g in self._groups]):
             self._preempt(b)
         new = None
-        if self.num_live:
+        if self.num_running:  # parked slots alone are not worth a call: with every slot parked, nothing runs
             self._state, rnd = self.engine.generate(self._state, *self._planner.device_table())
             new = (rnd, list(self._slots))
             self._planner.dispatched()
             self.stats.calls += 1
             self.stats.decode_steps += self.cfg.steps_per_call
+            self.stats.parked_slot_steps += (self.num_live - self.num_running) * self.cfg.steps_per_call
             self.stats.peak_live = max(self.stats.peak_live, self.num_live)
         done, self._ready = self._ready, []
         if self._pending is not None:
@@ -268,9 +371,8 @@ class SamplerLoop:
         self.stats.weight_updates += 1
         if mode == "recompute_kv":
             self._flush_into(self._ready)
-            sequences = [
-                None if s is None else (*s.request.prompt_tokens, *s.tokens)[:-1] for s in self._slots
-            ]
+            # Parked slots too: their cache holds the episode so far, observations included.
+            sequences = [None if s is None else (*s.context, *s.tokens)[:-1] for s in self._slots]
             if any(s is not None for s in sequences):
                 table = self._planner.host_table()
                 self._state = self.engine.recompute_kv(self._state, sequences, *table)
@@ -282,7 +384,8 @@ class SamplerLoop:
         return self._staged is None
 
     def _maybe_swap_staged(self) -> None:
-        if self._staged is not None and not self.num_live and self._pending is None:
+        # Parked turns do not hold a "finish" swap back: their episode goes on under the new weights.
+        if self._staged is not None and not self.num_running and self._pending is None:
             params, version = self._staged
             self._staged = None
             self.engine.update_params(params, version)
@@ -359,7 +462,7 @@ class SamplerLoop:
         self._state = self.engine.insert(
             self._state, group.prefix, b, req.seed, i, group.max_new_tokens, dest=dest
         )
-        self._slots[b] = _Live(req, i, group.max_new_tokens)
+        self._slots[b] = _Live(req, i, group.max_new_tokens, context=req.prompt_tokens)
 
     # ----- preemption -----
 
@@ -368,7 +471,11 @@ class SamplerLoop:
         live.preempted = True
         self._free_slot(b)
         self._state = self.engine.release(self._state, [b])
-        restart = _Group(live.request, live.max_new_tokens, collections.deque([live.sample_index]))
+        # An extended turn restarts from its whole context (earlier turns and observations as its prompt).
+        request = live.request
+        if len(live.context) != len(request.prompt_tokens):
+            request = dataclasses.replace(request, prompt_tokens=live.context)
+        restart = _Group(request, live.max_new_tokens, collections.deque([live.sample_index]))
         self._groups.appendleft(restart)
         self.stats.preemptions += 1
 
@@ -390,7 +497,7 @@ class SamplerLoop:
         """
         done = np.asarray(rnd.done)
         for b, live in enumerate(owners):
-            if live is not None and done[b] and self._slots[b] is live:
+            if live is not None and done[b] and self._slots[b] is live and not live.request.park:
                 self._free_slot(b)
 
     def _process(self, rnd: Round, owners: list) -> list[Completion]:
@@ -413,7 +520,11 @@ class SamplerLoop:
             live.versions += [rnd.version] * int(m.sum())
             if done[b]:
                 live.finished = True
-                if self._slots[b] is live:
+                if live.request.park and self._slots[b] is live:
+                    live.parked = True
+                    self._parked[(live.request.uid, live.sample_index)] = b
+                    self._planner.park(b)
+                elif self._slots[b] is live:
                     self._free_slot(b)
                 out.append(self._completion(live))
         self.stats.completions += len(out)
@@ -432,4 +543,5 @@ class SamplerLoop:
             versions=np.asarray(live.versions, np.int64),
             finish_reason=reason,
             metadata=r.metadata,
+            parked=live.parked,
         )

@@ -230,6 +230,7 @@ class PagePlanner:
         self.table, self.steps_per_call = table, steps_per_call
         self._prompt_bucket, self._to_device = prompt_bucket, to_device
         self._seqs: dict[int, _Seq] = {}  # slot -> running sequence
+        self._parked: dict[int, int] = {}  # slot -> admission order of a parked sequence (`park`)
         self._started = 0
         self._device: tuple[int, object] | None = None  # (PageTable.version, device copy of the table)
 
@@ -318,6 +319,22 @@ class PagePlanner:
         self._seqs[slot] = _Seq(prompt_len, max_new_tokens, self._started)
         return prefix_dest(self.table, slot, prompt_len, self._prompt_bucket(prompt_len), skip)
 
+    def extend(self, slot: int, context_len: int, max_new_tokens: int) -> bool:
+        """The sequence in `slot` (parked, its pages in place) grows to `context_len` tokens (an
+        observation appended) and may generate `max_new_tokens` more: it gets the pages of those positions
+        and of its next call, and is planned from now on like a sample inserted with a prompt of
+        `context_len` tokens. False (nothing changed) when its shard has too few free pages."""
+        if not self.table.grow(slot, self.first_pages(context_len, max_new_tokens)):
+            return False
+        order = self._parked.pop(slot) if slot in self._parked else self._seqs[slot].order
+        self._seqs[slot] = _Seq(context_len, max_new_tokens, order)
+        return True
+
+    def park(self, slot: int) -> None:
+        """The sequence in `slot` waits for an observation: it keeps its pages, takes no more, and is not
+        preempted (its KV is the episode so far)."""
+        self._parked[slot] = self._seqs.pop(slot).order
+
     def dispatched(self) -> None:
         """One generate call was dispatched for every running sequence."""
         for s in self._seqs.values():
@@ -326,6 +343,7 @@ class PagePlanner:
     def release(self, slot: int) -> None:
         """The sequence in `slot` ended or was preempted: its references go (idempotent)."""
         self._seqs.pop(slot, None)
+        self._parked.pop(slot, None)
         self.table.release(slot)
 
     def drop_shared(self, shared: dict) -> None:
@@ -395,6 +413,12 @@ class SlotPlanner:
 
     def start(self, slot: int, prompt_len: int, max_new_tokens: int, shared: dict, whole: bool = False):
         return None  # insert takes no `dest`
+
+    def extend(self, slot: int, context_len: int, max_new_tokens: int) -> bool:
+        return True
+
+    def park(self, slot: int) -> None:
+        pass
 
     def dispatched(self) -> None:
         pass

@@ -212,6 +212,49 @@ def recompute_body(spec: EngineSpec, dparams, state: DecodeState, tokens_BxT, *d
     return state.replace(k=new_k, v=new_v)
 
 
+# Positions of extend's bucket padding are written here: past every cache, so the write is dropped (the
+# slotted cache) or lands on the scratch page (the paged one).
+_NOWHERE = 1 << 30
+
+
+def extend_body(spec: EngineSpec, dparams, state: DecodeState, tokens_T, row, view_len: int, *extra):
+    """Appends an observation to the sequence parked in a slot, and makes the slot decode again.
+
+    `row` = (slot, m, max_new_tokens): the first m of `tokens_T` are the observation (the rest padding).
+    The tokens attend to the slot's first `view_len` positions (static: a length bucket of the context
+    and the observation), so the cost grows with the context, not with the slot's capacity.
+    The slot's pending token (its last sampled one, whose key/value no decode step wrote yet) and the
+    first m - 1 observation tokens get their keys/values at the slot's next positions; the last
+    observation token becomes the slot's next input, as a prompt's last token does after `insert`. The
+    slot's random key stays: sampling depends on (seed, sample index) and positions only, so the slot
+    draws what a fresh prefill of the whole context would.
+    """
+    slot, m, max_new = row[0], row[1], row[2]
+    start = state.pos[slot]
+    t = tokens_T.shape[0]
+    index_T = jnp.arange(t, dtype=jnp.int32)
+    inputs_1xT = jnp.concatenate([state.next_token[slot][None], tokens_T[:-1]])[None]
+    positions_T = start + index_T
+    cache = spec.cache
+    views = [
+        (cache.extend_view(k, slot, view_len, *extra), cache.extend_view(v, slot, view_len, *extra))
+        for k, v in zip(state.k, state.v, strict=True)
+    ]
+    new_k, new_v = decode.extend_kv(spec.model_cfg, dparams, views, inputs_1xT, positions_T[None])
+    write_T = jnp.where(index_T < m, positions_T, _NOWHERE)
+    keys = [cache.extend_write(b, n, slot, write_T, *extra) for b, n in zip(state.k, new_k, strict=True)]
+    values = [cache.extend_write(b, n, slot, write_T, *extra) for b, n in zip(state.v, new_v, strict=True)]
+    new_pos = start + m
+    return state.replace(
+        k=keys,
+        v=values,
+        next_token=state.next_token.at[slot].set(tokens_T[m - 1]),
+        pos=state.pos.at[slot].set(new_pos),
+        last_pos=state.last_pos.at[slot].set(new_pos + max_new),
+        done=state.done.at[slot].set(False),
+    )
+
+
 def timing_state_body(spec: EngineSpec) -> DecodeState:
     """Every slot live at mid-capacity (for timing `generate`; the cache contents do not matter)."""
     state = layout.initialize(spec.state_specs)
@@ -228,6 +271,7 @@ class EntryPoints(NamedTuple):
     insert: object
     generate: object
     recompute: object
+    extend: object
     release: object
     init_state: object
 
@@ -239,6 +283,7 @@ def jit_entry_points(spec: EngineSpec) -> EntryPoints:
     bind = lambda body: functools.partial(body, s)
     to_layout = functools.partial(layout.to_decode_layout, s.model_cfg, fuse=s.fuse, pack=s.pack)
     recompute_in = (s.dparams_sh, s.state_sh, SAMPLER_RULES.sharding(s.mesh, ("batch", None)), *table_sh)
+    extend_sh = tuple(x.sharding for x in s.cache.extend_args(s.replicated))
     return EntryPoints(
         to_layout=jax.jit(to_layout, out_shardings=s.dparams_sh),
         prefill=jax.jit(
@@ -258,6 +303,13 @@ def jit_entry_points(spec: EngineSpec) -> EntryPoints:
         ),
         recompute=jax.jit(
             bind(recompute_body), donate_argnums=1, in_shardings=recompute_in, out_shardings=s.state_sh
+        ),
+        extend=jax.jit(
+            bind(extend_body),
+            static_argnums=4,
+            donate_argnums=1,
+            in_shardings=(s.dparams_sh, s.state_sh, s.replicated, s.replicated, *extend_sh),
+            out_shardings=s.state_sh,
         ),
         release=jax.jit(
             bind(release_body),

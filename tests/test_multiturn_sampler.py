@@ -1,0 +1,97 @@
+"""Multi-turn episodes on the sampler: a parked slot keeps its KV cache, an observation is appended by a
+prefill on top of it (`Engine.extend`), and what the slot then samples equals a fresh prefill of the whole
+context, on the slotted and the paged caches; other slots decode meanwhile; a recompute_kv update that
+lands mid-episode rebuilds the observation's keys and values too."""
+
+import numpy as np
+import pytest
+from test_sampler import MESH1, TINY, _by_uid, _params, _prompts
+
+from jaxrl_async.sampler import Engine, Request, SamplerConfig, SamplerLoop
+
+OBS = [7, 8, 9, 10, 11]
+
+
+def _engine(params, attention):
+    kw = dict(num_slots=4, max_prompt_len=32, max_new_tokens=8, steps_per_call=2, temperature=1.0)
+    if attention == "paged_kernel":
+        kw.update(page_size=4)
+    return Engine(TINY, params, MESH1, SamplerConfig(attention=attention, linear="xla", **kw))
+
+
+@pytest.fixture(scope="module")
+def params():
+    return _params()
+
+
+@pytest.mark.parametrize("attention", ["xla", "paged_kernel"])
+def test_an_extended_slot_samples_what_a_fresh_prefill_of_the_whole_context_does(params, attention):
+    engine = _engine(params, attention)
+    prompt, other = _prompts(2, seed=11, lo=4, hi=8)
+    loop = SamplerLoop(engine)
+    loop.add_request(Request("a", prompt, seed=3, max_new_tokens=4, park=True))
+    loop.add_request(Request("other", other, seed=5))
+    first = _by_uid(loop.run())
+    turn1 = first[("a", 0)]
+    assert turn1.parked and len(turn1.tokens) == 4 and loop.parked == [("a", 0)]
+    assert loop.stats.parked_slot_steps > 0  # "other" decoded while "a" waited, its slot held
+    calls = loop.stats.calls
+    loop.step()
+    assert loop.stats.calls == calls  # only a parked slot left: nothing is dispatched
+
+    loop.resume("a", 0, OBS, max_new_tokens=8)
+    turn2 = _by_uid(loop.run())[("a", 0)]
+    assert turn2.parked and len(turn2.tokens) == 8
+    loop.finish("a", 0)
+    assert loop.idle and not loop.parked and loop.free_slots == 4
+    assert loop.stats.extensions == 1 and loop.stats.extension_tokens == len(OBS)
+
+    fresh = SamplerLoop(engine)
+    context = [*prompt, *turn1.tokens.tolist(), *OBS]
+    fresh.add_request(Request("b", context, seed=3, max_new_tokens=8))
+    ref = _by_uid(fresh.run())[("b", 0)]
+    assert turn2.tokens.tolist() == ref.tokens.tolist()  # temperature 1: the same draws from the same logits
+    np.testing.assert_allclose(turn2.logprobs, ref.logprobs, atol=1e-5)
+
+    alone = SamplerLoop(engine)
+    alone.add_request(Request("other", other, seed=5))
+    assert _by_uid(alone.run())[("other", 0)].tokens.tolist() == first[("other", 0)].tokens.tolist()
+    if attention == "paged_kernel":
+        table = loop.planner.table
+        assert all(table.num_free(d) == table.capacity for d in range(table.shards))
+
+
+def test_recompute_kv_mid_episode_rebuilds_the_observation_and_stamps_versions(params):
+    new = _params(seed=1)
+    engine = _engine(params, "xla")
+    prompt = _prompts(1, seed=12, lo=4, hi=8)[0]
+    loop = SamplerLoop(engine)
+    loop.add_request(Request("a", prompt, seed=3, max_new_tokens=4, park=True))
+    turn1 = _by_uid(loop.run())[("a", 0)]
+    loop.resume("a", 0, OBS, max_new_tokens=8)
+    loop.step(), loop.step()
+    loop.update_params(new, version=1, mode="recompute_kv")
+    turn2 = _by_uid(loop.run())[("a", 0)]
+    n_old = int(np.sum(turn2.versions == 0))
+    assert 0 < n_old < 8 and turn2.versions.tolist() == [0] * n_old + [1] * (8 - n_old)
+    assert set(turn1.versions.tolist()) == {0}
+
+    fresh = SamplerLoop(engine)  # the same engine holds the new weights now
+    context = [*prompt, *turn1.tokens.tolist(), *OBS, *turn2.tokens[:n_old].tolist()]
+    fresh.add_request(Request("b", context, seed=3, max_new_tokens=8 - n_old))
+    ref = _by_uid(fresh.run())[("b", 0)]
+    assert ref.tokens.tolist() == turn2.tokens[n_old:].tolist()
+    np.testing.assert_allclose(ref.logprobs, turn2.logprobs[n_old:], atol=1e-5)
+
+
+def test_resume_refuses_what_cannot_fit(params):
+    engine = _engine(params, "xla")
+    loop = SamplerLoop(engine)
+    loop.add_request(Request("a", [1, 2, 3], max_new_tokens=4, park=True))
+    loop.run()
+    with pytest.raises(KeyError):
+        loop.resume("nope", 0, OBS)
+    with pytest.raises(ValueError, match="empty observation"):
+        loop.resume("a", 0, [])
+    with pytest.raises(ValueError, match="capacity"):
+        loop.resume("a", 0, [1] * 40)
