@@ -95,3 +95,67 @@ def test_resume_refuses_what_cannot_fit(params):
         loop.resume("a", 0, [])
     with pytest.raises(ValueError, match="capacity"):
         loop.resume("a", 0, [1] * 40)
+
+
+class _Scripted:
+    """Answers every turn with the same observation (slowly, as a tool would) until the third turn;
+    counts how many of its kind answer at once."""
+
+    active = 0
+    most = 0
+    lock = __import__("threading").Lock()
+
+    def __init__(self, row):
+        self.turns = 0
+
+    def step(self, turn):
+        import time
+
+        from jaxrl_async.envs import StepResult
+
+        with _Scripted.lock:
+            _Scripted.active += 1
+            _Scripted.most = max(_Scripted.most, _Scripted.active)
+        time.sleep(0.2)
+        with _Scripted.lock:
+            _Scripted.active -= 1
+        self.turns += 1
+        if self.turns == 3:
+            return StepResult(None, reward=1.0, done=True, info={"reason": "answer"})
+        return StepResult([5, 6, 7], reward=0.0, done=False)
+
+
+def test_the_episode_driver_runs_episodes_with_environments_off_the_decode_loop(params):
+    from jaxrl_async.envs import EnvConfig
+    from jaxrl_async.envs.driver import EpisodeDriver
+    from jaxrl_async.rollouts import OBSERVATION_VERSION
+
+    engine = _engine(params, "xla")
+    loop = SamplerLoop(engine)
+    driver = EpisodeDriver(loop, EnvConfig(max_turns=5, max_episode_tokens=64), tokenizer=_Ids(),
+                           make_env=_Scripted, workers=4, max_turn_tokens=3)  # fmt: skip
+    prompts = _prompts(3, seed=13, lo=3, hi=6)
+    for i, p in enumerate(prompts):
+        driver.add(i, {"row": i}, p, n_samples=2, seed=i)
+    episodes = driver.run()
+    assert len(episodes) == 6 and driver.in_flight == 0 and loop.idle and loop.free_slots == 4
+    assert _Scripted.most >= 2  # environments answered concurrently, beside decoding
+    assert loop.stats.extensions == 12 and loop.stats.parked_slot_steps > 0
+    for ep in episodes:
+        r = ep.to_rollout(uid=ep.uid, sample_index=ep.sample_index)
+        assert r.reward == 1.0 and ep.turns == 3 and ep.finish_reason == "answer"
+        assert r.model_mask.tolist() == [True] * 3 + [False] * 3 + [True] * 3 + [False] * 3 + [True] * 3
+        assert r.completion_tokens[~r.model_mask].tolist() == [5, 6, 7] * 2
+        assert set(r.versions[~r.model_mask].tolist()) == {OBSERVATION_VERSION}
+        np.testing.assert_array_equal(r.prompt_tokens, prompts[ep.uid])
+    driver.close()
+
+
+class _Ids:
+    """A tokenizer over raw ids (the scripted environment reads nothing)."""
+
+    def encode(self, text):
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids):
+        return " ".join(str(int(i)) for i in ids)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +27,8 @@ class Episode:
     """One episode's tokens after the prompt, with what the trainer needs of each."""
 
     prompt_tokens: np.ndarray
+    uid: Any = None
+    sample_index: int = 0
     tokens: list = dataclasses.field(default_factory=list)
     model_mask: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)

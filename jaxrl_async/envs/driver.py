@@ -1,0 +1,120 @@
+"""Runs many multi-turn episodes at once on one SamplerLoop: the model's turns decode with continuous
+batching, each finished turn parks its slot (`Request.park`), the environment answers off the decode loop
+(a thread pool: a tool that takes seconds holds its episode's slot, not the loop), and the observation is
+appended to the parked slot (`SamplerLoop.resume`: a prefill of the observation, not of the context).
+
+What happens when every slot is parked: the loop dispatches no decode call and admits into free slots
+only, so new episodes start while others wait for their tools; with no free slot either, `step` just
+collects the environments' answers (the caller's poll loop waits on them).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from jaxrl_async.envs.config import EnvConfig
+from jaxrl_async.envs.env import Encoder, StepResult
+from jaxrl_async.envs.episode import Episode, observe
+from jaxrl_async.sampler.loop import Request, SamplerLoop
+
+
+@dataclasses.dataclass
+class _Running:
+    episode: Episode
+    env: Any
+    future: concurrent.futures.Future | None = None  # the environment's answer to the last turn
+
+
+class EpisodeDriver:
+    """Multi-turn episodes on a SamplerLoop (see the module docstring).
+
+    Args:
+      loop: the sampler loop (its engine decides the caches and limits).
+      cfg: the episode bounds (turns, observation tokens, episode tokens).
+      tokenizer: decodes turns for the environments, encodes their text observations.
+      make_env: row -> environment (one per sample: a GRPO group's samples get one each).
+      workers: threads that run environment steps.
+      max_turn_tokens: tokens one turn may generate (None: the engine's max_new_tokens).
+    """
+
+    def __init__(self, loop: SamplerLoop, cfg: EnvConfig, tokenizer, make_env: Callable, workers: int = 4,
+                 max_turn_tokens: int | None = None):  # fmt: skip
+        self.loop, self.cfg, self.tokenizer, self.make_env = loop, cfg, tokenizer, make_env
+        self.max_turn_tokens = max_turn_tokens or loop.cfg.max_new_tokens
+        self.encoder = Encoder(tokenizer)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env")
+        self._running: dict[tuple, _Running] = {}
+        self.env_errors = 0  # environments whose step raised (the episode ends, reward 0)
+
+    @property
+    def in_flight(self) -> int:
+        """Episodes started and not finished."""
+        return len(self._running)
+
+    def add(self, uid, row, prompt_tokens, n_samples: int = 1, seed: int = 0) -> None:
+        """Starts `n_samples` episodes of one row (each with its own environment)."""
+        budget = min(self.max_turn_tokens, self.cfg.max_episode_tokens)
+        self.loop.add_request(Request(uid, tuple(prompt_tokens), n_samples, seed, budget, park=True))
+        for i in range(n_samples):
+            episode = Episode(np.asarray(prompt_tokens, np.int32), uid=uid, sample_index=i)
+            self._running[(uid, i)] = _Running(episode, self.make_env(row))
+
+    def step(self) -> list[Episode]:
+        """One decode call; hands finished turns to their environments and appends the answers that
+        arrived. Returns the episodes that ended."""
+        for c in self.loop.step():
+            run = self._running[(c.uid, c.sample_index)]
+            run.episode.add_turn(c.tokens, c.logprobs, c.versions)
+            run.future = self._pool.submit(run.env.step, self.tokenizer.decode(c.tokens))
+        finished = []
+        for key, run in list(self._running.items()):
+            if run.future is not None and run.future.done():
+                if self._answer(key, run):
+                    finished.append(run.episode)
+        return finished
+
+    def run(self) -> list[Episode]:
+        """Steps until every episode added so far has ended."""
+        out = []
+        while self._running:
+            out += self.step()
+            if self.loop.idle and self._running:  # only environments are working: wait for one
+                pending = [r.future for r in self._running.values() if r.future is not None]
+                if pending:
+                    concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+        return out
+
+    def _answer(self, key: tuple, run: _Running) -> bool:
+        """Applies the environment's answer; True when the episode ended (its slot is freed)."""
+        future, run.future = run.future, None
+        episode = run.episode
+        try:
+            result = future.result()
+        except Exception:  # a user environment's bug ends its episode, never the run
+            self.env_errors += 1
+            result = StepResult(None, 0.0, True, {"reason": "env_error"})
+        before = episode.length
+        goes_on = observe(episode, result, self.cfg, self.encoder)
+        observation = episode.tokens[before:]
+        context = len(episode.prompt_tokens) + before
+        budget = min(self.max_turn_tokens, self.cfg.max_episode_tokens - episode.length,
+                     self.loop.engine.capacity - context - len(observation))  # fmt: skip
+        if goes_on and (not observation or budget < 1):
+            goes_on, episode.finish_reason = False, "no_observation" if not observation else "capacity"
+        if goes_on:
+            try:
+                self.loop.resume(*key, observation, budget)
+                return False
+            except ValueError:  # the context outgrew what the cache can continue (e.g. paged max_prompt_len)
+                episode.finish_reason = "capacity"
+        self.loop.finish(*key)
+        del self._running[key]
+        return True
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
