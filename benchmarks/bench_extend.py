@@ -50,7 +50,9 @@ def build(contexts: list[int], m: int) -> Engine:
     model = presets.tiny(vocab_size=128, max_seq_len=longest + 2 * m)
     mesh = make_mesh((1, 1), ("data", "tensor"), jax.devices()[:1])
     params = init_params(model, jax.random.key(0), mesh, SAMPLER_RULES)
-    buckets = tuple(sorted({c + m for c in contexts}))
+    # Exact buckets: the observation's (extend pads it to a bucket) and each whole context's (the
+    # re-prefill's and extend's view), so neither side computes padding the other does not.
+    buckets = tuple(sorted({m} | {c + m for c in contexts}))
     cfg = SamplerConfig(num_slots=1, max_prompt_len=longest, prompt_buckets=buckets, max_new_tokens=m,
                         steps_per_call=1, temperature=0.0, attention="xla", linear="xla")  # fmt: skip
     return Engine(model, params, mesh, cfg)
