@@ -285,3 +285,32 @@ def test_an_episode_rollout_crosses_processes_with_its_mask():
     _, msg = codec.decode(*codec.encode("trainer", m.TrainBatch(version=1, groups=[[r, plain]])))
     np.testing.assert_array_equal(msg.groups[0][0].model_mask, r.model_mask)
     assert msg.groups[0][1].model_mask is None
+
+
+def test_episode_metrics_count_turns_tools_and_observation_tokens():
+    from jaxrl_async.envs.metrics import episode_metrics
+    from jaxrl_async.sampler.loop import SamplerStats
+
+    tok = CharTokenizer()
+    register_tool("hang")(_hang)  # a name the character vocabulary can spell
+    turns = iter(["<tool name=hang>x</tool>", "<tool name=calculator>2*3</tool>", "6"])
+    generate = lambda context, budget: (lambda ids: (ids, [0.0] * len(ids), [1] * len(ids)))(
+        tok.encode(next(turns))
+    )
+    env, ex, cfg = _env(("hang", "calculator"), tool_timeout_s=0.2)
+    ep = run_episode(env, tok.encode("q"), generate, tok, cfg, max_turn_tokens=64)
+    stats = SamplerStats(slot_steps=40, parked_slot_steps=10)
+    m = episode_metrics([ep], ex.stats.take(), stats)
+    assert m["env/episodes"] == 1 and m["env/turns_per_episode"] == 3 and m["env/ends/answer"] == 1
+    assert m["env/tool_calls"] == 2 and m["env/tool_errors"] == 1 and m["env/tool_timeouts"] == 1
+    assert m["env/tool_latency_ms_max"] >= 200 and m["env/parked_slot_fraction"] == 0.25
+    assert m["env/observation_token_fraction"] == pytest.approx(ep.observation_tokens / ep.length)
+    assert 0 < m["env/observation_token_fraction"] < 1
+
+
+def test_a_multi_turn_request_is_refused_on_a_replica_that_spans_processes():
+    from jaxrl_async.runtime.replica import as_member_request
+    from jaxrl_async.sampler import Request
+
+    with pytest.raises(ValueError, match="spans processes"):
+        as_member_request(Request(1, [1, 2], park=True))

@@ -51,7 +51,17 @@ LEADER = "replica"  # the leader's endpoint on its replica's channel
 
 
 def as_member_request(r: Request) -> MemberRequest:
-    """What a member needs of a request the leader queued."""
+    """What a member needs of a request the leader queued.
+
+    Raises:
+      ValueError: a multi-turn request (`Request.park`): members do not mirror parking, observations and
+        `SamplerLoop.resume` yet, so a replica that spans processes would diverge.
+    """
+    if r.park:
+        raise ValueError(
+            f"request {r.uid!r}: multi-turn episodes (Request.park) do not run yet on a replica that "
+            "spans processes (docs/environments.md)"
+        )
     tokens = np.asarray(r.prompt_tokens, np.int32)
     return MemberRequest(int(r.uid), tokens, int(r.n_samples), int(r.seed), r.max_new_tokens)
 
