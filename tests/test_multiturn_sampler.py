@@ -84,11 +84,17 @@ def test_recompute_kv_mid_episode_rebuilds_the_observation_and_stamps_versions(p
     np.testing.assert_allclose(ref.logprobs, turn2.logprobs[n_old:], atol=1e-5)
 
 
-def test_resume_refuses_what_cannot_fit(params):
+def test_updates_between_turns_stamp_the_next_turn_and_resume_refuses_what_cannot_fit(params):
     engine = _engine(params, "xla")
     loop = SamplerLoop(engine)
     loop.add_request(Request("a", [1, 2, 3], max_new_tokens=4, park=True))
-    loop.run()
+    assert set(loop.run()[0].versions.tolist()) == {0}
+    loop.update_params(_params(seed=1), version=2, mode="finish")  # a parked turn does not hold it back
+    loop.step()
+    assert loop.engine.version == 2
+    loop.update_params(params, version=3, mode="keep_kv")
+    loop.resume("a", 0, OBS, max_new_tokens=4)
+    assert set(loop.run()[0].versions.tolist()) == {3}
     with pytest.raises(KeyError):
         loop.resume("nope", 0, OBS)
     with pytest.raises(ValueError, match="empty observation"):
