@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import subprocess
 import time
 
 import jax
 import numpy as np
 from absl import app, flags
 
+from benchmarks.machine import cpu_model
 from jaxrl_async.model import init_params, presets
 from jaxrl_async.sampler import Engine, SamplerConfig
 from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
@@ -34,15 +33,6 @@ flags.DEFINE_list("contexts", ["64", "512", "4096"], "context lengths C before t
 flags.DEFINE_integer("observation", 16, "observation tokens m")
 flags.DEFINE_integer("reps", 7, "timed repetitions of each (median)")
 flags.DEFINE_string("json_out", None, "write the results here as JSON")
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        names = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")]
-        return names[0]
-    except (OSError, subprocess.CalledProcessError, IndexError):
-        return platform.processor() or "unknown"
 
 
 def build(contexts: list[int], m: int) -> Engine:
