@@ -165,3 +165,23 @@ class _Ids:
 
     def decode(self, ids):
         return " ".join(str(int(i)) for i in ids)
+
+
+def test_a_resume_that_waits_for_pages_nothing_will_free_is_an_error_not_a_hang(params):
+    cfg = SamplerConfig(num_slots=2, max_prompt_len=16, max_new_tokens=4, steps_per_call=2, temperature=0.0,
+                        attention="paged_kernel", linear="xla", page_size=4, token_budget=24)  # fmt: skip
+    loop = SamplerLoop(Engine(TINY, params, MESH1, cfg))
+    for uid in ("a", "b"):
+        loop.add_request(Request(uid, [1, 2, 3, 4], max_new_tokens=4, park=True))
+    loop.run()
+    assert sorted(loop.parked) == [("a", 0), ("b", 0)]
+    loop.resume("a", 0, list(range(5, 13)), max_new_tokens=4)  # needs more pages than "b" leaves free
+    assert loop.stuck
+    with pytest.raises(RuntimeError, match="token_budget"):
+        loop.run()
+    loop.finish("b", 0)  # its pages free: the resume goes on
+    turn = _by_uid(loop.run())[("a", 0)]
+    assert len(turn.tokens) == 4 and not loop.stuck
+    loop.finish("a", 0)
+    table = loop.planner.table
+    assert table.num_free(0) == table.capacity

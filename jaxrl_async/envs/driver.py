@@ -83,10 +83,14 @@ class EpisodeDriver:
         out = []
         while self._running:
             out += self.step()
-            if self.loop.idle and self._running:  # only environments are working: wait for one
-                pending = [r.future for r in self._running.values() if r.future is not None]
-                if pending:
-                    concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            pending = [r.future for r in self._running.values() if r.future is not None]
+            if self.loop.stuck and not pending:
+                raise RuntimeError(
+                    "episodes cannot go on: their resumes wait for KV pages that no running sequence will "
+                    "free (give the paged cache more pages: config.sampler.token_budget)"
+                )
+            if self.loop.idle and pending:  # only environments are working: wait for one
+                concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
         return out
 
     def _answer(self, key: tuple, run: _Running) -> bool:

@@ -237,6 +237,12 @@ class SamplerLoop:
             and not self._resumes
         )
 
+    @property
+    def stuck(self) -> bool:
+        """Resumes wait for KV pages and no sequence runs (or is in flight) that could free any: only a
+        `finish` of a parked turn can let them go on."""
+        return bool(self._resumes) and not self.num_running and self._pending is None
+
     # ----- multi-turn episodes -----
 
     def resume(self, uid, sample_index: int, observation, max_new_tokens: int | None = None) -> None:
@@ -336,15 +342,26 @@ class SamplerLoop:
     def run(
         self, admit: Callable[[], Request | None] | None = None, max_steps: int | None = None
     ) -> list[Completion]:
-        """Steps until nothing is left to do (queue and `admit` exhausted); returns all completions."""
+        """Steps until nothing is left to do (queue and `admit` exhausted); returns all completions.
+
+        Raises:
+          RuntimeError: resumes wait for pages that nothing running will free (every other sequence of
+            their shard is parked): only the caller can `finish` one, so stepping on would never end.
+        """
         out, n = [], 0
         while True:
             out += self.step(admit)
             n += 1
-            if (self.idle and self._source_empty and self._staged is None) or (
-                max_steps is not None and n >= max_steps
-            ):
+            # Idle with every slot parked: nothing can be admitted or run until the caller resumes one.
+            drained = self._source_empty or not self.free_slots
+            if (self.idle and drained and self._staged is None) or (max_steps is not None and n >= max_steps):
                 return out
+            if self.stuck:
+                keys = [(self._slots[b].request.uid, self._slots[b].sample_index) for b, *_ in self._resumes]
+                raise RuntimeError(
+                    f"resumes of {keys} wait for KV pages, but no sequence runs to free any: finish a parked "
+                    "turn first, or give the paged cache more pages (config.sampler.token_budget)"
+                )
 
     # ----- weight updates -----
 
