@@ -34,6 +34,7 @@ from absl import app, flags
 
 from benchmarks import bench_workload as wl
 from jaxrl_async.cli import module_command, run_command, run_logged
+from jaxrl_async.perf.report import best_against_best
 
 flags.adopt_module_key_flags(wl)
 _PROCESSES = flags.DEFINE_integer("processes", 1, "2: also the two-process run.", 1, 2)
@@ -108,18 +109,6 @@ def predictions(w: wl.Workload, root: str, processes: int) -> tuple[dict[str, di
         r = pm.analyze_split(system, 1, 1)
         out["async_2proc"] = {**r.to_dict(), "tokens_per_s": trained_tokens_per_s(system, r.tokens_per_s)}
     return out, ceiling
-
-
-def best_against_best(sweep: dict[str, dict[int, dict]]) -> dict[str, dict]:
-    """Each mode's best slot count (highest steady trained tokens/s) and its ratio to sync's best."""
-    best = {}
-    for mode, runs in sweep.items():
-        slots = max(runs, key=lambda s: runs[s]["steady_train_tokens_per_s"])
-        best[mode] = {"slots": slots, **runs[slots]}
-    base = best.get("sync", {}).get("steady_train_tokens_per_s")
-    for b in best.values():
-        b["over_sync_best"] = b["steady_train_tokens_per_s"] / base if base else None
-    return best
 
 
 def _cell(c) -> str:

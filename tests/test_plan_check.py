@@ -271,7 +271,6 @@ def test_the_balance_and_the_evaluation_cost_come_from_the_measured_points_and_w
     sequences per H100 is sampler-bound; the first evaluation's cost in train steps, and the warning when
     it passes --max-eval-steps (and not below it)."""
     from configs import math_8b
-    from jaxrl_async.cli.plan_check import balance_lines
     from jaxrl_async.perf import balance
     from jaxrl_async.perf.hardware import get_hardware
     from jaxrl_async.run_config import memory_sections
@@ -292,7 +291,7 @@ def test_the_balance_and_the_evaluation_cost_come_from_the_measured_points_and_w
     assert slow.trainer_s == fast.trainer_s
     assert slow.eval_worst_s > slow.eval_s > 0 and 0 < slow.eval_sampling_loss < 1
     assert slow.eval_train_steps == pytest.approx(slow.eval_s / slow.step_s)
-    warn = balance_lines(slow, max_eval_steps=slow.eval_train_steps * 0.9)
+    warn = balance.report_lines(slow, max_eval_steps=slow.eval_train_steps * 0.9)
     assert "warning: one evaluation may cost" in warn and "config.eval_prompts" in warn
-    assert "warning" not in balance_lines(slow, max_eval_steps=slow.eval_train_steps * 1.1)
+    assert "warning" not in balance.report_lines(slow, max_eval_steps=slow.eval_train_steps * 1.1)
     assert "sampler-bound by" in warn and "first evaluation:" in warn

@@ -279,7 +279,7 @@ def test_the_overlap_ceiling_counts_the_drained_tail_on_top_of_the_overlap():
 
 
 def test_bench_async_compares_each_mode_at_its_own_best_slots():
-    from benchmarks.bench_async import best_against_best
+    from jaxrl_async.perf.report import best_against_best
 
     def runs(*rates):
         return {s: {"steady_train_tokens_per_s": r} for s, r in zip((16, 64, 256), rates, strict=True)}

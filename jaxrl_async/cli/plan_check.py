@@ -155,7 +155,7 @@ def main(argv) -> int:
             f"{r['usable_bytes'] / 2**30:.2f} GiB usable (memory fraction {fraction:.2f} from {source}); "
             f"margin {margin:.0%} -> {'ok' if r['ok'] else 'REFUSED'}"
         )
-    print(balance_lines(bal, _MAX_EVAL_STEPS.value))
+    print(balance.report_lines(bal, _MAX_EVAL_STEPS.value))
     if _OUT.value:
         with open(_OUT.value, "w") as f:
             json.dump(report, f, indent=2)
@@ -163,28 +163,6 @@ def main(argv) -> int:
         print("plan check refuses this layout:\n  " + "\n  ".join(refusals))
         return 1
     return 0
-
-
-def balance_lines(bal, max_eval_steps: float) -> str:
-    """The predicted balance and the first evaluation's cost (`perf.balance`), and a warning when one
-    evaluation costs more than `max_eval_steps` train steps."""
-    ratio = max(bal.sampler_s, bal.trainer_s) / min(bal.sampler_s, bal.trainer_s)
-    lines = [
-        f"  balance (perf.balance: the H200's measured decode fractions and MFU, scaled to this hardware; "
-        f"mean response {bal.mean_len:.0f} tokens): decode batch {bal.decode_batch:.1f} per sampler device; "
-        f"sampler {bal.sampler_s:.0f} s a step, trainer {bal.trainer_s:.0f} s a step -> {bal.bound}-bound "
-        f"by {ratio:.1f}x",
-        f"  first evaluation: {bal.eval_s / 60:.1f} min at the mean length ({bal.eval_train_steps:.1f} train "
-        f"steps of {bal.step_s:.0f} s), {bal.eval_worst_s / 60:.1f} min if every completion runs to "
-        f"max_new_tokens; it takes {bal.eval_sampling_loss:.0%} of the sampler's device time while it runs",
-    ]
-    if bal.eval_train_steps > max_eval_steps:
-        lines.append(
-            f"  warning: one evaluation may cost {bal.eval_train_steps:.1f} train steps, over "
-            f"--max-eval-steps={max_eval_steps:g}; lower config.eval_prompts, raise config.eval_slots, or "
-            "evaluate less often (config.eval_every)"
-        )
-    return "\n".join(lines)
 
 
 def weight_sync_plan(model_cfg, config, hardware: str) -> dict:

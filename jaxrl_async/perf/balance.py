@@ -129,3 +129,26 @@ def predict(config, model: ModelConfig, hw: Hardware, sampler_cfg, train_cfg, me
     eval_worst_s = per_slot * n_max * decode_step_s(model, hw, eval_batch, prompt_len + n_max / 2, tensor)
     loss = eval_step / (eval_step + step) / replicas
     return Balance(mean_len, batch, sampler_s, trainer_s, eval_s, eval_worst_s, loss)
+
+
+def report_lines(bal, max_eval_steps: float) -> str:
+    """The plan check's lines: the predicted balance and the first evaluation's cost, and a warning when
+    one evaluation costs more than `max_eval_steps` train steps (a module of its own, not the command's,
+    so a test imports it without the command's flags)."""
+    ratio = max(bal.sampler_s, bal.trainer_s) / min(bal.sampler_s, bal.trainer_s)
+    lines = [
+        f"  balance (perf.balance: the H200's measured decode fractions and MFU, scaled to this hardware; "
+        f"mean response {bal.mean_len:.0f} tokens): decode batch {bal.decode_batch:.1f} per sampler device; "
+        f"sampler {bal.sampler_s:.0f} s a step, trainer {bal.trainer_s:.0f} s a step -> {bal.bound}-bound "
+        f"by {ratio:.1f}x",
+        f"  first evaluation: {bal.eval_s / 60:.1f} min at the mean length ({bal.eval_train_steps:.1f} train "
+        f"steps of {bal.step_s:.0f} s), {bal.eval_worst_s / 60:.1f} min if every completion runs to "
+        f"max_new_tokens; it takes {bal.eval_sampling_loss:.0%} of the sampler's device time while it runs",
+    ]
+    if bal.eval_train_steps > max_eval_steps:
+        lines.append(
+            f"  warning: one evaluation may cost {bal.eval_train_steps:.1f} train steps, over "
+            f"--max-eval-steps={max_eval_steps:g}; lower config.eval_prompts, raise config.eval_slots, or "
+            "evaluate less often (config.eval_every)"
+        )
+    return "\n".join(lines)

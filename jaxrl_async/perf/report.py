@@ -168,3 +168,16 @@ def plot_latency(path: str, latency: DecodeLatency, bench: DecodeBench | None, m
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def best_against_best(sweep: dict[str, dict[int, dict]]) -> dict[str, dict]:
+    """Each mode's best slot count (highest steady trained tokens/s) and its ratio to sync's best:
+    benchmarks.bench_async's best against best, from a sweep {mode: {slots: run summary}}."""
+    best = {}
+    for mode, runs in sweep.items():
+        slots = max(runs, key=lambda s: runs[s]["steady_train_tokens_per_s"])
+        best[mode] = {"slots": slots, **runs[slots]}
+    base = best.get("sync", {}).get("steady_train_tokens_per_s")
+    for b in best.values():
+        b["over_sync_best"] = b["steady_train_tokens_per_s"] / base if base else None
+    return best
