@@ -105,14 +105,18 @@ def test_updates_between_turns_stamp_the_next_turn_and_resume_refuses_what_canno
 
 class _Scripted:
     """Answers every turn with the same observation (slowly, as a tool would) until the third turn;
-    counts how many of its kind answer at once."""
+    counts how many of its kind answer at once. Row 0's first answer waits until another episode has
+    had a second answer, which needs decoding while row 0's slots are parked: the overlap the test
+    checks is forced by events, not hoped for from a clock."""
 
     active = 0
     most = 0
     lock = __import__("threading").Lock()
+    others_second_turn = __import__("threading").Event()
 
     def __init__(self, row):
         self.turns = 0
+        self.row = row["row"]
 
     def step(self, turn):
         import time
@@ -122,10 +126,15 @@ class _Scripted:
         with _Scripted.lock:
             _Scripted.active += 1
             _Scripted.most = max(_Scripted.most, _Scripted.active)
-        time.sleep(0.2)
+        if self.row == 0 and self.turns == 0:
+            assert _Scripted.others_second_turn.wait(timeout=60), "no other episode advanced"
+        else:
+            time.sleep(0.2)
         with _Scripted.lock:
             _Scripted.active -= 1
         self.turns += 1
+        if self.row != 0 and self.turns == 2:
+            _Scripted.others_second_turn.set()
         if self.turns == 3:
             return StepResult(None, reward=1.0, done=True, info={"reason": "answer"})
         return StepResult([5, 6, 7], reward=0.0, done=False)
