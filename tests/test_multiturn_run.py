@@ -53,8 +53,14 @@ def _config(workdir, tool="calculator", **overrides):
     return c
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_run_trains_episodes_with_observations_masked_and_logs_env_tags(tmp_path, mode, monkeypatch):
+# In-flight weight updates keep their modes: async runs swap versions while episodes are parked (recompute_kv
+# rebuilds their caches, observations included; finish lets running turns end and not parked episodes).
+MODES = [("sync", "keep_kv"), ("async", "recompute_kv"), ("async", "finish")]
+
+
+@pytest.mark.parametrize("mode, update_mode", MODES)
+def test_a_run_trains_episodes_with_observations_masked_and_logs_env_tags(tmp_path, mode, update_mode,
+                                                                          monkeypatch):  # fmt: skip
     monkeypatch.syspath_prepend(TESTS)
     from jaxrl_async.runtime import rollout_groups
 
@@ -62,7 +68,7 @@ def test_a_run_trains_episodes_with_observations_masked_and_logs_env_tags(tmp_pa
     complete = rollout_groups.GroupAssembly._complete
     monkeypatch.setattr(rollout_groups.GroupAssembly, "_complete",
                         lambda self, r: (trained.append(r), complete(self, r))[1])  # fmt: skip
-    summary = run_from_config(_config(tmp_path, mode=mode))
+    summary = run_from_config(_config(tmp_path, mode=mode, **{"sampler.update_mode": update_mode}))
     assert summary["steps"] == 2
     assert [e["step"] for e in summary["evals"]] == [0, 2]  # greedy episodes held out
     # Every sample was an episode: a model turn, the calculator's answer (masked), a model turn.
