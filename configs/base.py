@@ -58,6 +58,10 @@ def get_config() -> ml_collections.ConfigDict:
     # (jaxrl_async/runtime/compile_cache.py); "" = off. Refused if others may write to it: JAX runs what it
     # loads from there.
     c.compile_cache_dir = ""
+    # Record the decisions timing makes (decode calls, versions applied, rewards, each step's groups) in
+    # workdir/schedule/, so `jaxrl-run --replay=WORKDIR` reruns the run bit for bit (docs/reproducibility.md):
+    # "auto" = on for async runs (a sync run is already reproducible from its seeds), "on", "off".
+    c.record_schedule = "auto"
 
     # Which model and numerics (jaxrl_async.run_config.ModelSection documents each field).
     c.model = dataclass_section(ModelSection)

@@ -317,6 +317,7 @@ class RunConfig:
     verify_weights: bool
     length_caps: str
     compile_cache_dir: str  # "" = off (configs/base.py)
+    record_schedule: bool  # config.record_schedule resolved ("auto": async runs; runtime/schedule_log.py)
     data: DataConfig
     reward: RewardConfig
     sampler: SamplerConfig
@@ -491,6 +492,12 @@ def _compile_cache_dir(v) -> str:
     return v
 
 
+def _record_schedule(v, mode: str) -> bool:
+    if v not in ("auto", "on", "off"):
+        raise ConfigError(f'config.record_schedule: "auto", "on" or "off", got {v!r}')
+    return v == "on" or (v == "auto" and mode == "async")
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> RunConfig:
     """Builds the RunConfig, section by section (each validates itself), then runs the named cross-checks
     (CROSS_CHECKS); raises ConfigError naming the first bad field.
@@ -512,6 +519,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         verify_weights=bool(_given(c, "verify_weights")),
         length_caps=_given(c, "length_caps"),
         compile_cache_dir=_compile_cache_dir(_given(c, "compile_cache_dir")),
+        record_schedule=_record_schedule(_given(c, "record_schedule"), _given(c, "mode")),
         **component_sections(c),
     )
     for check in CROSS_CHECKS:

@@ -161,14 +161,22 @@ class NoSchedule:
 
 class ActorSchedule(NoSchedule):
     """An actor's recorder: its hooks sit at the decision points of `Actor` (queueing a request, applying
-    a version, calling the loop, taking a reward result)."""
+    a version, calling the loop, taking a reward result).
 
-    def __init__(self, writer: ScheduleWriter, endpoint: str):
+
+    Args:
+      writer: the actor's schedule file.
+      endpoint: the actor's endpoint ("actor:0").
+      engine_cfg: the sampling engine's SamplerConfig, "auto" kernels resolved: a choice made by timing
+        on the machine, so the replay builds its engine with the same kernels (the same numerics).
+    """
+
+    def __init__(self, writer: ScheduleWriter, endpoint: str, engine_cfg):
         self.writer = writer
         self.calls = 0  # decode calls (`step`) so far, recorded or not
         self._added: list[list[Any]] = []
         self._applied: list[list[Any]] = []
-        writer.write({"start": endpoint})
+        writer.write({"start": endpoint, "attention": engine_cfg.attention, "linear": engine_cfg.linear})
 
     def added(self, request) -> None:
         self._added.append([int(request.uid), request.metadata.key])
