@@ -80,3 +80,25 @@ def test_async_run_and_its_replay_agree_bit_for_bit(tmp_path):
     assert report["first_divergent_version"] == 1 and not report["identical"], report
     assert report["versions"]["0"]["run"] == report["versions"]["0"]["replay"]
     assert report["steps"] <= 2
+
+
+def test_a_two_process_run_replays_in_one_process(tmp_path):
+    """The learner lead (process 0) and the actor (process 1) each record their own decisions; the
+    replay, in one process, ends with the same parameters at every version."""
+    with open(tmp_path / "config.py", "w") as f:
+        f.write(CONFIG)
+    flags = [f"--config={tmp_path / 'config.py'}", f"--config.workdir={tmp_path}",
+             "--config.mesh.sampler_processes=(1,)", "--config.mesh.trainer_processes=(0,)"]  # fmt: skip
+    cmd = [sys.executable, os.path.join(REPO, "launch", "local_cluster.py"), "--num-processes", "2",
+           "--devices-per-process", "1", "--heartbeat-timeout-s", "10", "--", *flags]  # fmt: skip
+    run = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=REPO), text=True, capture_output=True,
+                         timeout=900)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-3000:]
+    assert "process 1 of 2: sampler 0" in run.stdout
+    learner = read_schedule(schedule_path(str(tmp_path), "learner")).records
+    assert [r["t"] for r in learner if "t" in r] == list(range(1, STEPS + 1))
+    replay = _run(tmp_path, f"--replay={tmp_path}")
+    assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
+    report = _report(tmp_path)
+    assert report["identical"] and report["steps"] == STEPS, report
+    assert all(p["run"] == p["replay"] is not None for p in report["versions"].values())
