@@ -107,3 +107,21 @@ def test_fingerprint_sees_one_changed_bit():
             assert fingerprint(changed) != base, (leaf, idx, bit)
     swapped = dict(params, a=params["a"][::-1])  # same values, other positions
     assert fingerprint(swapped) != base
+
+
+def test_record_schedule_is_on_for_async_runs_by_default():
+    import pytest
+
+    from configs import tiny_arith
+    from jaxrl_async.run_config import ConfigError, validate
+
+    c = tiny_arith.get_config()
+    c.workdir = "/tmp/unused"
+    assert c.record_schedule == "auto" and validate(c).record_schedule  # tiny_arith is async
+    c.mode = "sync"
+    assert not validate(c).record_schedule  # a sync run is reproducible from its seeds alone
+    c.record_schedule = "on"
+    assert validate(c).record_schedule
+    c.record_schedule = "yes"
+    with pytest.raises(ConfigError, match="config.record_schedule"):
+        validate(c)
