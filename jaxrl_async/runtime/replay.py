@@ -76,8 +76,9 @@ class RecordedRewards:
     def __init__(self, records: list[dict]):
         self._recorded: dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
         for r in records:
-            self._recorded[tuple(r["r"])].append(r)
-        self._taken: dict[tuple, dict] = {}
+            for gid, sample, *rest in r["r"]:
+                self._recorded[(gid, sample)].append(rest)  # [reward, CRC(, reason)]
+        self._taken: dict[tuple, list] = {}
         self._ready: list[RewardResult] = []
 
     def check(self, completion) -> bool | None:
@@ -88,11 +89,11 @@ class RecordedRewards:
             return None
         rec = self._recorded[key].popleft()
         self._taken[key] = rec
-        return zlib.crc32(np.asarray(completion.tokens, np.int32).tobytes()) == rec["h"]
+        return zlib.crc32(np.asarray(completion.tokens, np.int32).tobytes()) == rec[1]
 
     def submit(self, key, prompt, completion, metadata) -> None:
-        rec = self._taken.pop(key)
-        self._ready.append(RewardResult(key, rec["v"], rec.get("why", "ok"), 0.0))
+        reward, _, *reason = self._taken.pop(key)
+        self._ready.append(RewardResult(key, reward, reason[0] if reason else "ok", 0.0))
 
     def poll(self) -> list[RewardResult]:
         ready, self._ready = self._ready, []

@@ -176,6 +176,7 @@ class ActorSchedule(NoSchedule):
         self.calls = 0  # decode calls (`step`) so far, recorded or not
         self._added: list[list[Any]] = []
         self._applied: list[list[Any]] = []
+        self._graded: list[list[Any]] = []
         writer.write({"start": endpoint, "attention": engine_cfg.attention, "linear": engine_cfg.linear})
 
     def added(self, request) -> None:
@@ -186,7 +187,9 @@ class ActorSchedule(NoSchedule):
         self._applied.append([int(version), mode, loop.num_live])
 
     def calling(self, loop) -> None:
-        """Before `loop.step`: records the call unless it changes nothing (idle, nothing new)."""
+        """Before `loop.step`: records the call unless it changes nothing (idle, nothing new), after the
+        reward results taken since the last call."""
+        self._write_graded()
         if self._added or self._applied or not loop.idle:
             rec: dict[str, Any] = {"c": self.calls}
             if self._applied:
@@ -198,14 +201,23 @@ class ActorSchedule(NoSchedule):
         self.calls += 1
 
     def graded(self, result, completion) -> None:
+        """A reward result that goes into a group: [group, sample, reward, tokens' CRC(, reason)], the
+        reason only when it is not "ok". Written with the next call (one record for all of them: a
+        record per result cost twice the bytes)."""
         gid, sample = result.request_id
-        rec = {"r": [int(gid), int(sample)], "v": float(result.reward),
-               "h": zlib.crc32(np.asarray(completion.tokens, np.int32).tobytes())}  # fmt: skip
+        rec = [int(gid), int(sample), float(result.reward),
+               zlib.crc32(np.asarray(completion.tokens, np.int32).tobytes())]  # fmt: skip
         if result.reason != "ok":
-            rec["why"] = result.reason
-        self.writer.write(rec)
+            rec.append(result.reason)
+        self._graded.append(rec)
+
+    def _write_graded(self) -> None:
+        if self._graded:
+            self.writer.write({"r": self._graded})
+            self._graded = []
 
     def close(self) -> None:
+        self._write_graded()
         self.writer.close()
 
 
