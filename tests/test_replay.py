@@ -4,6 +4,7 @@ names the first version that differs. Each run is a process of its own (launch/r
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -101,4 +102,35 @@ def test_a_two_process_run_replays_in_one_process(tmp_path):
     assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
     report = _report(tmp_path)
     assert report["identical"] and report["steps"] == STEPS, report
+    assert all(p["run"] == p["replay"] is not None for p in report["versions"].values())
+
+
+def test_a_replay_from_the_checkpoint_a_run_resumed_at_matches_it(tmp_path):
+    """Killed after step 3 and resumed: the record holds two segments; the second replays from the
+    checkpoint it started at, to the end, with the run's parameters at every version."""
+    flags = ["--config.checkpoint_every=1", "--config.checkpoint_keep=20"]
+    with open(tmp_path / "config.py", "w") as f:
+        f.write(CONFIG)
+    cmd = [sys.executable, os.path.join(REPO, "launch", "run.py"), f"--config={tmp_path / 'config.py'}",
+           f"--config.workdir={tmp_path}", *flags]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    for line in proc.stdout:
+        if "step 3 |" in line:
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    resumed = _run(tmp_path, *flags)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout + resumed.stderr
+    learner = read_schedule(schedule_path(str(tmp_path), "learner")).records
+    starts = [r["version"] for r in learner if "start" in r]
+    assert len(starts) == 2 and starts[0] == 0 and 1 <= starts[1] <= 3, starts
+    start = starts[1]
+
+    replay = _run(tmp_path, f"--replay={tmp_path}", f"--replay_from={start}", *flags)
+    assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
+    report = _report(tmp_path)
+    assert report["identical"] and report["steps"] == STEPS - start and report["restarts"] == 1, report
+    assert sorted(map(int, report["versions"])) == list(range(start, STEPS + 1))
     assert all(p["run"] == p["replay"] is not None for p in report["versions"].values())

@@ -125,3 +125,16 @@ def test_record_schedule_is_on_for_async_runs_by_default():
     c.record_schedule = "yes"
     with pytest.raises(ConfigError, match="config.record_schedule"):
         validate(c)
+
+
+def test_a_resumed_process_reads_past_the_line_its_killed_predecessor_cut(tmp_path):
+    path = str(tmp_path / "learner.jsonl")
+    first = [{"start": "learner", "version": 0}, {"t": 1}, {"t": 2}]
+    _write(path, first)
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:  # the kill cut the last record, newline and all
+        f.write(data[:-7])
+    second = [{"start": "learner", "version": 1}, {"t": 2}, {"t": 3}]
+    _write(path, second)
+    got = read_schedule(path)
+    assert got.records == first[:2] + second and got.truncated

@@ -35,6 +35,9 @@ _REPLAY = flags.DEFINE_string(
     "as the run's (a changed field shows where it parts from the run); docs/reproducibility.md.",
 )
 _REPLAY_TO = flags.DEFINE_integer("replay_to", None, "With --replay: stop after training this version.")
+_REPLAY_FROM = flags.DEFINE_integer(
+    "replay_from", 0, "With --replay: start at this version, one the run was resumed at (its checkpoint)."
+)
 flags.mark_flags_as_required(["config"])
 
 
@@ -100,7 +103,7 @@ def _replay(config) -> None:
     prepare_devices(config)
     from jaxrl_async.runtime.replay import replay_run
 
-    report = replay_run(config, _REPLAY.value, _REPLAY_TO.value)
+    report = replay_run(config, _REPLAY.value, _REPLAY_TO.value, _REPLAY_FROM.value)
     print(json.dumps({k: v for k, v in report.items() if k != "versions"}), flush=True)
     if not report["identical"]:
         sys.exit(1)

@@ -44,6 +44,7 @@ from jaxrl_async.runtime.build import (
     trainer_mesh,
     warm_started_params,
 )
+from jaxrl_async.runtime.checkpoint import RunCheckpoints
 from jaxrl_async.runtime.learner import TrainerCore
 from jaxrl_async.runtime.messages import Tickets
 from jaxrl_async.runtime.rollout_groups import GroupAssembly
@@ -59,14 +60,13 @@ class ScheduleBroken(Exception):
     """The replay cannot follow the record any further (its rollouts differ from the run's)."""
 
 
-def first_segment(records: list[dict]) -> tuple[list[dict], int]:
-    """The records of the first process start (up to the next {"start": ...}), and how many starts
-    the file holds (more than one: the run was resumed)."""
+def segments(records: list[dict]) -> list[list[dict]]:
+    """The records of each process start (from one {"start": ...} to the next): more than one when the
+    run was resumed."""
     starts = [i for i, r in enumerate(records) if "start" in r]
     if not starts:
         raise ConfigError("schedule record without a start record")
-    end = starts[1] if len(starts) > 1 else len(records)
-    return records[starts[0] : end], len(starts)
+    return [records[a:b] for a, b in zip(starts, [*starts[1:], len(records)], strict=True)]
 
 
 class RecordedRewards:
@@ -113,7 +113,7 @@ class Report:
     schedule_broken: str | None = None
     calls: int = 0  # decode calls replayed
     steps: int = 0  # train steps replayed
-    restarts: int = 0  # process starts after the first in the record (not replayed)
+    restarts: int = 0  # process starts after the first in the record (each a segment of its own)
 
     @property
     def identical(self) -> bool:
@@ -130,12 +130,17 @@ class Replay:
       config: the run's config (the same file and overrides; a changed field is how a user tests a
         change, e.g. another learning rate: the report says where the parameters part).
       recorded: the recorded run's workdir (its schedule/ is read).
-      to_version: stop after training this version (None: the whole record).
+      to_version: stop after training this version (None: the whole segment).
+      from_version: replay the segment of the process start at this version: 0, the run's start, or a
+        version the run was resumed at, whose checkpoint (in the recorded workdir) is restored. A resumed
+        process starts its sampler afresh (the prompts in flight are started again), so a segment's
+        replay from its checkpoint is exact; a checkpoint in mid-segment is not a place to start (the
+        sampler's state there, sequences decoded by older versions, is in no checkpoint).
     """
 
-    def __init__(self, config, recorded: str, to_version: int | None = None):
+    def __init__(self, config, recorded: str, to_version: int | None = None, from_version: int = 0):
         self.run: RunConfig = validate(config, num_devices=None)
-        self.recorded, self.to_version = recorded, to_version
+        self.recorded, self.to_version, self.from_version = recorded, to_version, from_version
         if self.run.trainer.controlled_lag:
             raise ConfigError("replay: config.trainer.controlled_lag is not replayed")
         actors = sorted(
@@ -146,12 +151,15 @@ class Replay:
         self.report = Report()
         actor = read_schedule(schedule_path(recorded, "actor:0"))
         learner = read_schedule(schedule_path(recorded, "learner"))
-        actor_recs, n_actor = first_segment(actor.records)
-        learner_recs, n_learner = first_segment(learner.records)
-        self.report.restarts = max(n_actor, n_learner) - 1
+        actor_segs, learner_segs = segments(actor.records), segments(learner.records)
+        starts = [s[0]["version"] for s in learner_segs]
+        if from_version not in starts or len(actor_segs) != len(learner_segs):
+            raise ConfigError(f"replay: --replay_from={from_version}: the learner's record starts at "
+                              f"versions {starts} ({len(actor_segs)} actor starts)")  # fmt: skip
+        i = starts.index(from_version)
+        self.report.restarts = len(starts) - 1
+        actor_recs, learner_recs = actor_segs[i], learner_segs[i]
         self.start, self.steps = learner_recs[0], collections.deque(learner_recs[1:])
-        if self.start["version"] != 0:
-            raise ConfigError(f"replay: the record starts at version {self.start['version']} (a resumed run)")
         self.calls = [r for r in actor_recs if "c" in r]
         self.rewards = RecordedRewards([r for r in actor_recs if "r" in r])
         self.kernels = {k: actor_recs[0][k] for k in ("attention", "linear")}
@@ -165,13 +173,18 @@ class Replay:
         scfg = dataclasses.replace(sampler_config(run, tokenizer), **self.kernels)  # the run's kernels
         s_mesh, t_mesh = sampler_mesh(run, cluster), trainer_mesh(run, cluster)
         engine = build_engines(run, model_cfg, s_mesh, scfg)[0]
-        if run.warm_start.enabled:
+        if run.warm_start.enabled and not self.from_version:
             device = t_mesh.devices.flat[0]
             params = warm_started_params(run, model_cfg, tokenizer, device, show=False)[0]
-        else:
+        else:  # (a checkpoint's state replaces these; the KL reference, if any, is the starting policy)
             params = initial_params(run, model_cfg, t_mesh)
+        state = train_state(run, model_cfg, t_mesh, params)
+        if self.from_version:
+            ckpts = RunCheckpoints(storage.join(self.recorded, "checkpoints"))
+            state = ckpts.restore(state, self.from_version)[0]
+            ckpts.close()
         publisher = LocalWeights(WeightSync(model_cfg, s_mesh, dtype=sampler_dtype(model_cfg)))
-        self.core = TrainerCore(train_state(run, model_cfg, t_mesh, params), run.trainer, publisher, None)
+        self.core = TrainerCore(state, run.trainer, publisher, None)
         self.loop = SamplerLoop(engine)
         caps = length_cap_fn(run.length_caps) if run.length_caps else None
         self.tickets = TicketBook(0, run.seed, run.schedule, engine.cfg.num_slots, 1, caps)
@@ -259,10 +272,10 @@ class Replay:
                         mine, recorded_fp)  # fmt: skip
 
 
-def replay_run(config, recorded: str, to_version: int | None = None) -> dict[str, Any]:
-    """Replays the run recorded in `recorded` (see the module docstring); returns the report, also
-    written to <recorded>/replay/report.json."""
-    report = Replay(config, recorded, to_version)().as_dict()
+def replay_run(config, recorded: str, to_version: int | None = None, from_version: int = 0) -> dict[str, Any]:
+    """Replays the run recorded in `recorded` (see `Replay`); returns the report, also written to
+    <recorded>/replay/report.json."""
+    report = Replay(config, recorded, to_version, from_version)().as_dict()
     out = storage.join(recorded, "replay")
     storage.makedirs(out)
     storage.write_text(storage.join(out, "report.json"), json.dumps(report, indent=2))

@@ -13,8 +13,9 @@ Given the config, everything else a run does is a function of these decisions:
 
 Each process writes its own file, WORKDIR/schedule/<endpoint>.jsonl (`schedule_path`), through
 `storage.AppendLog` (a bucket workdir works). Each line is "<crc32 hex> <json>": a line that a kill cut
-short, or one damaged later, fails its CRC, and `read_schedule` stops at the last complete record before
-it. Every process start begins with a {"start": ...} record, so a resumed run's segments are told apart.
+short, or one damaged later, fails its CRC, and `read_schedule` keeps that process's records up to the
+last complete one before it. Every process start begins with a {"start": ...} record, so a resumed run's
+segments are told apart (and read past a line its killed predecessor left cut).
 Calls on which nothing happened (an idle loop, nothing new queued or applied) are not recorded: such a
 `step` changes no state.
 """
@@ -72,16 +73,28 @@ class Record:
 
 
 def read_schedule(path: str) -> Record:
-    """Reads a schedule file up to its last complete record (see the module docstring)."""
+    """Reads a schedule file: each process start's records up to its last complete one (see the module
+    docstring). After a line that fails its check nothing is trusted until the next start record (the
+    records of a later process: a resumed run)."""
     text = storage.read_text(path)
-    records, truncated = [], False
+    records, truncated, skipping = [], False, False
     for line in text.splitlines(keepends=True):
         rec = decode(line) if line.endswith("\n") else None  # no newline: the write was cut
         if rec is None:
-            truncated = True
-            break
-        records.append(rec)
+            truncated = skipping = True
+        elif not skipping or "start" in rec:
+            records.append(rec)
+            skipping = False
     return Record(records, truncated, len(text.encode()))
+
+
+def _ends_a_line(path: str) -> bool:
+    with open(path, "rb") as f:  # a local file (storage.is_url is False)
+        f.seek(0, 2)
+        if f.tell() == 0:
+            return True
+        f.seek(-1, 2)
+        return f.read(1) == b"\n"
 
 
 class ScheduleWriter:
@@ -90,7 +103,13 @@ class ScheduleWriter:
     def __init__(self, path: str, flush_s: float | None = None):
         self.path = path
         storage.makedirs(str(storage.path(path).parent))
+        target = storage.path(path)
+        # A kill may have cut the last line of a local file: end it, so this process's first record
+        # starts a line of its own (the cut one fails its check and is skipped).
+        cut = target.exists() and not storage.is_url(path) and not _ends_a_line(path)
         self._log = storage.AppendLog(path)
+        if cut:
+            self._log.write("")
         self.flush_s = (REMOTE_FLUSH_S if self._log.remote else 0.0) if flush_s is None else flush_s
         self._buffer: list[str] = []
         self._flushed = time.monotonic()
