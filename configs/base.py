@@ -60,7 +60,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.compile_cache_dir = ""
     # Record the decisions timing makes (decode calls, versions applied, rewards, each step's groups) in
     # workdir/schedule/, so `jaxrl-run --replay=WORKDIR` reruns the run bit for bit (docs/reproducibility.md):
-    # "auto" = on for async runs (a sync run is already reproducible from its seeds), "on", "off".
+    # "auto" = on for async runs (a sync run is already reproducible from its seeds), "on", "off". On by
+    # default because it is cheap: ~17 KB and < 0.1% of a step's time per step on letter_range
+    # (benchmarks/bench_schedule_log.py; docs/reproducibility.md).
     c.record_schedule = "auto"
 
     # Which model and numerics (jaxrl_async.run_config.ModelSection documents each field).

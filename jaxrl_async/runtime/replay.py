@@ -11,8 +11,9 @@ differs, and the first completion whose tokens differ.
 
 With the same machine kind, software and config the replay produces the same parameters, bit for bit, at
 every version (the engine is built with the kernels the run's timing chose, recorded in the actor's
-start record). What it covers: one actor (one sampler replica), one segment of the record (a run that was
-resumed replays from its start up to the first restart), no controlled lag. docs/reproducibility.md.
+start record). What it covers: one actor (one sampler replica), one segment of the record (a process
+start: the run's, or a resume from a checkpoint, `--replay_from`), no controlled lag.
+docs/reproducibility.md.
 """
 
 from __future__ import annotations
