@@ -319,6 +319,7 @@ class RunConfig:
     verify_weights: bool
     length_caps: str
     compile_cache_dir: str  # "" = off (configs/base.py)
+    record_schedule: bool  # config.record_schedule resolved ("auto": async runs; runtime/schedule_log.py)
     data: DataConfig
     reward: RewardConfig
     sampler: SamplerConfig
@@ -545,6 +546,17 @@ def _compile_cache_dir(v) -> str:
     return v
 
 
+def _record_schedule(v, mode: str, episodes: bool) -> bool:
+    if v not in ("auto", "on", "off"):
+        raise ConfigError(f'config.record_schedule: "auto", "on" or "off", got {v!r}')
+    if episodes and v == "on":  # a tool's answers and parked turns are not in the record: no exact replay
+        raise ConfigError(
+            'config.record_schedule="on": multi-turn episodes (config.env.enabled) are not recorded yet '
+            '(their environments\' answers would be); use "auto" or "off"'
+        )
+    return v == "on" or (v == "auto" and mode == "async" and not episodes)
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> RunConfig:
     """Builds the RunConfig, section by section (each validates itself), then runs the named cross-checks
     (CROSS_CHECKS); raises ConfigError naming the first bad field.
@@ -566,6 +578,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         verify_weights=bool(_given(c, "verify_weights")),
         length_caps=_given(c, "length_caps"),
         compile_cache_dir=_compile_cache_dir(_given(c, "compile_cache_dir")),
+        record_schedule=_record_schedule(_given(c, "record_schedule"), _given(c, "mode"),
+                                         bool(dict(c.get("env") or {}).get("enabled"))),  # fmt: skip
         **component_sections(c),
     )
     for check in CROSS_CHECKS:

@@ -17,6 +17,7 @@ from jaxrl_async.data.sources import load_records
 from jaxrl_async.model import load_hf, presets, save_hf
 from jaxrl_async.model.params import init_params
 from jaxrl_async.runtime.metrics import MetricsWriter, read_scalars
+from jaxrl_async.runtime.schedule_log import read_schedule, schedule_path
 from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -132,4 +133,9 @@ def test_a_run_with_a_bucket_workdir_writes_there_and_resumes_from_it(bucket, tm
     assert json.loads((w / "summary.json").read_text())["steps"] == 3
     versions = [json.loads(line)["version"] for line in (w / "trained_uids.jsonl").read_text().splitlines()]
     assert versions == [1, 2, 3]
+    # The schedule record (an async run records by default) is in the bucket too, one segment per start.
+    learner = read_schedule(schedule_path(workdir, "learner")).records
+    assert [r.get("version") for r in learner if "start" in r] == [0, 2]
+    assert [r["t"] for r in learner if "t" in r] == [1, 2, 3]
+    assert not read_schedule(schedule_path(workdir, "actor:0")).truncated
     assert _local_gs_folders(tmp_path, REPO) == []

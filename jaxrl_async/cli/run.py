@@ -28,6 +28,16 @@ _INIT = flags.DEFINE_integer("init_timeout_s", 300, "Seconds to wait for every p
 _HEARTBEAT = flags.DEFINE_integer(
     "heartbeat_timeout_s", 20, "A process silent this long is dead: every other process then stops."
 )
+_REPLAY = flags.DEFINE_string(
+    "replay",
+    None,
+    "Replay the run recorded in this workdir (its schedule/) in one process, with --config "
+    "as the run's (a changed field shows where it parts from the run); docs/reproducibility.md.",
+)
+_REPLAY_TO = flags.DEFINE_integer("replay_to", None, "With --replay: stop after training this version.")
+_REPLAY_FROM = flags.DEFINE_integer(
+    "replay_from", 0, "With --replay: start at this version, one the run was resumed at (its checkpoint)."
+)
 flags.mark_flags_as_required(["config"])
 
 
@@ -38,6 +48,9 @@ def main(argv):
     from jaxrl_async.runtime.cluster import prepare_devices
 
     config = _CONFIG.value
+    if _REPLAY.value:
+        _replay(config)
+        return
     try:
         flags_ = cl.Flags.resolve(
             coordinator_address=_COORD.value,
@@ -73,6 +86,27 @@ def main(argv):
             _exit_now(cluster, f"{type(e).__name__}: {e}", 1)
         raise
     cl.shutdown(cluster)
+
+
+def _replay(config) -> None:
+    """--replay: one process, every role, following the record (runtime/replay.py); prints the report
+    and exits 1 when the replay parts from the run."""
+    import json
+
+    from jaxrl_async.run_config import ConfigError, validate
+    from jaxrl_async.runtime.cluster import prepare_devices
+
+    try:
+        validate(config, num_devices=None)
+    except ConfigError as e:
+        raise app.UsageError(f"invalid config: {e}") from None
+    prepare_devices(config)
+    from jaxrl_async.runtime.replay import replay_run
+
+    report = replay_run(config, _REPLAY.value, _REPLAY_TO.value, _REPLAY_FROM.value)
+    print(json.dumps({k: v for k, v in report.items() if k != "versions"}), flush=True)
+    if not report["identical"]:
+        sys.exit(1)
 
 
 def _exit_now(cluster, message: str, code: int) -> None:

@@ -41,6 +41,7 @@ from jaxrl_async.runtime.messages import (
     Tickets,
 )
 from jaxrl_async.runtime.rollout_groups import GroupAssembly
+from jaxrl_async.runtime.schedule_log import NoSchedule
 from jaxrl_async.runtime.tickets import TicketBook
 from jaxrl_async.sampler import SamplerLoop
 
@@ -87,12 +88,14 @@ class Actor:
         (`replica.Members`): every command goes to them before this process runs it on the mesh.
       executables: the `compile_cache.ExecutableStore` the engines compile through, if any (its counts
         go in the final report).
+      schedule: records the decisions timing makes (`schedule_log.ActorSchedule`); None: none.
     """
 
     def __init__(self, cfg: ActorConfig, engine, eval_engine, rewards, tokenizer, eval_prompts, transport,
                  weights, max_new_tokens_fn: Callable[[int], int] | None = None, members=None,
-                 executables=None):  # fmt: skip
+                 executables=None, schedule=None):  # fmt: skip
         self.cfg, self.engine, self.rewards, self.tokenizer = cfg, engine, rewards, tokenizer
+        self.schedule = schedule or NoSchedule()
         self.transport, self.members, self.executables = transport, members, executables
         self.loop = SamplerLoop(engine)
         run = cfg.run
@@ -160,6 +163,7 @@ class Actor:
             self.eval_schedule.sample_calls_during += 1
         if self.members is not None:  # the members run this round's calls with this process
             self.members.step(evaluate=self.eval_schedule.running is not None)
+        self.schedule.calling(self.loop)
         active = sample_round(self.loop, self.episodes, self.groups)  # `_start` queued every request
         active = self.eval_schedule.step(self.version) or active
         if not active and self.arrivals:  # nothing to decode: wait for the version on its way
@@ -185,6 +189,7 @@ class Actor:
     def _start(self, tickets: Tickets) -> None:
         for request in self.tickets.grant(tickets):
             (self.loop if self.episodes is None else self.episodes).add_request(request)
+            self.schedule.added(request)
             if self.members is not None:
                 self.members.queue(request)
 
@@ -203,6 +208,7 @@ class Actor:
                 mode = None if self.version is None else self.engine.cfg.update_mode  # sampler.update_mode
                 self._tell(MemberApply(m.version, mode))
                 self.loop.update_params(params, m.version, mode)
+                self.schedule.applied(m.version, mode, self.loop)
                 if self.members is not None:
                     self.members.applied(m.version, self.loop.stats.decode_steps)
                 self.version = m.version
@@ -216,6 +222,7 @@ class Actor:
     def _collect(self) -> None:
         for res in self.rewards.poll():
             if not self.eval_schedule.take(res.request_id, res.reward, self.version):
+                self.schedule.graded(res, self.groups.pending[res.request_id])
                 self.groups.add(res)
 
     def _drained(self) -> bool:

@@ -43,6 +43,7 @@ from jaxrl_async.runtime.learner import Follower, Learner, LearnerConfig, Traine
 from jaxrl_async.runtime.messages import Hello, WarmStartParams
 from jaxrl_async.runtime.metrics import MetricsWriter
 from jaxrl_async.runtime.replica import Members, ReplicaMember
+from jaxrl_async.runtime.schedule_log import ActorSchedule, LearnerSchedule, ScheduleWriter, schedule_path
 from jaxrl_async.runtime.transport import LocalTransport, ZmqTransport
 from jaxrl_async.runtime.weight_sync import (
     LocalWeights,
@@ -473,7 +474,12 @@ def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
     )
     if roles.multi:
         _await_hellos(transport, cluster)
-    proc.learner = Learner(lcfg, core, transport, writer, lambda: _snapshot(coordinator))
+    schedule = None
+    if run.record_schedule:  # one trainer process: the fingerprint is no collective the followers must join
+        path = schedule_path(run.workdir, "learner")
+        schedule = LearnerSchedule(ScheduleWriter(path), fingerprints=len(roles.trainers) == 1)
+        proc.closers.append(schedule.close)
+    proc.learner = Learner(lcfg, core, transport, writer, lambda: _snapshot(coordinator), schedule)
     proc.roles += [proc.coordinator, proc.learner]
     return local_weights
 
@@ -521,8 +527,13 @@ def _build_actor(proc, run, cluster, transport, tokenizer, model_cfg, scfg, t_me
     if len(roles.replicas[index]) > 1:
         members = Members(cluster, index, roles.replicas[index][1:], proc.key)
         proc.closers.append(members.close)
+    schedule = None
+    if run.record_schedule:
+        endpoint = f"actor:{index}"
+        schedule = ActorSchedule(ScheduleWriter(schedule_path(run.workdir, endpoint)), endpoint, engine.cfg)
+        proc.closers.append(schedule.close)
     proc.actor = Actor(acfg, engine, eval_engine, rewards, tokenizer, eval_prompts, transport, weights, caps,
-                       members, executables if own else None)  # fmt: skip
+                       members, executables if own else None, schedule)  # fmt: skip
     if proc.actor.episodes is not None:
         proc.closers.append(proc.actor.episodes.close)
     proc.roles.insert(0, proc.actor)

@@ -192,6 +192,12 @@ class RunCheckpoints:
                             step, type(e).__name__, str(e)[:300])  # fmt: skip
         return None
 
+    def restore(self, state, version: int):
+        """(state, version, coordinator state) from the checkpoint of `version` (raises if it is not
+        there or unreadable)."""
+        self.manager.reload()
+        return self._restore(state, version)
+
     def _restore(self, state, step: int):
         live = _items(state)
         out = self.manager.restore(

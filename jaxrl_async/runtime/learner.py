@@ -49,6 +49,7 @@ from jaxrl_async.runtime.messages import (
     Trained,
 )
 from jaxrl_async.runtime.metrics import MetricsWriter, summary_line
+from jaxrl_async.runtime.schedule_log import NoSchedule
 from jaxrl_async.trainer import prepare_batch, train_step
 
 log = logging.getLogger(__name__)
@@ -144,13 +145,15 @@ class Learner:
       transport: the run's transport; this role reads "learner".
       writer: TensorBoard (the lead is the run's only writer).
       coordinator_state: returns the coordinator's state for a checkpoint (same process, same thread).
+      schedule: records each train step's groups and version (`schedule_log.LearnerSchedule`); None: none.
     """
 
     endpoint = "learner"
 
     def __init__(self, cfg: LearnerConfig, core: TrainerCore, transport, writer: MetricsWriter,
-                 coordinator_state: Callable[[], dict]):  # fmt: skip
+                 coordinator_state: Callable[[], dict], schedule=None):  # fmt: skip
         self.cfg, self.core, self.transport, self.writer = cfg, core, transport, writer
+        self.schedule = schedule or NoSchedule()
         self.coordinator_state = coordinator_state
         self.queue = RolloutQueue(cfg.schedule.samples_per_prompt, cfg.schedule.max_head_staleness)
         self.version = core.version
@@ -175,6 +178,7 @@ class Learner:
                                       saved_at=time.monotonic())  # fmt: skip
         self._stop_sent = False
         self.clock = StepClock()
+        self.schedule.started(self.version, core.state.params)
         self._publish()
 
     # ----- the event loop -----
@@ -259,6 +263,7 @@ class Learner:
                    if np.ndim(v) == 0}  # fmt: skip
         step_s = time.perf_counter() - step.started
         version = self.core.version
+        self.schedule.trained(version, step.groups, self.core.state.params)
         self.non_finite.record(finite=version != self.version)
         if version == self.version:  # every update was skipped (non-finite): nothing new to publish
             self.clock.idle()

@@ -1,0 +1,283 @@
+"""Replay: runs a recorded asynchronous run again in one process, following its schedule log
+(runtime/schedule_log.py) instead of the clock (`jaxrl-run --config=... --replay=WORKDIR`).
+
+It walks the actor's recorded decode calls in order, causally. Before call i it trains the learner up to
+each version the record applied there (every group of those steps was complete in the run by then, so it
+is complete in the replay too), applies it with the recorded update mode, queues the recorded requests
+(the same group ids, so the same sampling streams), and runs the call. Each completion gets the reward
+result the run recorded for it, and its tokens are checked against the run's CRC. Each version's
+parameters are fingerprinted and compared with the run's: the report names the first version that
+differs, and the first completion whose tokens differ.
+
+With the same machine kind, software and config the replay produces the same parameters, bit for bit, at
+every version (the engine is built with the kernels the run's timing chose, recorded in the actor's
+start record). What it covers: one actor (one sampler replica), one segment of the record (a process
+start: the run's, or a resume from a checkpoint, `--replay_from`), no controlled lag.
+docs/reproducibility.md.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import json
+import logging
+import zlib
+from typing import Any
+
+import numpy as np
+
+from jaxrl_async import storage
+from jaxrl_async.data import prompt_at
+from jaxrl_async.data.length_caps import length_cap_fn
+from jaxrl_async.rewards.service import RewardResult
+from jaxrl_async.run_config import ConfigError, RunConfig, validate
+from jaxrl_async.runtime.build import (
+    build_engines,
+    build_tokenizer,
+    initial_params,
+    model_config,
+    sampler_config,
+    sampler_mesh,
+    single_process,
+    train_state,
+    trainer_mesh,
+    warm_started_params,
+)
+from jaxrl_async.runtime.checkpoint import RunCheckpoints
+from jaxrl_async.runtime.learner import TrainerCore
+from jaxrl_async.runtime.messages import Tickets
+from jaxrl_async.runtime.rollout_groups import GroupAssembly
+from jaxrl_async.runtime.schedule_log import fingerprint, read_schedule, schedule_path
+from jaxrl_async.runtime.tickets import TicketBook
+from jaxrl_async.runtime.weight_sync import LocalWeights, WeightSync, sampler_dtype
+from jaxrl_async.sampler import SamplerLoop
+
+log = logging.getLogger(__name__)
+
+
+class ScheduleBroken(Exception):
+    """The replay cannot follow the record any further (its rollouts differ from the run's)."""
+
+
+def segments(records: list[dict]) -> list[list[dict]]:
+    """The records of each process start (from one {"start": ...} to the next): more than one when the
+    run was resumed."""
+    starts = [i for i, r in enumerate(records) if "start" in r]
+    if not starts:
+        raise ConfigError("schedule record without a start record")
+    return [records[a:b] for a, b in zip(starts, [*starts[1:], len(records)], strict=True)]
+
+
+class RecordedRewards:
+    """The reward service of a replay: each completion gets the result the run recorded for it (per
+    (group, sample), in order: a group started again after a drop is graded again). Grades nothing."""
+
+    def __init__(self, records: list[dict]):
+        self._recorded: dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
+        for r in records:
+            for gid, sample, *rest in r["r"]:
+                self._recorded[(gid, sample)].append(rest)  # [reward, CRC(, reason)]
+        self._taken: dict[tuple, list] = {}
+        self._ready: list[RewardResult] = []
+
+    def check(self, completion) -> bool | None:
+        """Takes the recorded result of `completion`; whether its tokens are the run's, or None when the
+        run graded no such completion (it stopped first): it is then not to be submitted."""
+        key = (int(completion.uid), int(completion.sample_index))
+        if not self._recorded.get(key):
+            return None
+        rec = self._recorded[key].popleft()
+        self._taken[key] = rec
+        return zlib.crc32(np.asarray(completion.tokens, np.int32).tobytes()) == rec[1]
+
+    def submit(self, key, prompt, completion, metadata) -> None:
+        reward, _, *reason = self._taken.pop(key)
+        self._ready.append(RewardResult(key, reward, reason[0] if reason else "ok", 0.0))
+
+    def poll(self) -> list[RewardResult]:
+        ready, self._ready = self._ready, []
+        return ready
+
+    def stats(self) -> dict:
+        return {"errors": {}}
+
+
+@dataclasses.dataclass
+class Report:
+    """What a replay found (written as WORKDIR/replay/report.json)."""
+
+    versions: dict[int, dict] = dataclasses.field(default_factory=dict)  # version -> run's / replay's fp
+    first_divergent_version: int | None = None
+    first_differing_completion: dict | None = None  # {"call", "group", "sample"}
+    schedule_broken: str | None = None
+    calls: int = 0  # decode calls replayed
+    steps: int = 0  # train steps replayed
+    restarts: int = 0  # process starts after the first in the record (each a segment of its own)
+
+    @property
+    def identical(self) -> bool:
+        return self.first_divergent_version is None and self.schedule_broken is None and bool(self.versions)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "identical": self.identical}
+
+
+class Replay:
+    """One replay (see the module docstring).
+
+    Args:
+      config: the run's config (the same file and overrides; a changed field is how a user tests a
+        change, e.g. another learning rate: the report says where the parameters part).
+      recorded: the recorded run's workdir (its schedule/ is read).
+      to_version: stop after training this version (None: the whole segment).
+      from_version: replay the segment of the process start at this version: 0, the run's start, or a
+        version the run was resumed at, whose checkpoint (in the recorded workdir) is restored. A resumed
+        process starts its sampler afresh (the prompts in flight are started again), so a segment's
+        replay from its checkpoint is exact; a checkpoint in mid-segment is not a place to start (the
+        sampler's state there, sequences decoded by older versions, is in no checkpoint).
+    """
+
+    def __init__(self, config, recorded: str, to_version: int | None = None, from_version: int = 0):
+        self.run: RunConfig = validate(config, num_devices=None)
+        self.recorded, self.to_version, self.from_version = recorded, to_version, from_version
+        if self.run.trainer.controlled_lag:
+            raise ConfigError("replay: config.trainer.controlled_lag is not replayed")
+        actors = sorted(
+            p.name for p in storage.path(storage.join(recorded, "schedule")).glob("actor-*.jsonl")
+        )
+        if actors != ["actor-0.jsonl"]:
+            raise ConfigError(f"replay: one actor's record is replayed, {recorded}/schedule has {actors}")
+        self.report = Report()
+        actor = read_schedule(schedule_path(recorded, "actor:0"))
+        learner = read_schedule(schedule_path(recorded, "learner"))
+        actor_segs, learner_segs = segments(actor.records), segments(learner.records)
+        starts = [s[0]["version"] for s in learner_segs]
+        if from_version not in starts or len(actor_segs) != len(learner_segs):
+            raise ConfigError(f"replay: --replay_from={from_version}: the learner's record starts at "
+                              f"versions {starts} ({len(actor_segs)} actor starts)")  # fmt: skip
+        i = starts.index(from_version)
+        self.report.restarts = len(starts) - 1
+        actor_recs, learner_recs = actor_segs[i], learner_segs[i]
+        self.start, self.steps = learner_recs[0], collections.deque(learner_recs[1:])
+        self.calls = [r for r in actor_recs if "c" in r]
+        self.rewards = RecordedRewards([r for r in actor_recs if "r" in r])
+        self.kernels = {k: actor_recs[0][k] for k in ("attention", "linear")}
+
+    # ----- building -----
+
+    def _build(self) -> None:
+        run, cluster = self.run, single_process()
+        tokenizer = build_tokenizer(run)
+        model_cfg = model_config(run, tokenizer)
+        scfg = dataclasses.replace(sampler_config(run, tokenizer), **self.kernels)  # the run's kernels
+        s_mesh, t_mesh = sampler_mesh(run, cluster), trainer_mesh(run, cluster)
+        engine = build_engines(run, model_cfg, s_mesh, scfg)[0]
+        if run.warm_start.enabled and not self.from_version:
+            device = t_mesh.devices.flat[0]
+            params = warm_started_params(run, model_cfg, tokenizer, device, show=False)[0]
+        else:  # (a checkpoint's state replaces these; the KL reference, if any, is the starting policy)
+            params = initial_params(run, model_cfg, t_mesh)
+        state = train_state(run, model_cfg, t_mesh, params)
+        if self.from_version:
+            ckpts = RunCheckpoints(storage.join(self.recorded, "checkpoints"))
+            state = ckpts.restore(state, self.from_version)[0]
+            ckpts.close()
+        publisher = LocalWeights(WeightSync(model_cfg, s_mesh, dtype=sampler_dtype(model_cfg)))
+        self.core = TrainerCore(state, run.trainer, publisher, None)
+        self.loop = SamplerLoop(engine)
+        caps = length_cap_fn(run.length_caps) if run.length_caps else None
+        self.tickets = TicketBook(0, run.seed, run.schedule, engine.cfg.num_slots, 1, caps)
+        self.groups = GroupAssembly(run.schedule.samples_per_prompt, run.reward, engine.cfg.max_new_tokens,
+                                    self.rewards, tokenizer)  # fmt: skip
+        self.prompt = functools.partial(prompt_at, run.data, tokenizer)
+        self.ready: dict[int, list] = {}  # group id -> its latest complete group
+        self.published: dict[int, Any] = {}  # version -> params on the sampler's devices
+
+    # ----- the walk -----
+
+    def __call__(self) -> Report:
+        self._build()
+        self._check(self.core.version, self.start["fp"])
+        self.published[self.core.version] = self.core.publish().params
+        try:
+            for rec in self.calls:
+                if not self._call(rec):
+                    break
+            else:
+                self._train_to(None)
+        except ScheduleBroken as e:
+            self.report.schedule_broken = str(e)
+            log.warning("replay stops: %s", e)
+        return self.report
+
+    def _done(self) -> bool:
+        return self.to_version is not None and self.core.version >= self.to_version
+
+    def _call(self, rec: dict) -> bool:
+        """Replays one recorded decode call; False once the replay is over (every recorded step, or up to
+        `to_version`, trained: what the actor decoded after that never reached the learner)."""
+        if not self.steps:
+            return False
+        for version, mode, _live in rec.get("apply", ()):
+            self._train_to(version)
+            if self._done():
+                return False
+            self.loop.update_params(self.published[version], version, mode)
+            for old in [v for v in self.published if v < version]:  # versions are applied oldest first
+                del self.published[old]
+        for gid, key in rec.get("add", ()):
+            for request in self.tickets.grant(Tickets([(gid, self.prompt(key))], False)):
+                self.loop.add_request(request)
+        completions = self.loop.step(lambda: None)
+        self.report.calls += 1
+        graded = []
+        for c in completions:
+            same = self.rewards.check(c)
+            if same is False and self.report.first_differing_completion is None:
+                self.report.first_differing_completion = {"call": rec["c"], "group": int(c.uid),
+                                                          "sample": int(c.sample_index)}  # fmt: skip
+            if same is not None:  # a completion the run never graded forms no group (nor did it there)
+                graded.append(c)
+        self.groups.submit(graded)
+        for res in self.rewards.poll():
+            self.groups.add(res)
+        for g in self.groups.take_ready():
+            self.ready[int(g[0].group_id)] = g
+        return True
+
+    def _train_to(self, version: int | None) -> None:
+        """Trains the recorded steps up to `version` (None: every one left, or up to `to_version`)."""
+        while self.steps and (version is None or self.core.version < version) and not self._done():
+            rec = self.steps.popleft()
+            missing = [g for g in rec["g"] if g not in self.ready]
+            if missing:
+                raise ScheduleBroken(f"version {rec['t']}: groups {missing} are not complete where the run "
+                                     f"had trained them (its rollouts differ from the run's)")  # fmt: skip
+            self.core.dispatch([self.ready.pop(g) for g in rec["g"]])
+            self.report.steps += 1
+            if self.core.version != rec["t"]:
+                raise ScheduleBroken(
+                    f"the step recorded as version {rec['t']} gave version {self.core.version}"
+                )
+            self._check(rec["t"], rec["fp"])
+            self.published[rec["t"]] = self.core.publish().params
+
+    def _check(self, version: int, recorded_fp: int | None) -> None:
+        mine = fingerprint(self.core.state.params)
+        self.report.versions[version] = {"run": recorded_fp, "replay": mine}
+        if recorded_fp is not None and mine != recorded_fp and self.report.first_divergent_version is None:
+            self.report.first_divergent_version = version
+            log.warning("replay: version %d differs from the run's (fingerprint %d, the run's %d)", version,
+                        mine, recorded_fp)  # fmt: skip
+
+
+def replay_run(config, recorded: str, to_version: int | None = None, from_version: int = 0) -> dict[str, Any]:
+    """Replays the run recorded in `recorded` (see `Replay`); returns the report, also written to
+    <recorded>/replay/report.json."""
+    report = Replay(config, recorded, to_version, from_version)().as_dict()
+    out = storage.join(recorded, "replay")
+    storage.makedirs(out)
+    storage.write_text(storage.join(out, "report.json"), json.dumps(report, indent=2))
+    return report

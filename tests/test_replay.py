@@ -1,0 +1,136 @@
+"""Replay (runtime/replay.py): an asynchronous run (η = 2, in-flight keep_kv updates) and its replay in one
+process end with the same parameters, bit for bit, at every version; a replay with another learning rate
+names the first version that differs. Each run is a process of its own (launch/run.py)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from jaxrl_async.runtime.schedule_log import read_schedule, schedule_path
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 6
+
+CONFIG = """
+from configs import tiny_arith
+
+
+def get_config():
+    c = tiny_arith.get_config()
+    c.total_steps, c.prompts_per_step, c.samples_per_prompt = 6, 4, 4
+    c.mode, c.max_staleness = "async", 2
+    c.eval_every, c.eval_prompts = 0, 8
+    c.checkpoint_every = 0
+    c.data.num_train, c.data.num_epochs = 48, 1
+    c.sampler.num_slots = 8
+    c.sampler.update_mode = "keep_kv"
+    c.trainer.token_budget, c.trainer.rows_per_micro = 64, 2
+    c.trainer.warmup_steps = 0  # the first step moves the weights (a warmup's lr 0 would not)
+    c.warm_start.enabled = False
+    c.reward.reward = "format"
+    c.reward.defaults = {"format_regex": "[0-9]"}
+    return c
+"""
+
+
+def _run(workdir, *flags) -> subprocess.CompletedProcess:
+    path = os.path.join(workdir, "config.py")
+    if not os.path.exists(path):
+        os.makedirs(workdir, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(CONFIG)
+    cmd = [sys.executable, os.path.join(REPO, "launch", "run.py"), f"--config={path}",
+           f"--config.workdir={workdir}", *flags]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    return subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=900)
+
+
+def _report(workdir) -> dict:
+    with open(os.path.join(workdir, "replay", "report.json")) as f:
+        return json.load(f)
+
+
+def test_async_run_and_its_replay_agree_bit_for_bit(tmp_path):
+    run = _run(tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    actor = read_schedule(schedule_path(str(tmp_path), "actor:0")).records
+    learner = read_schedule(schedule_path(str(tmp_path), "learner")).records
+    assert [r["t"] for r in learner if "t" in r] == list(range(1, STEPS + 1))
+    applied = [a for r in actor for a in r.get("apply", ())]
+    # The run was asynchronous: versions were applied while sequences were decoding (keep_kv, in flight),
+    # and some step trained groups admitted before the previous version existed.
+    assert any(mode == "keep_kv" and live > 0 for _, mode, live in applied), applied
+    fps = [r["fp"] for r in learner]
+    assert len(set(fps)) == len(fps)  # every step moved the weights: the check below can fail
+
+    same = _run(tmp_path, f"--replay={tmp_path}")
+    assert same.returncode == 0, same.stdout[-3000:] + same.stderr[-3000:]
+    report = _report(tmp_path)
+    assert report["identical"] and report["steps"] == STEPS, report
+    assert sorted(map(int, report["versions"])) == list(range(STEPS + 1))
+    for v, pair in report["versions"].items():
+        assert pair["run"] == pair["replay"] is not None, (v, pair)
+    assert report["first_differing_completion"] is None
+
+    # Another learning rate: the replay follows the same schedule until the weights part, and says where.
+    other = _run(tmp_path, f"--replay={tmp_path}", "--config.trainer.lr=1e-3", "--replay_to=2")
+    assert other.returncode == 1, other.stdout[-3000:] + other.stderr[-3000:]
+    report = _report(tmp_path)
+    assert report["first_divergent_version"] == 1 and not report["identical"], report
+    assert report["versions"]["0"]["run"] == report["versions"]["0"]["replay"]
+    assert report["steps"] <= 2
+
+
+def test_a_two_process_run_replays_in_one_process(tmp_path):
+    """The learner lead (process 0) and the actor (process 1) each record their own decisions; the
+    replay, in one process, ends with the same parameters at every version."""
+    with open(tmp_path / "config.py", "w") as f:
+        f.write(CONFIG)
+    flags = [f"--config={tmp_path / 'config.py'}", f"--config.workdir={tmp_path}",
+             "--config.mesh.sampler_processes=(1,)", "--config.mesh.trainer_processes=(0,)"]  # fmt: skip
+    cmd = [sys.executable, os.path.join(REPO, "launch", "local_cluster.py"), "--num-processes", "2",
+           "--devices-per-process", "1", "--heartbeat-timeout-s", "10", "--", *flags]  # fmt: skip
+    run = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=REPO), text=True, capture_output=True,
+                         timeout=900)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-3000:]
+    assert "process 1 of 2: sampler 0" in run.stdout
+    learner = read_schedule(schedule_path(str(tmp_path), "learner")).records
+    assert [r["t"] for r in learner if "t" in r] == list(range(1, STEPS + 1))
+    replay = _run(tmp_path, f"--replay={tmp_path}")
+    assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
+    report = _report(tmp_path)
+    assert report["identical"] and report["steps"] == STEPS, report
+    assert all(p["run"] == p["replay"] is not None for p in report["versions"].values())
+
+
+def test_a_replay_from_the_checkpoint_a_run_resumed_at_matches_it(tmp_path):
+    """Killed after step 3 and resumed: the record holds two segments; the second replays from the
+    checkpoint it started at, to the end, with the run's parameters at every version."""
+    flags = ["--config.checkpoint_every=1", "--config.checkpoint_keep=20"]
+    with open(tmp_path / "config.py", "w") as f:
+        f.write(CONFIG)
+    cmd = [sys.executable, os.path.join(REPO, "launch", "run.py"), f"--config={tmp_path / 'config.py'}",
+           f"--config.workdir={tmp_path}", *flags]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    for line in proc.stdout:
+        if "step 3 |" in line:
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    resumed = _run(tmp_path, *flags)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout + resumed.stderr
+    learner = read_schedule(schedule_path(str(tmp_path), "learner")).records
+    starts = [r["version"] for r in learner if "start" in r]
+    assert len(starts) == 2 and starts[0] == 0 and 1 <= starts[1] <= 3, starts
+    start = starts[1]
+
+    replay = _run(tmp_path, f"--replay={tmp_path}", f"--replay_from={start}", *flags)
+    assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
+    report = _report(tmp_path)
+    assert report["identical"] and report["steps"] == STEPS - start and report["restarts"] == 1, report
+    assert sorted(map(int, report["versions"])) == list(range(start, STEPS + 1))
+    assert all(p["run"] == p["replay"] is not None for p in report["versions"].values())
