@@ -136,6 +136,7 @@ class Engine:
         weights_from: Engine | None = None,
         compile_fn=None,
         time_kernels: bool = False,
+        lora=None,
     ):
         """Validates and converts `params` (already in the sampler layout on `mesh`); resolves "auto" kernels
         (on one float32 CPU device by timing `generate`, which compiles it; see `kernel_choice`).
@@ -147,6 +148,9 @@ class Engine:
         With `weights_from` (an engine of the same model and mesh, e.g. the sampler's, for a greedy eval
         engine) this engine holds no weights of its own: it decodes with that engine's, and an update of
         either is seen by both. It still has its own decode state (KV cache).
+        With `lora` (a model.lora.LoraConfig; SamplerConfig.lora_apply="unmerged") the layers carry that
+        LoRA's adapters unmerged: `params` is the base with the adapters beside it (`model.lora.combine`),
+        and `update_adapters` replaces only the adapters.
         `compile_fn` turns each entry point's `jax.stages.Lowered` into its executable (default
         `Lowered.compile`; the runtime may pass a store that keeps them on disk).
 
@@ -159,7 +163,7 @@ class Engine:
         runner = _kernel_timing(model_cfg, params, mesh, time_kernels)
         self.kernel_choice = kernel_choice.resolve(model_cfg, mesh, cfg, runner)
         cfg = cfg.with_kernels(self.kernel_choice.attention, self.kernel_choice.linear)
-        self.spec = engine_spec(model_cfg, mesh, cfg)
+        self.spec = engine_spec(model_cfg, mesh, cfg, lora)
         self.model_cfg, self.cfg, self.mesh = model_cfg, cfg, mesh
         self._jit = jit_entry_points(self.spec)
         self._compile = compile_fn or (lambda lowered: lowered.compile())
@@ -169,11 +173,12 @@ class Engine:
             self._weights = _Weights(version)
         else:
             theirs, ours = weights_from.spec, self.spec
-            same = (theirs.model_cfg, theirs.mesh, theirs.fuse, theirs.pack) == (
+            same = (theirs.model_cfg, theirs.mesh, theirs.fuse, theirs.pack, theirs.lora) == (
                 model_cfg,
                 mesh,
                 ours.fuse,
                 ours.pack,
+                ours.lora,
             )
             if not same or params is not None:
                 raise ValueError(
@@ -231,6 +236,20 @@ class Engine:
         self._weights.dparams = None
         lower = lambda: self._jit.to_layout.lower(self.spec.expected)
         self._weights.dparams = self._executable("to_layout", None, lower)(params)
+        self._weights.version = int(version)
+
+    def update_adapters(self, adapters: dict, version: int) -> None:
+        """Replaces only the LoRA adapters of the current weights (an unmerged engine, `lora` given): the
+        base's decode layout stays; `adapters` are a version's raw adapters ({"layers": {t_lora_a, ...}},
+        any float dtype, on the sampler mesh), laid out and cast here."""
+        if self.spec.lora is None or self._weights.dparams is None:
+            raise ValueError("update_adapters needs an engine built with lora and its first update_params")
+        key = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(adapters))
+        lower = lambda: self._jit.adapters_layout.lower(adapters)
+        per_layer = self._executable("adapters_layout", key, lower)(adapters)
+        old = self._weights.dparams
+        self._weights.dparams = {**old, "layers": [{**o, **n} for o, n in zip(old["layers"], per_layer,
+                                                                               strict=True)]}  # fmt: skip
         self._weights.version = int(version)
 
     def compile_generate(self):
