@@ -116,3 +116,28 @@ def test_merged_equals_unmerged(params):
     base = np.asarray(forward_logits(MODEL, params, tokens))
     assert np.abs(unmerged - base).max() > 1e-2  # the adapters change the logits
     np.testing.assert_allclose(merged, unmerged, rtol=1e-4, atol=1e-4)
+
+
+def test_a_synced_version_moves_only_adapter_bytes_and_the_receiver_checks_them(params):
+    from jaxrl_async.runtime.lora_sync import LoraWeights, WeightsMismatch, tree_bytes
+    from jaxrl_async.runtime.messages import NewWeights
+    from jaxrl_async.runtime.weight_sync import LocalWeights, WeightSync, checksum
+    from jaxrl_async.sharding import make_mesh
+
+    state = create_train_state(BASE, MODEL, params)
+    state, _ = train_step(state, prepare_batch(BASE, rollouts()))  # B != 0 now
+    s_mesh = make_mesh((1, 1), ("data", "tensor"), jax.devices()[1:2])
+    weights = LoraWeights(MODEL, LORA, s_mesh, state.frozen, verify=True)
+    assert weights.base_bytes == nbytes(params)  # the base moved once, at start
+    sent = weights.publish(1, state.params)
+    assert weights.last_bytes == lora_lib.adapter_bytes(MODEL, LORA, MODEL.dtype) == nbytes(state.params)
+    full = LocalWeights(WeightSync(MODEL, s_mesh), verify=True).publish(1, params)
+    assert tree_bytes(full.params) == nbytes(params) > 10 * weights.last_bytes
+    got = weights.finish(weights.start(sent))
+    assert weights.verified == [1]
+    want = lora_lib.merge(state.frozen, state.params, LORA)
+    np.testing.assert_allclose(checksum(got), checksum(want), rtol=1e-6)
+    assert all(x.sharding.device_set == set(jax.devices()[1:2]) for x in jax.tree.leaves(got))
+    corrupt = NewWeights(2, sent.params, sent.checksum + 1.0)
+    with pytest.raises(WeightsMismatch, match="version 2"):
+        weights.receive(corrupt)
