@@ -38,8 +38,8 @@ from jaxrl_async.runtime.cluster import (
 from jaxrl_async.runtime.coordinator import Coordinator
 from jaxrl_async.runtime.evaluation import eval_sampler_config, evaluate_accuracy
 from jaxrl_async.runtime.lag import lagged
-from jaxrl_async.runtime.lora_sync import LoraWeights
 from jaxrl_async.runtime.learner import Follower, Learner, LearnerConfig, TrainerCore
+from jaxrl_async.runtime.lora_sync import LoraWeights
 from jaxrl_async.runtime.messages import Hello, WarmStartParams
 from jaxrl_async.runtime.metrics import MetricsWriter
 from jaxrl_async.runtime.replica import Members, ReplicaMember
