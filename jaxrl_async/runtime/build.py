@@ -39,6 +39,7 @@ from jaxrl_async.runtime.coordinator import Coordinator
 from jaxrl_async.runtime.evaluation import eval_sampler_config, evaluate_accuracy
 from jaxrl_async.runtime.lag import lagged
 from jaxrl_async.runtime.learner import Follower, Learner, LearnerConfig, TrainerCore
+from jaxrl_async.runtime.lora_checkpoint import save_base
 from jaxrl_async.runtime.lora_sync import LoraWeights
 from jaxrl_async.runtime.messages import Hello, WarmStartParams
 from jaxrl_async.runtime.metrics import MetricsWriter
@@ -424,6 +425,9 @@ def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
     state = train_state(run, model_cfg, t_mesh, params)
     ckpts = checkpoints(run, cluster, model_cfg)
     proc.closers.append(ckpts.close)
+    if run.trainer.lora.enabled:  # the frozen base, once beside the steps (which hold the adapters)
+        source = run.model.checkpoint or ("warm start" if run.warm_start.enabled else f"init seed {run.seed}")
+        save_base(ckpts.directory, run.trainer.lora, state.frozen, source)
     coordinator_state = None
     restored = ckpts.restore_latest(state)
     if restored is not None:
