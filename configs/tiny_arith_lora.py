@@ -1,8 +1,9 @@
 """configs/tiny_arith.py with LoRA: rank-8 adapters on every projection of the frozen warm-started base.
 
 Only the adapters are trained (float32 masters and AdamW state: 233 kB against the model's 2.45 MB
-here) and each policy version moves only them to the sampler (docs/lora.md). The learning rate is LoRA's usual ~10x the full
-run's: the update is confined to a rank-8 subspace scaled by alpha / rank = 2. Same as
+here) and each policy version moves only them to the sampler (docs/lora.md). The learning rate is
+about 7x the full run's (3e-4), as LoRA usually needs: the update is confined to a rank-8 subspace
+scaled by alpha / rank = 2. Not tuned (one short comparison in docs/lora.md). Same as
 
   --config=configs/tiny_arith.py --config.trainer.lora.enabled=True --config.trainer.lr=2e-3
 """
