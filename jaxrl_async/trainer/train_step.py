@@ -515,6 +515,8 @@ def train_step(state: TrainState, batch: PackedBatch) -> tuple[TrainState, dict]
         ess_step_min=functools.reduce(jnp.minimum, [o["ess"] for o in outs]),
         version=state.version,
     )
+    if state.frozen is not None:  # LoRA: how far the adapters have moved the policy from the base
+        metrics["adapter_norm"] = optax.tree.norm(state.params)
     return state, metrics
 
 
