@@ -69,6 +69,10 @@ def test_engines_merged_and_unmerged_sample_alike_and_update_adapters_only(weigh
     base_leaf = unmerged.decode_params["layers"][0]["qkv"]
     unmerged.update_adapters(adapters, version=3)
     assert unmerged.version == 3 and unmerged.decode_params["layers"][0]["qkv"] is base_leaf
+    # What a run does (runtime/lora_sync.py): the same base arrays beside each version's adapters; the
+    # engine sees the base it laid out last and lays out only the adapters.
+    unmerged.update_params(lora_lib.combine(base, adapters, LORA), version=4)
+    assert unmerged.version == 4 and unmerged.decode_params["layers"][0]["qkv"] is base_leaf
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, TINY.vocab_size, size=int(rng.integers(2, 16))).tolist() for _ in range(6)]
     a, b = _run(merged, prompts), _run(unmerged, prompts)

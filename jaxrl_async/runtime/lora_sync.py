@@ -7,7 +7,8 @@ the adapters it sent (`config.verify_weights`), then hands the sampler a whole m
 
 * lora_apply="merge": W + (alpha/r)·A·B written into a copy of its base (one float32 sum per weight).
 * lora_apply="unmerged": the base with the adapters beside it (`model.lora.combine`), which an engine built
-  with the LoRA (`Engine(lora=...)`) decodes as x·W + (x·A)·B.
+  with the LoRA (`Engine(lora=...)`) decodes as x·W + (x·A)·B. The base leaves are the same arrays every
+  version, so the engine lays out only the adapters (`Engine.update_params`).
 
 Same interface as `weight_sync.LocalWeights`, so the learner and the actor are unchanged. Across
 processes (`TransferPublisher`) LoRA is not wired yet: the run refuses it (runtime/build.py).

@@ -201,11 +201,10 @@ def to_decode_layout(cfg: ModelConfig, params: dict, fuse: bool, pack: bool = Fa
 
 
 def adapters_to_decode_layout(cfg: ModelConfig, adapters: dict, lora) -> list[dict]:
-    """Only the adapter leaves of the decode layout, per layer, from a version's raw adapters (B scaled
-    here, as `model.lora.combine` does for a whole tree): what an unmerged engine replaces per version."""
+    """Only the adapter leaves of the decode layout, per layer, from a version's adapters with B already
+    scaled (`model.lora.combine`): what an unmerged engine replaces per version."""
     leaves = _adapter_leaves(cfg, lora)
-    scale = lambda n, x: x * jnp.asarray(lora.scale, x.dtype) if n.endswith("_lora_b") else x
-    src = {n: scale(n, x) for n, x in adapters["layers"].items()}
+    src = adapters["layers"]
     out = []
     for i in range(cfg.n_layers):
         lp = {n: x[i] for n, x in src.items()}
