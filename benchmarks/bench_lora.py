@@ -2,14 +2,14 @@
 
   python -m benchmarks.bench_lora [--preset tiny] [--rank 8] [--reps 5] [--json-out FILE]
 
-Per policy version (median over --reps):
+Per policy version (median over --reps, the variants interleaved):
   - full: the whole model synced (`WeightSync`) and laid out (`Engine.update_params`);
   - merge: the adapters synced (`LoraWeights.publish`), W + (alpha/r)·A·B merged into the sampler's copy
     of the base and laid out (`Engine.update_params`);
   - unmerged: the adapters synced and only they laid out (`Engine.update_adapters`).
 Decode: greedy generation of the same prompts by a merged engine and an unmerged one (tokens per second,
-median over --reps runs of the whole batch). Prints the CPU model and the load average: on a shared
-machine the figures move with the load.
+median over --reps runs of the whole batch, interleaved). Prints the CPU model and the load average: on a
+shared machine the figures move with the load.
 """
 
 from __future__ import annotations
@@ -38,27 +38,28 @@ _REPS = flags.DEFINE_integer("reps", 5, "timed repetitions (the median is report
 _JSON_OUT = flags.DEFINE_string("json-out", "", "also write the JSON here")
 
 
-def _median(fn, reps: int) -> float:
-    fn()  # compiles
-    times = []
+def _interleaved(fns: dict, reps: int) -> dict:
+    """Median seconds of each of `fns`, run in turn (A, B, C, A, B, C, ...) after one untimed call each:
+    on a shared machine the load drifts, and interleaving gives every variant the same drift."""
+    for fn in fns.values():
+        fn()  # compiles
+    times = {name: [] for name in fns}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
-def _decode_tokens_per_s(engine, prompts, reps: int) -> float:
-    count = [0]
-
+def _decode(engine, prompts, count: list):
     def run():
         loop = SamplerLoop(engine)
         for i, p in enumerate(prompts):
             loop.add_request(Request(i, p, n_samples=1, seed=i))
         count[0] = sum(len(c.tokens) for c in loop.run())
 
-    seconds = _median(run, reps)
-    return count[0] / seconds
+    return run
 
 
 def main(argv) -> None:
@@ -102,17 +103,15 @@ def main(argv) -> None:
         jax.block_until_ready(un_engine.decode_params)
 
     res["bytes_per_version"] = {"full": tree_bytes(copy), "adapters": merge_w.last_bytes}
-    res["seconds_per_version"] = {
-        "full": _median(full_version, reps),
-        "merge": _median(merge_version, reps),
-        "unmerged": _median(unmerged_version, reps),
-    }
+    res["seconds_per_version"] = _interleaved(
+        {"full": full_version, "merge": merge_version, "unmerged": unmerged_version}, reps
+    )
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, size=int(rng.integers(4, 17))).tolist() for _ in range(32)]
-    res["decode_tokens_per_s"] = {
-        "merge": _decode_tokens_per_s(merged_engine, prompts, reps),
-        "unmerged": _decode_tokens_per_s(un_engine, prompts, reps),
-    }
+    counts = {"merge": [0], "unmerged": [0]}
+    decode_s = _interleaved({"merge": _decode(merged_engine, prompts, counts["merge"]),
+                             "unmerged": _decode(un_engine, prompts, counts["unmerged"])}, reps)  # fmt: skip
+    res["decode_tokens_per_s"] = {name: counts[name][0] / decode_s[name] for name in decode_s}
     res["loadavg_after"] = os.getloadavg()[0]
     print(json.dumps(res, indent=1))
     s, d, b = res["seconds_per_version"], res["decode_tokens_per_s"], res["bytes_per_version"]
