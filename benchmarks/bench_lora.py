@@ -36,6 +36,7 @@ _PRESET = flags.DEFINE_string("preset", "tiny", "model shape (jaxrl_async.model.
 _RANK = flags.DEFINE_integer("rank", 8, "LoRA rank (every projection)", lower_bound=1)
 _REPS = flags.DEFINE_integer("reps", 5, "timed repetitions (the median is reported)", lower_bound=1)
 _JSON_OUT = flags.DEFINE_string("json-out", "", "also write the JSON here")
+_UNMERGED_FIRST = flags.DEFINE_bool("unmerged-first", False, "decode: the unmerged engine first each round")
 
 
 def _interleaved(fns: dict, reps: int) -> dict:
@@ -109,8 +110,11 @@ def main(argv) -> None:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, size=int(rng.integers(4, 17))).tolist() for _ in range(32)]
     counts = {"merge": [0], "unmerged": [0]}
-    decode_s = _interleaved({"merge": _decode(merged_engine, prompts, counts["merge"]),
-                             "unmerged": _decode(un_engine, prompts, counts["unmerged"])}, reps)  # fmt: skip
+    runs = {"merge": _decode(merged_engine, prompts, counts["merge"]),
+            "unmerged": _decode(un_engine, prompts, counts["unmerged"])}  # fmt: skip
+    if _UNMERGED_FIRST.value:  # which variant runs first in each round (a check for order effects)
+        runs = dict(reversed(list(runs.items())))
+    decode_s = _interleaved(runs, reps)
     res["decode_tokens_per_s"] = {name: counts[name][0] / decode_s[name] for name in decode_s}
     res["loadavg_after"] = os.getloadavg()[0]
     print(json.dumps(res, indent=1))
