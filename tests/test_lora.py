@@ -127,7 +127,7 @@ def test_a_synced_version_moves_only_adapter_bytes_and_the_receiver_checks_them(
     state = create_train_state(BASE, MODEL, params)
     state, _ = train_step(state, prepare_batch(BASE, rollouts()))  # B != 0 now
     s_mesh = make_mesh((1, 1), ("data", "tensor"), jax.devices()[1:2])
-    weights = LoraWeights(MODEL, LORA, s_mesh, state.frozen, verify=True)
+    weights = LoraWeights(MODEL, LORA, s_mesh, state.frozen, verify=True, apply="merge")
     assert weights.base_bytes == nbytes(params)  # the base moved once, at start
     sent = weights.publish(1, state.params)
     assert weights.last_bytes == lora_lib.adapter_bytes(MODEL, LORA, MODEL.dtype) == nbytes(state.params)
@@ -141,3 +141,15 @@ def test_a_synced_version_moves_only_adapter_bytes_and_the_receiver_checks_them(
     corrupt = NewWeights(2, sent.params, sent.checksum + 1.0)
     with pytest.raises(WeightsMismatch, match="version 2"):
         weights.receive(corrupt)
+
+
+def test_unmerged_receiver_hands_the_same_base_arrays_every_version(params):
+    from jaxrl_async.runtime.lora_sync import LoraWeights
+    from jaxrl_async.sharding import make_mesh
+
+    state = create_train_state(BASE, MODEL, params)
+    s_mesh = make_mesh((1, 1), ("data", "tensor"), jax.devices()[1:2])
+    weights = LoraWeights(MODEL, LORA, s_mesh, state.frozen)
+    first, second = (weights.receive(weights.publish(v, state.params)) for v in (1, 2))
+    assert first["layers"]["q"] is second["layers"]["q"] is weights.base["layers"]["q"]
+    assert "q_lora_a" in second["layers"]  # what an unmerged engine (Engine(lora=...)) takes

@@ -45,7 +45,7 @@ class LoraWeights:
     """
 
     def __init__(self, model_cfg: ModelConfig, lora, sampler_mesh, base, verify: bool = False,
-                 apply: str = "merge"):  # fmt: skip
+                 apply: str = "unmerged"):  # fmt: skip
         self.lora, self.verify, self.apply = lora, verify, apply
         dtype = sampler_dtype(model_cfg)
         self.base = WeightSync(model_cfg, sampler_mesh, dtype=dtype)(base, wait=True)

@@ -85,7 +85,7 @@ class SamplerConfig:
     attention: str = "auto"
     linear: str = "auto"
     page_size: int = 16
-    lora_apply: str = "merge"
+    lora_apply: str = "unmerged"
 
     def __post_init__(self):
         positive = ("num_slots", "max_prompt_len", "max_new_tokens", "steps_per_call", "top_p_candidates")
