@@ -86,6 +86,8 @@ def dataclass_section(cls, **overrides) -> ml_collections.ConfigDict:
             value = config_dict.placeholder(_placeholder_type(hints[f.name]))
         elif isinstance(value, dict | types.MappingProxyType):
             value = dict(value)
+        elif dataclasses.is_dataclass(value):  # a nested section (trainer.lora): settable field by field
+            value = ml_collections.ConfigDict(dataclasses.asdict(value))
         out[f.name] = value
     if overrides:
         raise ConfigError(f"{cls.__name__} has no fields {sorted(overrides)}")

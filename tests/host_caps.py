@@ -18,6 +18,7 @@ CAPABILITIES = {
     "compiler": "a C++ compiler for the CPU kernels ($CXX, g++ or c++)",
     "shm": "shared memory (/dev/shm) for the weight slots",
     "py312": "a Python 3.12 for the jax 0.11 stage of .ci/run",
+    "peft": "the peft library (the `test` extra) to load a LoRA run's PEFT export",
 }
 _TAG = re.compile(r"\[host lacks (\w+)\]")
 

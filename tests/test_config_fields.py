@@ -26,6 +26,8 @@ from jaxrl_async.runtime.learner import LearnerConfig
 DIFFERENT_MEANINGS = {
     # How often, each in its own section: config.eval_every, config.checkpoint_every, config.log_every.
     "every": {"EvalSection", "CheckpointSection", "LogSection"},
+    # Each switches its own section on: config.warm_start.enabled, config.trainer.lora.enabled.
+    "enabled": {"WarmStartConfig", "LoraConfig"},
     # The model's training/prefill attention kernel (model.attention) against the sampler's decode
     # attention over its KV cache (sampler.attention): two code paths, chosen separately.
     "attention": {"ModelSection", "SamplerConfig"},

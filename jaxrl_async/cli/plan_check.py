@@ -175,6 +175,12 @@ def weight_sync_plan(model_cfg, config, hardware: str) -> dict:
 
     itemsize = jnp.dtype(model_cfg.compute_copy().dtype).itemsize
     nbytes = sampler_weight_bytes(model_cfg, (1, 1), itemsize)  # the whole model, one device's view
+    lora = config.trainer.get("lora")
+    if lora is not None and lora.enabled:  # LoRA: a version moves only the adapters (docs/lora.md)
+        from jaxrl_async.model import lora as lora_lib
+
+        lora_cfg = lora_lib.LoraConfig(**lora.to_dict())
+        nbytes = lora_lib.adapter_bytes(model_cfg, lora_cfg, model_cfg.compute_copy().dtype)
     mesh = config.mesh
     replicas = max(int(mesh.get("sampler_replicas", 0) or 0), len(mesh.sampler_processes) or 1)
     nt, ns = mesh.trainer[0] * mesh.trainer[1], mesh.sampler[0] * mesh.sampler[1]

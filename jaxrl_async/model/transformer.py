@@ -94,15 +94,26 @@ def project(x, w, contract: int = 1):
     return y.reshape(*x.shape[: x.ndim - contract], *w.shape[contract:])
 
 
+def project_adapted(x, lp: dict, name: str, contract: int = 1):
+    """x times the layer's weight `name`, plus (x·A)·B when the layer carries LoRA adapters for it
+    (`name`_lora_a / `name`_lora_b, B already scaled: `model.lora.combine`). Unmerged, so a frozen base
+    costs no weight gradient: only the two thin products are differentiated."""
+    y = project(x, lp[name], contract)
+    a = lp.get(f"{name}_lora_a")
+    if a is None:
+        return y
+    return y + project(project(x, a, contract), lp[f"{name}_lora_b"])
+
+
 def _einsum_qkv(cfg: ModelConfig, lp: dict, h_BxTxD):
-    return project(h_BxTxD, lp["q"]), project(h_BxTxD, lp["k"]), project(h_BxTxD, lp["v"])
+    return tuple(project_adapted(h_BxTxD, lp, n) for n in ("q", "k", "v"))
 
 
 EINSUM = Projections(
     qkv=_einsum_qkv,
-    out=lambda lp, a_BxTxHxK: project(a_BxTxHxK, lp["o"], contract=2),
-    gate_up=lambda lp, h_BxTxD: (project(h_BxTxD, lp["gate"]), project(h_BxTxD, lp["up"])),
-    down=lambda lp, a_BxTxF: project(a_BxTxF, lp["down"]),
+    out=lambda lp, a_BxTxHxK: project_adapted(a_BxTxHxK, lp, "o", contract=2),
+    gate_up=lambda lp, h_BxTxD: (project_adapted(h_BxTxD, lp, "gate"), project_adapted(h_BxTxD, lp, "up")),
+    down=lambda lp, a_BxTxF: project_adapted(a_BxTxF, lp, "down"),
 )
 
 

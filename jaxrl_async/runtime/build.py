@@ -40,6 +40,8 @@ from jaxrl_async.runtime.episodes import episode_kernels
 from jaxrl_async.runtime.evaluation import eval_sampler_config, evaluate_accuracy
 from jaxrl_async.runtime.lag import lagged
 from jaxrl_async.runtime.learner import Follower, Learner, LearnerConfig, TrainerCore
+from jaxrl_async.runtime.lora_checkpoint import save_base
+from jaxrl_async.runtime.lora_sync import LoraWeights
 from jaxrl_async.runtime.messages import Hello, WarmStartParams
 from jaxrl_async.runtime.metrics import MetricsWriter
 from jaxrl_async.runtime.replica import Members, ReplicaMember
@@ -127,6 +129,11 @@ def model_config(run: RunConfig, tokenizer: Tokenizer) -> ModelConfig:
             f"config.sampler: slot length {run.sampler.slot_len} exceeds the model's "
             f"max_seq_len {cfg.max_seq_len}"
         )
+    if run.trainer.lora.enabled:  # before anything compiles: a rank the targets cannot hold
+        try:
+            run.trainer.lora.check_model(cfg)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     return cfg
 
 
@@ -184,10 +191,13 @@ def build_engines(run: RunConfig, model_cfg: ModelConfig, mesh, sampler_cfg: Sam
     if run.env.enabled:  # observations are appended by XLA ops: no "auto" CPU kernel (episodes.py)
         sampler_cfg = episode_kernels(sampler_cfg, model_cfg, mesh, run.env.max_episode_tokens)
     # Built before the first version arrives: "auto" kernels are timed on random weights (sampler/engine.py).
-    engine = Engine(weights_cfg, None, mesh, sampler_cfg, compile_fn=compile_fn, time_kernels=True)
+    # LoRA with lora_apply="unmerged": the engines' layers carry the adapters beside the base.
+    lora = run.trainer.lora if run.trainer.lora.enabled and sampler_cfg.lora_apply == "unmerged" else None
+    engine = Engine(weights_cfg, None, mesh, sampler_cfg, compile_fn=compile_fn, time_kernels=True, lora=lora)
     eval_cfg = eval_sampler_config(engine.cfg, mesh.shape["data"], run.eval.slots)  # the kernels it chose
     shared = engine if run.eval.weights == "shared" else None  # config.eval_weights
-    eval_engine = Engine(weights_cfg, None, mesh, eval_cfg, weights_from=shared, compile_fn=compile_fn)
+    eval_engine = Engine(weights_cfg, None, mesh, eval_cfg, weights_from=shared, compile_fn=compile_fn,
+                         lora=lora)  # fmt: skip
     log.info("sampling engine: %s", engine.describe())
     log.info("evaluation engine: %s", eval_engine.describe())
     return engine, eval_engine
@@ -278,7 +288,8 @@ def train_state(run: RunConfig, model_cfg: ModelConfig, mesh, params) -> TrainSt
     if jax.tree.leaves(params) and isinstance(jax.tree.leaves(params)[0], np.ndarray):
         params = jax.device_put(params, param_shardings(model_cfg, mesh, TRAINER_RULES))
     ref = params if run.trainer.kl_coef > 0 else None
-    return create_train_state(run.trainer, model_cfg, params, mesh, ref_params=ref)
+    key = jax.random.fold_in(jax.random.key(run.seed), 1)  # LoRA adapters: apart from the init's key
+    return create_train_state(run.trainer, model_cfg, params, mesh, ref_params=ref, adapter_key=key)
 
 
 def checkpoints(run: RunConfig, cluster, model_cfg: ModelConfig) -> RunCheckpoints:
@@ -406,6 +417,9 @@ def _pull_targets(run, cluster) -> dict:
 
 def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
     roles, lead = cluster.roles, cluster.is_lead
+    if roles.multi and run.trainer.lora.enabled:
+        raise ConfigError("config.trainer.lora.enabled: LoRA runs in one process for now (adapter-only sync "
+                          "over the transfer server and shared memory is not wired yet)")  # fmt: skip
     if lead and (note := clip_note(run)):
         log.warning(note)
     if run.warm_start.enabled:
@@ -422,12 +436,19 @@ def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
     state = train_state(run, model_cfg, t_mesh, params)
     ckpts = checkpoints(run, cluster, model_cfg)
     proc.closers.append(ckpts.close)
+    if run.trainer.lora.enabled:  # the frozen base, once beside the steps (which hold the adapters)
+        source = run.model.checkpoint or ("warm start" if run.warm_start.enabled else f"init seed {run.seed}")
+        save_base(ckpts.directory, run.trainer.lora, state.frozen, source)
     coordinator_state = None
     restored = ckpts.restore_latest(state)
     if restored is not None:
         state, version, coordinator_state = restored
         log.info("resumed from %s at version %d", ckpts.directory, version)
-    if roles.multi:
+    if run.trainer.lora.enabled:  # the base moves once, now; each version moves only the adapters
+        s_mesh = sampler_mesh(run, cluster)
+        publisher = local_weights = LoraWeights(model_cfg, run.trainer.lora, s_mesh, state.frozen,
+                                                run.verify_weights, run.sampler.lora_apply)  # fmt: skip
+    elif roles.multi:
         publisher = TransferPublisher(
             cluster, model_cfg, t_mesh, tuple(run.mesh.sampler), sampler_dtype(model_cfg),
             sum(map(len, roles.replicas)), run.verify_weights, targets=_pull_targets(run, cluster),

@@ -27,7 +27,9 @@ from orbax.checkpoint import checkpoint_managers as cm
 
 from jaxrl_async import storage
 from jaxrl_async.model import ModelConfig, abstract_params
+from jaxrl_async.model import lora as lora_lib
 from jaxrl_async.model.config import RopeScaling
+from jaxrl_async.runtime import lora_checkpoint
 
 MODEL_FILE = "model.json"
 # Where orbax (0.12) writes a step until it is complete: `<step>.orbax-checkpoint-tmp`, renamed to `<step>`
@@ -268,6 +270,10 @@ def load_policy(path: str, mesh, rules, step: int | None = None) -> tuple[ModelC
     step = manager.latest_step() if step is None else step
     if step is None or step not in manager.all_steps():
         raise FileNotFoundError(f"{directory}: no checkpoint step {step} (saved: {manager.all_steps()})")
+    if lora_checkpoint.is_lora(directory):  # base (saved once) + this step's adapters, merged
+        lora, base, adapters = lora_checkpoint.load_lora_policy(directory, model_cfg, mesh, rules, step)
+        merged = jax.jit(lambda b, a: lora_lib.merge(b, a, lora))(base, adapters)
+        return model_cfg, merged, info["tokenizer"], int(step)
     target = {"params": abstract_params(model_cfg, mesh, rules)}
     restored = ocp.PyTreeCheckpointer().restore(
         storage.join(directory, str(step), "state"),

@@ -412,6 +412,9 @@ class Learner:
             "rewards/errors": self.reports.total("reward_errors"),
             "perf/rejected_messages": float(self.transport.rejected),  # frames dropped by the hub
         }
+        synced = getattr(self.core.publisher, "last_bytes", None)  # publishers that count (LoRA's)
+        if synced is not None:
+            values["perf/weight_sync_bytes"] = float(synced)
         times = {"time/elapsed_s": elapsed, "time/trained_tokens": float(self.trained_tokens),
                  "time/trainer_idle_s": self.clock.idle_s,
                  "time/sampler_idle_s": sampler_idle_s, "time/sampler_wall_s": sampler_wall_s}  # fmt: skip

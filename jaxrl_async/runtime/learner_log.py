@@ -50,6 +50,7 @@ _TRAIN_TAGS = {
     "offpolicy_masked_frac": "train/offpolicy_masked_frac",
     "entropy_mean": "train/entropy",
     "zero_adv_skipped_frac": "train/zero_adv_skipped_frac",
+    "adapter_norm": "train/adapter_norm",  # LoRA runs: the global norm of the adapters
 }
 
 

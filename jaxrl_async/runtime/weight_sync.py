@@ -39,7 +39,7 @@ from jaxrl_async.runtime import shard_routes, shm_weights
 from jaxrl_async.runtime.cluster import PeerFailure
 from jaxrl_async.runtime.messages import NewWeights
 from jaxrl_async.runtime.shard_routes import ShardRoutes
-from jaxrl_async.sharding import SAMPLER_RULES, TRAINER_RULES, Rules, make_mesh
+from jaxrl_async.sharding import SAMPLER_RULES, TRAINER_RULES, Rules, make_mesh, tree_shardings
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +92,16 @@ class WeightSync:
     """
 
     def __init__(
-        self, cfg: ModelConfig, sampler_mesh, rules: Rules = SAMPLER_RULES, dtype: str | None = None
+        self, cfg: ModelConfig, sampler_mesh, rules: Rules = SAMPLER_RULES, dtype: str | None = None,
+        specs: dict | None = None,
     ):
+        """`specs`: the ParamSpec tree moved, when not the model's (a LoRA run's adapters)."""
         if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"WeightSync: dtype={dtype!r} not in {DTYPES} (or None: keep the trainer's)")
-        self.shardings = param_shardings(cfg, sampler_mesh, rules)
+        if specs is None:
+            self.shardings = param_shardings(cfg, sampler_mesh, rules)
+        else:
+            self.shardings = tree_shardings(specs, sampler_mesh, rules)
         self.dtype = dtype  # e.g. "bfloat16" to sample in bf16 from fp32 master weights
         self.sampler_cfg = cfg if dtype is None else cfg.replace(param_dtype=dtype)
         self._routes: dict = {}  # source shardings -> ShardRoutes

@@ -7,6 +7,7 @@ import dataclasses
 ATTENTION = ("auto", "xla", "paged_kernel", "cpu_kernel")  # values of SamplerConfig.attention
 LINEAR = ("auto", "xla", "cpu_kernel")  # values of SamplerConfig.linear
 UPDATE_MODES = ("keep_kv", "recompute_kv", "finish")
+LORA_APPLY = ("merge", "unmerged")  # values of SamplerConfig.lora_apply
 
 
 def default_buckets(max_len: int, smallest: int = 16) -> tuple[int, ...]:
@@ -60,6 +61,10 @@ class SamplerConfig:
         in 16-row panels at each weight update; all cores; same limits as attention="cpu_kernel") or "auto"
         (timed with `attention` on one float32 CPU device, else xla).
       page_size: KV positions per page of the paged cache (attention="paged_kernel").
+      lora_apply: how a LoRA run's (config.trainer.lora) sampler applies each version's adapters:
+        "merge" writes W + (alpha/r)·A·B into its copy of the base once per version; "unmerged" keeps the
+        base's decode layout and adds (x·A)·B in every matmul, so a version lays out only the adapters.
+        docs/sampler.md has the measurements behind the default. Not read without LoRA.
     """
 
     num_slots: int = 8
@@ -80,6 +85,7 @@ class SamplerConfig:
     attention: str = "auto"
     linear: str = "auto"
     page_size: int = 16
+    lora_apply: str = "unmerged"
 
     def __post_init__(self):
         positive = ("num_slots", "max_prompt_len", "max_new_tokens", "steps_per_call", "top_p_candidates")
@@ -121,6 +127,8 @@ class SamplerConfig:
         for name, allowed in (("attention", ATTENTION), ("linear", LINEAR)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"SamplerConfig.{name}={getattr(self, name)!r} not in {allowed}")
+        if self.lora_apply not in LORA_APPLY:
+            raise ValueError(f"SamplerConfig.lora_apply={self.lora_apply!r} not in {LORA_APPLY}")
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
         self._refuse_unread()
 

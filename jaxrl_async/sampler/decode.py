@@ -49,6 +49,16 @@ def _rows(fn, x_BxTxN, w):
     return fn(x_BxTxN.reshape(b * t, n), w).reshape(b, t, -1)
 
 
+def _adapted(lp: dict, name: str, x_BxTxN, y_BxTxM):
+    """y plus the unmerged LoRA term (x·A)·B of weight `name` when the layer carries one
+    (SamplerConfig.lora_apply="unmerged"; `layout._adapter_leaves`)."""
+    a = lp.get(f"{name}_lora_a")
+    if a is None:
+        return y_BxTxM
+    delta = _rows(_linear, _rows(_linear, x_BxTxN, a), lp[f"{name}_lora_b"])
+    return y_BxTxM + delta.reshape(y_BxTxM.shape)
+
+
 def _qkv(cfg: ModelConfig, lp: dict, h_BxTxD):
     b, t, _ = h_BxTxD.shape
     G, K = cfg.n_kv_heads, cfg.head_dim
@@ -56,28 +66,35 @@ def _qkv(cfg: ModelConfig, lp: dict, h_BxTxD):
     if "qkv" in lp:
         qkv_BxTxGxJxK = _rows(_linear, h_BxTxD, lp["qkv"]).reshape(b, t, G, R + 2, K)  # J: R q heads, k, v
         q = qkv_BxTxGxJxK[:, :, :, :R].reshape(b, t, G * R, K)
-        return q, qkv_BxTxGxJxK[:, :, :, R], qkv_BxTxGxJxK[:, :, :, R + 1]
-    q = _rows(_linear, h_BxTxD, lp["q"]).reshape(b, t, G * R, K)
-    k = _rows(_linear, h_BxTxD, lp["k"]).reshape(b, t, G, K)
-    return q, k, _rows(_linear, h_BxTxD, lp["v"]).reshape(b, t, G, K)
+        q, k, v = q, qkv_BxTxGxJxK[:, :, :, R], qkv_BxTxGxJxK[:, :, :, R + 1]
+    else:
+        q = _rows(_linear, h_BxTxD, lp["q"]).reshape(b, t, G * R, K)
+        k = _rows(_linear, h_BxTxD, lp["k"]).reshape(b, t, G, K)
+        v = _rows(_linear, h_BxTxD, lp["v"]).reshape(b, t, G, K)
+    return tuple(_adapted(lp, n, h_BxTxD, y) for n, y in (("q", q), ("k", k), ("v", v)))
 
 
 def _out(lp: dict, attn_BxTxHxK):
     b, t = attn_BxTxHxK.shape[:2]
-    return _rows(_linear, attn_BxTxHxK.reshape(b, t, -1), lp["o"])
+    x_BxTxN = attn_BxTxHxK.reshape(b, t, -1)
+    return _adapted(lp, "o", x_BxTxN, _rows(_linear, x_BxTxN, lp["o"]))
 
 
 def _gate_up(lp: dict, h_BxTxD):
     if "gate_up" in lp:
         gu_BxTxFx2 = _rows(_linear, h_BxTxD, lp["gate_up"]).reshape(*h_BxTxD.shape[:2], -1, 2)
-        return gu_BxTxFx2[..., 0], gu_BxTxFx2[..., 1]
-    return _rows(_linear, h_BxTxD, lp["gate"]), _rows(_linear, h_BxTxD, lp["up"])
+        gate, up = gu_BxTxFx2[..., 0], gu_BxTxFx2[..., 1]
+    else:
+        gate, up = _rows(_linear, h_BxTxD, lp["gate"]), _rows(_linear, h_BxTxD, lp["up"])
+    return _adapted(lp, "gate", h_BxTxD, gate), _adapted(lp, "up", h_BxTxD, up)
+
+
+def _down(lp: dict, a_BxTxF):
+    return _adapted(lp, "down", a_BxTxF, _rows(_linear, a_BxTxF, lp["down"]))
 
 
 # The layer's matmuls over the decode layout (see the module doc).
-PROJECTIONS = Projections(
-    qkv=_qkv, out=_out, gate_up=_gate_up, down=lambda lp, a_BxTxF: _rows(_linear, a_BxTxF, lp["down"])
-)
+PROJECTIONS = Projections(qkv=_qkv, out=_out, gate_up=_gate_up, down=_down)
 
 
 def _unembed(cfg: ModelConfig, dparams: dict, x_BxD):

@@ -35,6 +35,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl_async.model import ModelConfig, init_params
+from jaxrl_async.model import lora as lora_lib
 from jaxrl_async.sampler import kernel_choice, layout
 from jaxrl_async.sampler.config import SamplerConfig
 from jaxrl_async.sampler.layout import DecodeState
@@ -101,6 +102,12 @@ def check_params(params, expected) -> None:
             raise ValueError(f"update_params: leaf {name} has sharding {have}, expected {e.sharding}")
 
 
+def _layer_items(params: dict) -> list:
+    """(name, array) of every leaf, layer leaves by their name in the layer dict, in a fixed order."""
+    top = [(n, x) for n, x in sorted(params.items()) if n != "layers"]
+    return top + sorted(params["layers"].items())
+
+
 class _Weights:
     """An engine's decode-layout weights and their policy version (engines built with `weights_from`
     share one, so the weights exist once on the sampler's devices)."""
@@ -108,6 +115,7 @@ class _Weights:
     def __init__(self, version: int):
         self.dparams = None
         self.version = int(version)
+        self.base = None  # an unmerged LoRA engine: the base leaves last laid out (see update_params)
 
 
 def _batch_buckets(limit: int) -> list[int]:
@@ -136,6 +144,7 @@ class Engine:
         weights_from: Engine | None = None,
         compile_fn=None,
         time_kernels: bool = False,
+        lora=None,
     ):
         """Validates and converts `params` (already in the sampler layout on `mesh`); resolves "auto" kernels
         (on one float32 CPU device by timing `generate`, which compiles it; see `kernel_choice`).
@@ -147,6 +156,9 @@ class Engine:
         With `weights_from` (an engine of the same model and mesh, e.g. the sampler's, for a greedy eval
         engine) this engine holds no weights of its own: it decodes with that engine's, and an update of
         either is seen by both. It still has its own decode state (KV cache).
+        With `lora` (a model.lora.LoraConfig; SamplerConfig.lora_apply="unmerged") the layers carry that
+        LoRA's adapters unmerged: `params` is the base with the adapters beside it (`model.lora.combine`),
+        and `update_adapters` replaces only the adapters.
         `compile_fn` turns each entry point's `jax.stages.Lowered` into its executable (default
         `Lowered.compile`; the runtime may pass a store that keeps them on disk).
 
@@ -159,7 +171,7 @@ class Engine:
         runner = _kernel_timing(model_cfg, params, mesh, time_kernels)
         self.kernel_choice = kernel_choice.resolve(model_cfg, mesh, cfg, runner)
         cfg = cfg.with_kernels(self.kernel_choice.attention, self.kernel_choice.linear)
-        self.spec = engine_spec(model_cfg, mesh, cfg)
+        self.spec = engine_spec(model_cfg, mesh, cfg, lora)
         self.model_cfg, self.cfg, self.mesh = model_cfg, cfg, mesh
         self._jit = jit_entry_points(self.spec)
         self._compile = compile_fn or (lambda lowered: lowered.compile())
@@ -169,11 +181,12 @@ class Engine:
             self._weights = _Weights(version)
         else:
             theirs, ours = weights_from.spec, self.spec
-            same = (theirs.model_cfg, theirs.mesh, theirs.fuse, theirs.pack) == (
+            same = (theirs.model_cfg, theirs.mesh, theirs.fuse, theirs.pack, theirs.lora) == (
                 model_cfg,
                 mesh,
                 ours.fuse,
                 ours.pack,
+                ours.lora,
             )
             if not same or params is not None:
                 raise ValueError(
@@ -224,13 +237,45 @@ class Engine:
         """Swaps the weights used by the next call (validated: structure, shapes, dtypes, shardings).
 
         The caller (the loop) decides what happens to the KV of running sequences (keep / recompute).
+        An unmerged LoRA engine given the very base arrays it laid out last (`LoraWeights` hands every
+        version the one base it received at start) lays out only the adapters, as `update_adapters`.
         """
         self.validate(params)
+        if self.spec.lora is not None:
+            base = [x for n, x in _layer_items(params) if "_lora_" not in n]
+            same = self._weights.base is not None and all(
+                a is b for a, b in zip(base, self._weights.base, strict=True)
+            )
+            if same and self._weights.dparams is not None:
+                names = [n for n, _ in _layer_items(params) if "_lora_" in n]
+                self._set_adapters({n: params["layers"][n] for n in names}, version)
+                return
+            self._weights.base = base
         # Drop the old layout first: its buffers are freed once in-flight calls finish, so at most the
         # incoming copy and the new layout coexist, never two layouts plus the copy.
         self._weights.dparams = None
         lower = lambda: self._jit.to_layout.lower(self.spec.expected)
         self._weights.dparams = self._executable("to_layout", None, lower)(params)
+        self._weights.version = int(version)
+
+    def update_adapters(self, adapters: dict, version: int) -> None:
+        """Replaces only the LoRA adapters of the current weights (an unmerged engine, `lora` given): the
+        base's decode layout stays; `adapters` are a version's raw adapters ({"layers": {t_lora_a, ...}},
+        any float dtype, on the sampler mesh), laid out and cast here."""
+        if self.spec.lora is None or self._weights.dparams is None:
+            raise ValueError("update_adapters needs an engine built with lora and its first update_params")
+        scaled = lora_lib.combine({"layers": {}}, adapters, self.spec.lora)["layers"]
+        self._set_adapters(scaled, version)
+
+    def _set_adapters(self, scaled: dict, version: int) -> None:
+        """Lays out adapters whose B is already scaled (`model.lora.combine`) over the current base."""
+        adapters = {"layers": scaled}
+        key = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(adapters))
+        lower = lambda: self._jit.adapters_layout.lower(adapters)
+        per_layer = self._executable("adapters_layout", key, lower)(adapters)
+        old = self._weights.dparams
+        self._weights.dparams = {**old, "layers": [{**o, **n} for o, n in zip(old["layers"], per_layer,
+                                                                               strict=True)]}  # fmt: skip
         self._weights.version = int(version)
 
     def compile_generate(self):

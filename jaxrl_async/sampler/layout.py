@@ -26,6 +26,7 @@ slot its next token, position, last position, done flag and random key.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -107,12 +108,46 @@ def _layer_leaves(cfg: ModelConfig, fuse: bool) -> dict[str, Leaf]:
     return leaves
 
 
-def decode_layout(cfg: ModelConfig, fuse: bool, pack: bool = False) -> dict:
+# Per target: the decode layout's logical axis of its input and of its output (rows of the 2-D matrices).
+_ADAPTER_AXES = {
+    "q": ("embed", "q_heads"), "k": ("embed", "kv_heads"), "v": ("embed", "kv_heads"),
+    "o": ("q_heads", "embed"), "gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed"),
+}  # fmt: skip
+
+
+def _adapter_leaves(cfg: ModelConfig, lora) -> dict[str, Leaf]:
+    """Unmerged LoRA adapters (SamplerConfig.lora_apply="unmerged"), output-major like the base's matrices:
+    A as [r, in], B as [out, r] (B pre-scaled by alpha / r, `model.lora.combine`). Never fused or packed:
+    they are thin, and a version replaces only them (`Engine.update_adapters`)."""
+    out = {}
+    for t in lora.targets:
+        a_in, a_out = _ADAPTER_AXES[t]
+        a_name, b_name = f"{t}_lora_a", f"{t}_lora_b"
+        spec = lambda shape, axes: ParamSpec(shape, cfg.param_dtype, axes)
+        n_in = lambda lp, n=a_name: math.prod(lp[n].shape[:-1])
+        out[a_name] = Leaf(
+            spec((lora.rank, _width(cfg, a_in)), (None, a_in)),
+            lambda lp, n=a_name, f=n_in: lp[n].reshape(f(lp), -1).T.astype(cfg.param_dtype),
+        )
+        out[b_name] = Leaf(
+            spec((_width(cfg, a_out), lora.rank), (a_out, None)),
+            lambda lp, n=b_name: lp[n].reshape(lp[n].shape[0], -1).T.astype(cfg.param_dtype),
+        )
+    return out
+
+
+def _width(cfg: ModelConfig, axis: str) -> int:
+    return {"embed": cfg.d_model, "q_heads": cfg.n_heads * cfg.head_dim, "mlp": cfg.ffw_size,
+            "kv_heads": cfg.n_kv_heads * cfg.head_dim}[axis]  # fmt: skip
+
+
+def decode_layout(cfg: ModelConfig, fuse: bool, pack: bool = False, lora=None) -> dict:
     """The decode layout as a tree of `Leaf`s: {top-level names, "layers": [per layer {name: Leaf}]}.
 
     Args:
       fuse: q|k|v and gate|up as one matrix each (SamplerConfig.fuse_projections).
       pack: matrices in CPU-kernel panels (SamplerConfig.linear="cpu_kernel").
+      lora: a model.lora.LoraConfig whose adapters the layers carry unmerged, or None.
     """
     specs = param_specs(cfg)
     top = {
@@ -130,6 +165,8 @@ def decode_layout(cfg: ModelConfig, fuse: bool, pack: bool = False) -> dict:
         )
         top = {name: maybe(leaf) for name, leaf in top.items()}
         layer = {name: maybe(leaf) for name, leaf in layer.items()}
+    if lora is not None:
+        layer = {**layer, **_adapter_leaves(cfg, lora)}
     return {**top, "layers": [layer] * cfg.n_layers}
 
 
@@ -148,18 +185,30 @@ def _build(name: str, leaf: Leaf, src: dict):
     return x
 
 
-def to_decode_layout(cfg: ModelConfig, params: dict, fuse: bool, pack: bool = False) -> dict:
+def to_decode_layout(cfg: ModelConfig, params: dict, fuse: bool, pack: bool = False, lora=None) -> dict:
     """The model's parameters in the decode layout; pure, so it can be jitted with out shardings.
 
     Raises:
       ValueError: a built leaf differs from its declaration (shape or dtype; e.g. params of another dtype).
     """
-    lay = decode_layout(cfg, fuse, pack)
+    lay = decode_layout(cfg, fuse, pack, lora)
     out = {name: _build(name, leaf, params) for name, leaf in lay.items() if name != "layers"}
     out["layers"] = []
     for i, leaves in enumerate(lay["layers"]):
         lp = {name: x[i] for name, x in params["layers"].items()}
         out["layers"].append({name: _build(f"layers[{i}].{name}", leaf, lp) for name, leaf in leaves.items()})
+    return out
+
+
+def adapters_to_decode_layout(cfg: ModelConfig, adapters: dict, lora) -> list[dict]:
+    """Only the adapter leaves of the decode layout, per layer, from a version's adapters with B already
+    scaled (`model.lora.combine`): what an unmerged engine replaces per version."""
+    leaves = _adapter_leaves(cfg, lora)
+    src = adapters["layers"]
+    out = []
+    for i in range(cfg.n_layers):
+        lp = {n: x[i] for n, x in src.items()}
+        out.append({n: _build(f"layers[{i}].{n}", leaf, lp) for n, leaf in leaves.items()})
     return out
 
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_async.model import ModelConfig, abstract_params
+from jaxrl_async.model import lora as lora_lib
 from jaxrl_async.sampler import decode, kernel_choice, layout, sampling
 from jaxrl_async.sampler.cache import PagedCache, SlottedCache, make_cache
 from jaxrl_async.sampler.config import SamplerConfig
@@ -43,6 +44,8 @@ class EngineSpec:
       row_sh, round_sh: per-slot rows [B] and generate's outputs.
       kv_in_sh: prefilled keys/values (replicated over "data": any slot may take any row).
       table_sh: page tables and insert destinations (rows over "data").
+      lora: the model.lora.LoraConfig whose adapters the layers carry unmerged (lora_apply="unmerged"),
+        or None: `expected` then includes the adapter leaves (B pre-scaled, `model.lora.combine`).
     """
 
     model_cfg: ModelConfig
@@ -61,6 +64,7 @@ class EngineSpec:
     kv_in_sh: NamedSharding
     table_sh: NamedSharding
     replicated: NamedSharding
+    lora: object = None
 
     @property
     def capacity(self) -> int:
@@ -87,7 +91,18 @@ def check_slot_count(mesh: Mesh, cfg: SamplerConfig) -> None:
         )
 
 
-def engine_spec(model_cfg: ModelConfig, mesh: Mesh, cfg: SamplerConfig) -> EngineSpec:
+def _expected(model_cfg: ModelConfig, mesh: Mesh, lora) -> dict:
+    """Abstract weights that `update_params` takes: the model's, plus its adapters when unmerged."""
+    base = abstract_params(model_cfg, mesh, SAMPLER_RULES)
+    if lora is None:
+        return base
+    specs = lora_lib.adapter_specs(model_cfg, lora)["layers"]
+    specs = {n: dataclasses.replace(s, dtype=model_cfg.param_dtype) for n, s in specs.items()}
+    sh = tree_shardings(specs, mesh, SAMPLER_RULES)
+    return {**base, "layers": {**base["layers"], **{n: specs[n].abstract(sh[n]) for n in specs}}}
+
+
+def engine_spec(model_cfg: ModelConfig, mesh: Mesh, cfg: SamplerConfig, lora=None) -> EngineSpec:
     """The spec of an engine for a SamplerConfig with concrete kernels (pure: allocates nothing).
 
     Raises:
@@ -109,7 +124,7 @@ def engine_spec(model_cfg: ModelConfig, mesh: Mesh, cfg: SamplerConfig) -> Engin
     # batch-32 step (49.9 vs 53.9 ms; equal at batch 1).
     fuse = cfg.fuse_projections and not pack
     shard = lambda axes, shape=None: SAMPLER_RULES.sharding(mesh, axes, shape)
-    dparams_specs = layout.specs_of(layout.decode_layout(model_cfg, fuse=fuse, pack=pack))
+    dparams_specs = layout.specs_of(layout.decode_layout(model_cfg, fuse=fuse, pack=pack, lora=lora))
     state_specs = layout.decode_state(model_cfg, cfg.num_slots, cache.shape, cache.axes)
     b, steps = cfg.num_slots, cfg.steps_per_call
     steps_sh = shard((None, "batch"), (steps, b))
@@ -127,7 +142,7 @@ def engine_spec(model_cfg: ModelConfig, mesh: Mesh, cfg: SamplerConfig) -> Engin
         cache=cache,
         fuse=fuse,
         pack=pack,
-        expected=abstract_params(model_cfg, mesh, SAMPLER_RULES),
+        expected=_expected(model_cfg, mesh, lora),
         dparams_specs=dparams_specs,
         dparams_sh=tree_shardings(dparams_specs, mesh, SAMPLER_RULES),
         state_specs=state_specs,
@@ -137,6 +152,7 @@ def engine_spec(model_cfg: ModelConfig, mesh: Mesh, cfg: SamplerConfig) -> Engin
         kv_in_sh=shard(layout.PREFIX_AXES, (1, model_cfg.n_kv_heads, cfg.max_prompt_len, model_cfg.head_dim)),
         table_sh=NamedSharding(mesh, PartitionSpec("data", None)),
         replicated=NamedSharding(mesh, PartitionSpec()),
+        lora=lora,
     )
 
 
@@ -267,6 +283,7 @@ class EntryPoints(NamedTuple):
     """The jitted entry points of an engine (lowered and compiled per signature by `Engine`)."""
 
     to_layout: object
+    adapters_layout: object
     prefill: object
     insert: object
     generate: object
@@ -281,11 +298,20 @@ def jit_entry_points(spec: EngineSpec) -> EntryPoints:
     s = spec
     table_sh = s.cache.extra_shardings(s.table_sh)  # the page table / insert's dest; () for slotted
     bind = lambda body: functools.partial(body, s)
-    to_layout = functools.partial(layout.to_decode_layout, s.model_cfg, fuse=s.fuse, pack=s.pack)
+    to_layout = functools.partial(layout.to_decode_layout, s.model_cfg, fuse=s.fuse, pack=s.pack, lora=s.lora)
+    adapters_layout = None
+    if s.lora is not None:
+        names = lora_lib.adapter_specs(s.model_cfg, s.lora)["layers"]
+        adapters_sh = [{n: lsh[n] for n in names} for lsh in s.dparams_sh["layers"]]
+        adapters_layout = jax.jit(
+            functools.partial(layout.adapters_to_decode_layout, s.model_cfg, lora=s.lora),
+            out_shardings=adapters_sh,
+        )
     recompute_in = (s.dparams_sh, s.state_sh, SAMPLER_RULES.sharding(s.mesh, ("batch", None)), *table_sh)
     extend_sh = tuple(x.sharding for x in s.cache.extend_args(s.replicated))
     return EntryPoints(
         to_layout=jax.jit(to_layout, out_shardings=s.dparams_sh),
+        adapters_layout=adapters_layout,
         prefill=jax.jit(
             bind(prefill_body), in_shardings=(s.dparams_sh, s.replicated), out_shardings=(s.kv_in_sh,) * 2
         ),

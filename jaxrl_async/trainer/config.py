@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxrl_async.model.lora import LoraConfig
 from jaxrl_async.trainer.advantages import ADVANTAGES, KL_ESTIMATORS
 from jaxrl_async.trainer.losses import LOSSES, LossHParams, reads_prox
 
@@ -79,6 +80,8 @@ class TrainConfig:
         staleness of every trained group. The learner applies it; the step itself is unchanged.
       dynamic_sampling_patience: batches' worth of consecutive discarded groups after which the run
         saves and stops (nothing left to learn on this data).
+      lora: low-rank adapters (model.lora.LoraConfig); lora.enabled=False (the default) is full
+        fine-tuning, unchanged. A dict (a config file's section) is read as a LoraConfig.
     """
 
     loss: str = "decoupled_ppo"
@@ -121,8 +124,15 @@ class TrainConfig:
     skip_zero_advantage: bool = False
     dynamic_sampling: bool = False
     dynamic_sampling_patience: int = 20
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
     def __post_init__(self):
+        if isinstance(self.lora, dict):  # config.trainer.lora from a config file or the command line
+            known = {f.name for f in dataclasses.fields(LoraConfig)}
+            unknown = sorted(set(self.lora) - known)
+            if unknown:
+                raise ValueError(f"config.trainer.lora.{unknown[0]}: unknown field (known: {sorted(known)})")
+            object.__setattr__(self, "lora", LoraConfig(**self.lora))
         if self.loss not in LOSSES:
             raise ValueError(f"TrainConfig.loss={self.loss!r} not in {sorted(LOSSES)}")
         self.loss_hparams()  # validates the loss hyper-parameters

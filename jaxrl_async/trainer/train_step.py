@@ -24,12 +24,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from jaxrl_async.model import (
     ModelConfig,
-    abstract_params,
     chunked_token_logprobs,
     forward,
     param_shardings,
 )
 from jaxrl_async.sharding import TRAINER_RULES
+from jaxrl_async.trainer import adapters
 from jaxrl_async.trainer.advantages import compute_advantages, kl_estimate
 from jaxrl_async.trainer.config import TrainConfig
 from jaxrl_async.trainer.losses import (
@@ -51,11 +51,13 @@ class TrainState:
     """Trainer state; `params` keeps the model's nested-dict layout (reshard it with jax.device_put).
 
     Attributes:
-      params: master weights (model param_dtype), sharded on `mesh` by TRAINER_RULES when given.
+      params: master weights (model param_dtype), sharded on `mesh` by TRAINER_RULES when given; with
+        config.trainer.lora the adapters only (float32), the one tree with gradients and AdamW state.
       opt_state: optax state, sharded like the parameters.
       version: int32 policy version: +1 per train step that applied at least one update.
       updates, skipped: int32 counts of applied and skipped (non-finite) optimizer updates.
       ref_params: frozen reference parameters for the KL penalty (in the compute dtype), or None.
+      frozen: with LoRA, the frozen base in the compute dtype (also the KL reference); else None.
       cfg, model_cfg, mesh: static; model_cfg.dtype is the compute dtype.
     """
 
@@ -65,6 +67,7 @@ class TrainState:
     updates: jax.Array
     skipped: jax.Array
     ref_params: Any
+    frozen: Any
     cfg: TrainConfig = struct.field(pytree_node=False)
     model_cfg: ModelConfig = struct.field(pytree_node=False)
     mesh: Mesh | None = struct.field(pytree_node=False)
@@ -114,7 +117,8 @@ def _with_compute_dtype(cfg: TrainConfig, model_cfg: ModelConfig) -> ModelConfig
 
 
 def create_train_state(
-    cfg: TrainConfig, model_cfg: ModelConfig, params, mesh: Mesh | None = None, ref_params=None
+    cfg: TrainConfig, model_cfg: ModelConfig, params, mesh: Mesh | None = None, ref_params=None,
+    adapter_key=None,
 ) -> TrainState:
     """A fresh TrainState (version 0) around `params`.
 
@@ -124,9 +128,14 @@ def create_train_state(
       params: nested-dict parameters (any placement); moved onto `mesh` with TRAINER_RULES.
       mesh: trainer mesh with axes ("fsdp", "tensor"), or None for the default device.
       ref_params: reference parameters for the KL penalty (required when cfg.kl_coef > 0); a copy in
-        the compute dtype is kept, so the caller's arrays are neither donated nor held.
+        the compute dtype is kept, so the caller's arrays are neither donated nor held. With LoRA the
+        base is the reference and this is not read.
+      adapter_key: seeds fresh LoRA adapters (config.trainer.lora; default key 0). `params` is then the
+        base, which is frozen.
     """
-    if cfg.kl_coef > 0 and ref_params is None:
+    if cfg.lora.enabled:
+        cfg.lora.check_model(model_cfg)  # before anything compiles, naming config.trainer.lora.rank
+    if cfg.kl_coef > 0 and ref_params is None and not cfg.lora.enabled:
         raise ValueError("TrainConfig.kl_coef > 0 needs ref_params")
     model_cfg = _with_compute_dtype(cfg, model_cfg)
     if mesh is not None and cfg.rows_per_micro % mesh.shape["fsdp"]:
@@ -135,8 +144,12 @@ def create_train_state(
         shardings = jax.tree.map(lambda _: _replicated(None), params)
     else:
         shardings = param_shardings(model_cfg, mesh, TRAINER_RULES)
-    params = _fresh_copy(params, shardings)
-    if ref_params is not None and cfg.kl_coef > 0:
+    frozen = None
+    if cfg.lora.enabled:
+        params, frozen = adapters.split_initial(cfg, model_cfg, params, shardings, mesh, adapter_key)
+    else:
+        params = _fresh_copy(params, shardings)
+    if ref_params is not None and cfg.kl_coef > 0 and not cfg.lora.enabled:
         ref_params = _reference_copy(ref_params, shardings, model_cfg.dtype)
     tx = make_optimizer(cfg)
     # Optimizer moments live where their parameters do; step counts are replicated. Explicit output
@@ -158,7 +171,8 @@ def create_train_state(
         zero(),
         zero(),
         zero(),
-        ref_params if cfg.kl_coef > 0 else None,
+        ref_params if cfg.kl_coef > 0 and not cfg.lora.enabled else None,
+        frozen,
         cfg,
         model_cfg,
         mesh,
@@ -243,9 +257,13 @@ def drift_sums(log_ratio_BxT, staleness_BxT, mask_BxT, behav_cap: float) -> dict
     return out
 
 
-def _micro_loss(cfg, model_cfg, mesh, params, ref_params, mb, prox_BxT, prox_version):
-    """(loss_sum, (count, metrics)) of one micro-batch; gradients flow through `params` only."""
-    logp, entropy = _model_logprobs(cfg, model_cfg, params, mb, cfg.remat, mesh)
+def _micro_loss(cfg, model_cfg, mesh, params, ref_params, frozen, mb, prox_BxT, prox_version):
+    """(loss_sum, (count, metrics)) of one micro-batch; gradients flow through `params` only (with LoRA
+    the adapters: the base `frozen` is an input, and the KL reference)."""
+    if frozen is not None:
+        ref_params = frozen
+    model_params = adapters.model_params(cfg, params, frozen)
+    logp, entropy = _model_logprobs(cfg, model_cfg, model_params, mb, cfg.remat, mesh)
     mask, behav, seg = mb["loss_mask"], mb["behav_logp"], mb["segment_ids"]
     if not reads_prox(cfg.loss):
         prox = behav
@@ -287,21 +305,21 @@ def _micro_loss(cfg, model_cfg, mesh, params, ref_params, mb, prox_BxT, prox_ver
 def _compile(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh | None) -> _Compiled:
     tx = make_optimizer(cfg)
     schedule = update_schedule(cfg)
-    param_sh = None if mesh is None else param_shardings(model_cfg, mesh, TRAINER_RULES)
+    param_sh = adapters.trainable_shardings(cfg, model_cfg, mesh)
     replicated = _replicated(mesh)
     batch_sh = replicated if mesh is None else NamedSharding(mesh, TRAINER_RULES.spec(("batch", "seq")))
 
     def constrain(grads):
         return grads if param_sh is None else jax.lax.with_sharding_constraint(grads, param_sh)
 
-    def grads_of(params, ref_params, mb, prox_BxT, prox_version):
+    def grads_of(params, ref_params, frozen, mb, prox_BxT, prox_version):
         loss_fn = functools.partial(_micro_loss, cfg, model_cfg, mesh)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss_sum, (count, m)), grads = grad_fn(params, ref_params, mb, prox_BxT, prox_version)
+        (loss_sum, (count, m)), grads = grad_fn(params, ref_params, frozen, mb, prox_BxT, prox_version)
         return {"grads": constrain(grads), "loss_sum": loss_sum, "count": count, "metrics": m}
 
-    def accumulate(params, ref_params, acc, mb, prox_BxT, prox_version):
-        new = grads_of(params, ref_params, mb, prox_BxT, prox_version)
+    def accumulate(params, ref_params, frozen, acc, mb, prox_BxT, prox_version):
+        new = grads_of(params, ref_params, frozen, mb, prox_BxT, prox_version)
         return {
             "grads": jax.tree.map(jnp.add, acc["grads"], new["grads"]),
             "loss_sum": acc["loss_sum"] + new["loss_sum"],
@@ -332,9 +350,9 @@ def _compile(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh | None) -> _Co
 
     zero_fns = {}
 
-    def acc_layout(params, ref_params, mb, prox_version):
+    def acc_layout(params, ref_params, frozen, mb, prox_version):
         """(shapes, shardings) of the gradient accumulator for this micro-batch shape."""
-        shapes = jax.eval_shape(grads_of, params, ref_params, mb, None, prox_version)
+        shapes = jax.eval_shape(grads_of, params, ref_params, frozen, mb, None, prox_version)
         rep = lambda tree: jax.tree.map(lambda _: replicated, tree)
         grad_sh = rep(shapes["grads"]) if param_sh is None else param_sh
         out_sh = {
@@ -345,20 +363,22 @@ def _compile(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh | None) -> _Co
         }
         return shapes, out_sh
 
-    def zero_acc(params, ref_params, mb, prox_version):
+    def zero_acc(params, ref_params, frozen, mb, prox_version):
         """A zero accumulator with every leaf committed where `accumulate` returns it (no recompiles)."""
         key = jax.tree.map(lambda x: (x.shape, x.dtype), mb)
         key = tuple(jax.tree.leaves(key))
         if key not in zero_fns:
-            shapes, out_sh = acc_layout(params, ref_params, mb, prox_version)
+            shapes, out_sh = acc_layout(params, ref_params, frozen, mb, prox_version)
             zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
             zero_fns[key] = jax.jit(zeros, out_shardings=out_sh)
         return zero_fns[key]()
 
-    logprobs = lambda params, mb: _model_logprobs(cfg, model_cfg, params, mb, False, mesh)[0]
+    logprobs = lambda params, frozen, mb: _model_logprobs(
+        cfg, model_cfg, adapters.model_params(cfg, params, frozen), mb, False, mesh
+    )[0]
     return _Compiled(
         logprobs=jax.jit(logprobs),
-        accumulate=jax.jit(accumulate, donate_argnums=(2,)),
+        accumulate=jax.jit(accumulate, donate_argnums=(3,)),
         apply=jax.jit(apply, donate_argnums=(0,)),
         zero_acc=zero_acc,
         acc_layout=acc_layout,
@@ -399,11 +419,12 @@ def trace_abstract(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> dict
     compiled."""
     model_cfg = _with_compute_dtype(cfg, model_cfg)
     fns = _compile(cfg, model_cfg, mesh)
-    shardings = jax.tree.map(lambda x: x.sharding, abstract_params(model_cfg, mesh, TRAINER_RULES))
+    params = adapters.abstract_trainable(cfg, model_cfg, mesh)
+    shardings = jax.tree.map(lambda x: x.sharding, params)
     spec_of = lambda tree, sh: jax.tree.map(
         lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x), tree, sh
     )
-    params = abstract_params(model_cfg, mesh, TRAINER_RULES)
+    frozen = adapters.abstract_frozen(cfg, model_cfg, mesh)
     tx = make_optimizer(cfg)
     replicated = _replicated(mesh)
     opt_shapes = jax.eval_shape(tx.init, params)
@@ -415,21 +436,21 @@ def trace_abstract(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> dict
     shape = (cfg.rows_per_micro, cfg.token_budget)
     mb = {k: jax.ShapeDtypeStruct(shape, dt, sharding=fns.batch_sharding) for k, dt in FIELD_DTYPES.items()}
     ref = None
-    if cfg.kl_coef > 0:  # the frozen reference, held in the compute dtype (see _reference_copy)
+    if cfg.kl_coef > 0 and frozen is None:  # the reference, in the compute dtype (see _reference_copy)
         as_compute = lambda x: jax.ShapeDtypeStruct(x.shape, model_cfg.dtype, sharding=x.sharding)
         ref = jax.tree.map(as_compute, params)
-    acc = spec_of(*fns.acc_layout(params, ref, mb, scalar))
+    acc = spec_of(*fns.acc_layout(params, ref, frozen, mb, scalar))
     recompute = reads_prox(cfg.loss) and cfg.prox_mode == "recompute" and cfg.minibatches > 1
     prox = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=fns.batch_sharding) if recompute else None
-    state = TrainState(params, opt_state, scalar, scalar, scalar, ref, cfg, model_cfg, mesh)
+    state = TrainState(params, opt_state, scalar, scalar, scalar, ref, frozen, cfg, model_cfg, mesh)
     per_device = lambda tree: sum(
         int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in jax.tree.leaves(tree)
     )
     return {
         "state": state,
-        "accumulate": fns.accumulate.trace(params, ref, acc, mb, prox, scalar),
+        "accumulate": fns.accumulate.trace(params, ref, frozen, acc, mb, prox, scalar),
         "apply": fns.apply.trace(state, acc),
-        "logprobs": fns.logprobs.trace(params, mb) if recompute else None,
+        "logprobs": fns.logprobs.trace(params, frozen, mb) if recompute else None,
         "optimizer_state_bytes": per_device(opt_state),
     }
 
@@ -439,9 +460,11 @@ def _device_batch(fns: _Compiled, batch: PackedBatch) -> list[dict]:
 
 
 def _accumulate(fns: _Compiled, state: TrainState, mbs: list, prox: list, prox_version):
-    acc = fns.zero_acc(state.params, state.ref_params, mbs[0], prox_version)
+    acc = fns.zero_acc(state.params, state.ref_params, state.frozen, mbs[0], prox_version)
     for mb, prox_BxT in zip(mbs, prox, strict=True):
-        acc = fns.accumulate(state.params, state.ref_params, acc, mb, prox_BxT, prox_version)
+        acc = fns.accumulate(
+            state.params, state.ref_params, state.frozen, acc, mb, prox_BxT, prox_version
+        )
     return acc
 
 
@@ -471,7 +494,8 @@ def train_step(state: TrainState, batch: PackedBatch) -> tuple[TrainState, dict]
     prox_version = state.version + 0  # a buffer of its own: each update donates the state
     prox = [None] * len(mbs)
     if reads_prox(cfg.loss) and cfg.prox_mode == "recompute" and cfg.minibatches > 1:
-        prox = [fns.logprobs(state.params, mb) for mb in mbs]  # once, before any update of this step
+        # once, before any update of this step
+        prox = [fns.logprobs(state.params, state.frozen, mb) for mb in mbs]
     raw, loss_sum, count, outs = None, 0.0, 0.0, []
     for group in groups:
         acc = _accumulate(fns, state, [mbs[i] for i in group], [prox[i] for i in group], prox_version)
@@ -491,6 +515,8 @@ def train_step(state: TrainState, batch: PackedBatch) -> tuple[TrainState, dict]
         ess_step_min=functools.reduce(jnp.minimum, [o["ess"] for o in outs]),
         version=state.version,
     )
+    if state.frozen is not None:  # LoRA: how far the adapters have moved the policy from the base
+        metrics["adapter_norm"] = optax.tree.norm(state.params)
     return state, metrics
 
 
@@ -507,4 +533,6 @@ def loss_and_grads(state: TrainState, batch: PackedBatch) -> tuple[jax.Array, An
 def compute_logprobs(state: TrainState, batch: PackedBatch) -> np.ndarray:
     """Trainer logprobs [M, R, S] of every target token of a packed batch under the current weights."""
     fns = _compile(state.cfg, state.model_cfg, state.mesh)
-    return np.stack([np.asarray(fns.logprobs(state.params, mb)) for mb in _device_batch(fns, batch)])
+    return np.stack(
+        [np.asarray(fns.logprobs(state.params, state.frozen, mb)) for mb in _device_batch(fns, batch)]
+    )
