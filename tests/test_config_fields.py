@@ -26,13 +26,12 @@ from jaxrl_async.runtime.learner import LearnerConfig
 DIFFERENT_MEANINGS = {
     # How often, each in its own section: config.eval_every, config.checkpoint_every, config.log_every.
     "every": {"EvalSection", "CheckpointSection", "LogSection"},
-    # Each switches its own section on: config.warm_start.enabled, config.trainer.lora.enabled.
-    "enabled": {"WarmStartConfig", "LoraConfig"},
+    # Each switches its own section on: config.warm_start.enabled, config.trainer.lora.enabled,
+    # config.env.enabled (multi-turn episodes).
+    "enabled": {"WarmStartConfig", "LoraConfig", "EnvConfig"},
     # The model's training/prefill attention kernel (model.attention) against the sampler's decode
     # attention over its KV cache (sampler.attention): two code paths, chosen separately.
     "attention": {"ModelSection", "SamplerConfig"},
-    # Whether the run does the supervised warm start against whether it runs multi-turn episodes.
-    "enabled": {"WarmStartConfig", "EnvConfig"},
     # The RL optimizer's learning rate against the supervised warm start's own.
     "lr": {"TrainConfig", "WarmStartConfig"},
     # The run's seed (parameter init, sampling streams) against the data's (order, synthetic problems).
