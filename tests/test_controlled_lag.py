@@ -98,3 +98,9 @@ def test_a_lagged_run_evaluates_the_versions_a_lag_0_run_does_through_the_last(t
     assert sorted(learner) == [0, 1, 2, 4, steps]  # 3 is neither sampled with (lag 2) nor due
     actor = summary["weight_checksums"]["actors"][0]
     assert {int(v): x for v, x in actor.items()} == {int(v): x for v, x in learner.items()}
+    # The drift split in the summary, per lag band: step 1 trains lag-0 tokens, step 2 lag 1, steps 3-5
+    # lag 2 (min(v - 1, k)), each step's tokens all in one band.
+    drift = summary["drift"]
+    assert {b: d["steps"] for b, d in drift.items()} == {"lag0": 1, "lag1": 1, "lag2_3": 3}
+    assert all(d["token_frac"] == pytest.approx(1.0) for d in drift.values())
+    assert abs(drift["lag0"]["log_ratio"]) < 1e-3  # sampled by the weights that score it: mismatch only

@@ -33,6 +33,7 @@ from jaxrl_async.runtime.learner_log import (
     StepClock,
     StepLog,
     completion_values,
+    drift_summary,
     drift_values,
     staleness_values,
     steady_rate,
@@ -442,6 +443,8 @@ class Learner:
             "staleness_mean": mean("staleness/mean"),
             "staleness_max": max((h.get("staleness/max", 0) for h in hist), default=0),
             "token_staleness_mean": mean("staleness/token_mean"),
+            # per lag band: sampler/trainer mismatch (lag0) against staleness (docs/train.md, "Reading drift")
+            "drift": drift_summary(hist),
             **self.log.length_quantiles(),
             "weight_sync_s_mean": mean("perf/weight_sync_s"),
             "train_step_s_mean": mean("perf/train_step_s"),
