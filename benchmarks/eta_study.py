@@ -36,6 +36,12 @@ NAIVE = "ppo"
 COLLAPSE_DROP = 0.10  # final accuracy this far below the start: the cell collapsed
 
 
+# The pre-registered decision rule (docs/results.md, "The lag-8 study"): on the paired gap to sync of the
+# mean held-out expected reward, a staleness-aware arm is level if its 95% interval lies inside
+# +-LEVEL_BAND, worse if it lies below -LEVEL_BAND; naive PPO is worse if its interval excludes 0 below.
+LEVEL_BAND = 0.02
+
+
 # Per-step TensorBoard scalars averaged over a cell's steps: the objectives' diagnostics.
 TB_MEANS = (
     "train/kl_behav",
@@ -47,6 +53,11 @@ TB_MEANS = (
     "train/entropy",
     "train/updates",
     "staleness/token_mean",
+    # the drift split (docs/train.md): current-version tokens (sampler/trainer mismatch) and 8+ stale
+    "drift/log_ratio/lag0",
+    "drift/over_cap_frac/lag0",
+    "drift/log_ratio/lag8_up",
+    "drift/over_cap_frac/lag8_up",
 )
 
 
@@ -112,23 +123,31 @@ def _tb_means(workdir: str) -> dict[str, float]:
 
 
 def read_cell(cell: dict, workdir: str) -> dict:
-    """A cell's evaluations (summary.json, else its TensorBoard events) and diagnostics; an "error" entry
-    when it has neither."""
+    """A cell's evaluations (summary.json, else its TensorBoard events): held-out accuracy (`evals`) and,
+    where the run scored it, expected reward (`expected`), each step -> value; and its diagnostics. An
+    "error" entry when it has neither."""
     path = os.path.join(workdir, "summary.json")
-    evals = {}
+    evals, expected, preempted = {}, {}, False
     if os.path.exists(path):
         with open(path) as f:
-            evals = {int(e["step"]): float(e["accuracy"]) for e in json.load(f).get("evals", [])}
+            summary = json.load(f)
+        rows, preempted = summary.get("evals", []), bool(summary.get("preempted"))
+        evals = {int(e["step"]): float(e["accuracy"]) for e in rows}
+        expected = {int(e["step"]): float(e["expected_reward"]) for e in rows
+                    if e.get("expected_reward") is not None}  # fmt: skip
     else:
         from jaxrl_async.runtime.metrics import read_scalars
 
         try:
-            evals = {int(s): float(a) for s, a in read_scalars(os.path.join(workdir, "tb"))["eval/accuracy"]}
+            scalars = read_scalars(os.path.join(workdir, "tb"))
+            evals = {int(s): float(a) for s, a in scalars["eval/accuracy"]}
+            expected = {int(s): float(a) for s, a in scalars.get("eval/expected_reward", [])}
         except Exception:  # noqa: BLE001 - no events at all
             evals = {}
     if not evals or max(evals) == 0:  # nothing to compare: it stopped before its first evaluation
         return {**cell, "error": f"no evaluation after step 0 in {workdir} (see {workdir}.log)"}
-    return {**cell, "evals": evals, "no_summary": not os.path.exists(path), **_tb_means(workdir)}
+    return {**cell, "evals": evals, "expected": expected, "no_summary": not os.path.exists(path),
+            "preempted": preempted, **_tb_means(workdir)}  # fmt: skip
 
 
 def mean_ci(xs, level: float = 0.95) -> dict:
@@ -146,6 +165,26 @@ def mean_ci(xs, level: float = 0.95) -> dict:
     return {"n": int(n), "mean": m, "lo": m - half, "hi": m + half}
 
 
+def mean_se(xs) -> dict:
+    """Mean and standard error over seeds (None below two values)."""
+    xs = np.asarray([x for x in xs if x is not None], np.float64)
+    if xs.size == 0:
+        return {"n": 0, "mean": None, "se": None}
+    se = float(xs.std(ddof=1) / math.sqrt(xs.size)) if xs.size > 1 else None
+    return {"n": int(xs.size), "mean": float(xs.mean()), "se": se}
+
+
+def verdict(arm: str, gap: dict | None) -> str | None:
+    """The pre-registered call on an arm's paired gap to sync (LEVEL_BAND); None for sync itself."""
+    if arm == SYNC or not gap or gap["lo"] is None:
+        return None
+    if arm == NAIVE:
+        return "worse" if gap["hi"] < 0 else "not shown worse"
+    if -LEVEL_BAND <= gap["lo"] and gap["hi"] <= LEVEL_BAND:
+        return "level"
+    return "worse" if gap["hi"] < -LEVEL_BAND else "unresolved"
+
+
 def run_mean(evals: dict[int, float], upto: int) -> float | None:
     """Mean accuracy over the run: the evaluations after step 0 up to step `upto`."""
     xs = [a for s, a in evals.items() if 0 < s <= upto]
@@ -161,13 +200,26 @@ def _setting(r: dict) -> tuple:
     return (r["lr"], r["lag"], r["max_staleness"])
 
 
-def compare(results: list[dict]) -> dict:
-    """Rows per (lr, lag, max_staleness, arm) with the paired comparisons; see the module docstring."""
-    ok = [r for r in results if "error" not in r]
+def compare(results: list[dict], steps: int | None = None) -> dict:
+    """Rows per (lr, lag, max_staleness, arm) with the paired comparisons; see the module docstring.
+    A cell stopped early (SIGTERM at a deadline: its summary says preempted) or, with `steps`, whose last
+    evaluation is before it, is left out, marked "incomplete", so a partial sweep compares finished cells
+    at the step they all reached.
+
+    Each row also has the expected-reward figures (`er_*`: the pre-registered metric, where every cell of
+    the row scored it), the final evaluation's accuracy and expected reward (mean and standard error over
+    seeds) and the pre-registered `verdict` on the expected reward's gap to sync."""
+    for r in results:
+        if "error" not in r and (r.get("preempted") or (steps is not None and max(r["evals"]) < steps)):
+            r["incomplete"] = True
+    ok = [r for r in results if "error" not in r and not r.get("incomplete")]
     common = min((max(r["evals"]) for r in ok), default=0)
     by = {(_setting(r), r["arm"], r["seed"]): r for r in ok}
     for r in ok:
         r["run_mean"], r["collapsed"] = run_mean(r["evals"], common), collapsed(r["evals"], common)
+        er = r.get("expected") or {}
+        r["er_run_mean"] = run_mean(er, common) if common in er else None
+        r["final_accuracy"], r["final_er"] = r["evals"].get(common), er.get(common)
     rows = []
     for setting, arm in dict.fromkeys((_setting(r), r["arm"]) for r in ok):
         mine = [r for r in ok if _setting(r) == setting and r["arm"] == arm]
@@ -180,14 +232,21 @@ def compare(results: list[dict]) -> dict:
             "gap_to_sync": None if arm == SYNC else mean_ci(_paired(mine, sync, by)),
             "collapses": sum(r["collapsed"] for r in mine),
             **{k: _mean([r.get(k) for r in mine]) for k in TB_MEANS},
+            "er_run_mean": mean_ci([r["er_run_mean"] for r in mine]),
+            "er_vs_naive": None if arm in (NAIVE, SYNC) else mean_ci(_paired(mine, naive, by, "er_run_mean")),
+            "er_gap_to_sync": None if arm == SYNC else mean_ci(_paired(mine, sync, by, "er_run_mean")),
+            "final_accuracy": mean_se([r["final_accuracy"] for r in mine]),
+            "final_er": mean_se([r["final_er"] for r in mine]),
+            "final_er_gap_to_sync": None if arm == SYNC else mean_ci(_paired(mine, sync, by, "final_er")),
         }  # fmt: skip
+        row["verdict"] = verdict(arm, row["er_gap_to_sync"])
         rows.append(row)
     return {"common_eval_step": common, "rows": rows}
 
 
-def _paired(mine: list[dict], keys: list[tuple], by: dict) -> list[float]:
-    """Per seed, this cell's run mean minus that of the cell `keys` names (seeds without one are left out)."""
-    pairs = [(r["run_mean"], by[k]["run_mean"]) for r, k in zip(mine, keys, strict=True) if k in by]
+def _paired(mine: list[dict], keys: list[tuple], by: dict, field: str = "run_mean") -> list[float]:
+    """Per seed, this cell's `field` minus that of the cell `keys` names (seeds without one are left out)."""
+    pairs = [(r[field], by[k][field]) for r, k in zip(mine, keys, strict=True) if k in by]
     return [a - b for a, b in pairs if a is not None and b is not None]
 
 
@@ -218,6 +277,43 @@ def table(report: dict) -> str:
             f"{f(r['train/clip_low_frac'], 4)} / {f(r['train/clip_high_frac'], 4)}", f(r["train/entropy"]),
             f(r["train/updates"], 1), f(r["staleness/token_mean"], 2),
         ]  # fmt: skip
+        lines.append("| " + " | ".join(cols) + " |")
+    return "\n".join(lines) + "\n\n" + preregistered_table(report) + "\n\n" + diagnostics_table(report)
+
+
+def diagnostics_table(report: dict) -> str:
+    """Per row, the means over steps and seeds the pre-registration asks for beside the verdict."""
+    keys = ("train/kl_behav", "train/ess", "train/behav_dropped_frac", "train/offpolicy_masked_frac",
+            "train/clip_low_frac", "train/clip_high_frac", "drift/log_ratio/lag0", "drift/over_cap_frac/lag0",
+            "drift/log_ratio/lag8_up", "drift/over_cap_frac/lag8_up")  # fmt: skip
+    lines = ["| lr | lag / η | arm | " + " | ".join(keys) + " |", "|" + "---|" * (3 + len(keys))]
+    for r in report["rows"]:
+        where = f"max_staleness {r['max_staleness']}" if r["max_staleness"] else f"lag {r['lag']}"
+        vals = ["" if r.get(k) is None else f"{r[k]:.4f}" for k in keys]
+        lines.append("| " + " | ".join([f"{r['lr']:g}", where, r["arm"], *vals]) + " |")
+    return "\n".join(lines)
+
+
+def _se(c: dict) -> str:
+    if c["mean"] is None:
+        return ""
+    return f"{c['mean']:.3f}" + ("" if c["se"] is None else f" ± {c['se']:.3f}")
+
+
+def preregistered_table(report: dict) -> str:
+    """The pre-registered metric per row: mean held-out expected reward over the run, its paired gap to
+    sync (95% t interval) and the verdict; the final evaluation's expected reward and accuracy (mean ±
+    standard error over seeds) beside it."""
+    lines = [f"Pre-registered metric (expected reward, evaluations 1..{report['common_eval_step']}):", "",
+             "| lr | lag / η | arm | seeds | mean ER over run | arm - sync [95% CI] | verdict | "
+             "final ER ± se | final ER - sync [95% CI] | final accuracy ± se |",
+             "|" + "---|" * 10]  # fmt: skip
+    for r in report["rows"]:
+        where = f"max_staleness {r['max_staleness']}" if r["max_staleness"] else f"lag {r['lag']}"
+        m = r["er_run_mean"]["mean"]
+        cols = [f"{r['lr']:g}", where, r["arm"], str(r["seeds"]), "" if m is None else f"{m:.4f}",
+                _ci(r["er_gap_to_sync"]), r["verdict"] or "", _se(r["final_er"]),
+                _ci(r["final_er_gap_to_sync"]), _se(r["final_accuracy"])]  # fmt: skip
         lines.append("| " + " | ".join(cols) + " |")
     return "\n".join(lines)
 

@@ -115,3 +115,40 @@ def test_report_gives_paired_differences_gaps_to_sync_and_collapses(tmp_path):
     assert rows[0, "sync"]["gap_to_sync"] is None and m2po["collapses"] == 0
     assert (tmp_path / "eta_sweep.png").stat().st_size > 10_000
     assert "| 0.0001 | lag 8 | m2po | 2 | 0.525 | +0.225 [" in res.stdout
+
+
+def test_verdict_follows_the_preregistered_rule():
+    ci = lambda lo, hi: {"n": 12, "mean": (lo + hi) / 2, "lo": lo, "hi": hi}
+    v = eta_study.verdict
+    assert v("decoupled_mask", ci(-0.019, 0.015)) == "level"
+    assert v("decoupled_mask", ci(-0.021, 0.015)) == "unresolved"  # reaches past -2 points
+    assert v("robust", ci(-0.06, -0.021)) == "worse"
+    assert v("robust", ci(-0.06, -0.01)) == "unresolved"
+    assert v("ppo", ci(-0.05, -0.001)) == "worse" and v("ppo", ci(-0.05, 0.001)) == "not shown worse"
+    assert v("sync", None) is None and v("ppo", {"n": 1, "mean": 0.0, "lo": None, "hi": None}) is None
+
+
+def test_expected_reward_figures_leave_out_incomplete_cells():
+    """The pre-registered metric is the expected reward's run mean, paired with sync within a seed; a cell
+    stopped at a deadline (last evaluation before --steps) is left out rather than shortening every cell's
+    comparison window."""
+    cell = lambda arm, lag, seed, er, last=20: {
+        "lr": 1e-4, "lag": lag, "max_staleness": 0, "arm": arm, "seed": seed, "name": f"{arm}{seed}",
+        "evals": {0: 0.3, 10: 0.5, last: 0.6}, "expected": {0: 0.2, 10: er[0], last: er[1]},
+    }  # fmt: skip
+    results = [cell("sync", 0, 0, (0.40, 0.50)), cell("sync", 0, 1, (0.30, 0.40)),
+               cell("decoupled_mask", 8, 0, (0.39, 0.50)), cell("decoupled_mask", 8, 1, (0.30, 0.38)),
+               cell("decoupled_mask", 8, 2, (0.1, 0.1), last=15)]  # fmt: skip
+    report = eta_study.compare(results, steps=20)
+    assert report["common_eval_step"] == 20 and results[-1]["incomplete"]
+    rows = {r["arm"]: r for r in report["rows"]}
+    dm = rows["decoupled_mask"]
+    assert dm["seeds"] == 2
+    # run means: sync 0.45, 0.35; decoupled 0.445, 0.34 -> gaps -0.005, -0.01
+    assert dm["er_gap_to_sync"]["mean"] == pytest.approx(-0.0075)
+    assert dm["final_er"]["mean"] == pytest.approx(0.44) and dm["final_er"]["se"] == pytest.approx(0.06)
+    assert dm["final_accuracy"]["mean"] == pytest.approx(0.6)
+    assert dm["verdict"] == eta_study.verdict("decoupled_mask", dm["er_gap_to_sync"])
+    assert rows["sync"]["er_run_mean"]["mean"] == pytest.approx(0.40) and rows["sync"]["verdict"] is None
+    table = eta_study.preregistered_table(report)
+    assert "| 0.0001 | lag 8 | decoupled_mask | 2 | 0.3925 | -0.008 [" in table

@@ -466,7 +466,9 @@ def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
         s_mesh = sampler_mesh(run, cluster)
         sync = WeightSync(model_cfg, s_mesh, dtype=sampler_dtype(model_cfg))
         publisher = local_weights = LocalWeights(sync, run.verify_weights)
-    publisher = lagged(publisher, run.trainer.controlled_lag, run.schedule.total_steps)  # samplers get v - k
+    # samplers get v - k; at the end the due versions they skipped are evaluated (runtime/lag.py)
+    last = run.schedule.total_steps
+    publisher = lagged(publisher, run.trainer.controlled_lag, last, due=lambda v: run.eval.due(v, last))
     core = TrainerCore(state, run.trainer, publisher, ckpts)
     if not lead:
         proc.follower = Follower(core, transport, cluster.process_id)

@@ -26,6 +26,7 @@ from jaxrl_async.model import attention
 from jaxrl_async.rollouts import GroupFilter, NonFiniteSteps, Rollout, RolloutQueue, staleness_stats
 from jaxrl_async.run_config import CheckpointSection, LogSection, Schedule
 from jaxrl_async.runtime.cluster import Roles
+from jaxrl_async.runtime.lag import publish_all
 from jaxrl_async.runtime.learner_log import (
     SUMMARY_KEYS,
     ActorReports,
@@ -33,6 +34,7 @@ from jaxrl_async.runtime.learner_log import (
     StepClock,
     StepLog,
     completion_values,
+    drift_summary,
     drift_values,
     staleness_values,
     steady_rate,
@@ -120,6 +122,12 @@ class TrainerCore:
     def publish(self):
         """Offers the current weights to the actors; returns the `NewWeights` message."""
         return self.publisher.publish(self.version, self.state.params)
+
+    def publish_all(self):
+        """The `NewWeights` messages for the current version, in order: one, none, or (a controlled-lag
+        run's last version, runtime/lag.py) the due versions the samplers skipped, then the last. Lazy:
+        send each before taking the next. Every trainer process takes them all, in the same order."""
+        return publish_all(self.publisher, self.version, self.state.params)
 
     def save(self, coordinator_state: dict, metrics: dict | None = None, wait: bool = False) -> float:
         """Checkpoints the current version; returns the seconds the caller was held (see RunCheckpoints)."""
@@ -305,14 +313,16 @@ class Learner:
             )  # fmt: skip
 
     def _publish(self) -> float:
-        message = self.core.publish()
-        if message is None:  # controlled lag (runtime/lag.py): the lagged version was already sent
-            return 0.0
-        if message.checksum is not None:
-            self.checksums[message.version] = message.checksum
-        for a in range(self.cfg.actors):
-            self.transport.send(f"actor:{a}", message)
-        return self.core.publisher.last_seconds
+        """Sends this version's messages (none when a controlled lag's version was already sent, several
+        at a lagged run's end: runtime/lag.py); returns the seconds their publishing took."""
+        seconds = 0.0
+        for message in self.core.publish_all():
+            if message.checksum is not None:
+                self.checksums[message.version] = message.checksum
+            for a in range(self.cfg.actors):
+                self.transport.send(f"actor:{a}", message)
+            seconds += self.core.publisher.last_seconds
+        return seconds
 
     def save(self, final: bool = False) -> None:
         """Checkpoints the train state with the coordinator's state, on every trainer process, with the
@@ -444,6 +454,8 @@ class Learner:
             "staleness_mean": mean("staleness/mean"),
             "staleness_max": max((h.get("staleness/max", 0) for h in hist), default=0),
             "token_staleness_mean": mean("staleness/token_mean"),
+            # per lag band: sampler/trainer mismatch (lag0) against staleness (docs/train.md, "Reading drift")
+            "drift": drift_summary(hist),
             **self.log.length_quantiles(),
             "weight_sync_s_mean": mean("perf/weight_sync_s"),
             "train_step_s_mean": mean("perf/train_step_s"),
@@ -478,7 +490,8 @@ class Follower:
         self.core, self.transport = core, transport
         self.endpoint = f"trainer:{process_id}"
         self.done = False
-        core.publish()  # the starting version, as the lead does
+        for _ in core.publish_all():  # the starting version, as the lead does
+            pass
 
     def describe(self) -> str:
         return f"{self.endpoint}: version {self.core.version}"
@@ -490,7 +503,8 @@ class Follower:
                 metrics, _ = self.core.dispatch(m.groups)
                 jax.block_until_ready(metrics)
                 if self.core.version == m.version:  # at least one update applied: a new version
-                    self.core.publish()
+                    for _ in self.core.publish_all():  # the lead's publishes, in its order
+                        pass
             elif isinstance(m, SaveCheckpoint):
                 self.core.save(m.coordinator_state or {}, m.metrics, m.wait)
             elif isinstance(m, Stop):

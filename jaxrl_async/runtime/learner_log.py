@@ -75,6 +75,21 @@ def drift_values(metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def drift_summary(history: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """The run's drift split for summary.json: per lag band that had tokens in some step, the mean over
+    those steps of each `drift_values` figure, and how many steps had the band. A mean of step means (every
+    step weighs alike: the steps of a run train similar token counts), so a band's figure is not
+    dominated by the steps where it was largest in tokens."""
+    out: dict[str, dict[str, float]] = {}
+    for name, _, _ in DRIFT_BANDS:
+        steps = [h for h in history if f"drift/token_frac/{name}" in h]
+        if steps:
+            out[name] = {k: float(np.mean([h[f"drift/{k}/{name}"] for h in steps]))
+                         for k in ("log_ratio", "over_cap_frac", "token_frac")}  # fmt: skip
+            out[name]["steps"] = len(steps)
+    return out
+
+
 def staleness_values(st: dict[str, Any], dropped_groups: int) -> dict[str, float]:
     """`rollouts.staleness_stats` of a batch as TensorBoard values."""
     return {
