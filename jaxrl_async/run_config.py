@@ -40,6 +40,7 @@ TASK_REWARD = {
     "countdown": "countdown",
     "shift": "shift",
     "letter_range": "letter_range",
+    "calc_tool": "calc_tool",
     "gsm8k": "math",
     "math": "math",
     "jsonl": "math",
