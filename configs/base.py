@@ -1,14 +1,16 @@
 """Defaults shared by every run; configs/*.py import this and override.
 
-Component sections (data, reward, sampler, trainer, warm_start) are built from the components' own
+Component sections (data, reward, sampler, trainer, warm_start, env) are built from the components' own
 frozen dataclasses, whose docstrings document each field: jaxrl_async.data.DataConfig,
 jaxrl_async.rewards.RewardConfig, jaxrl_async.sampler.SamplerConfig, jaxrl_async.trainer.TrainConfig,
-jaxrl_async.trainer.warmstart.WarmStartConfig. Override any field with --config.<section>.<field>=value.
+jaxrl_async.trainer.warmstart.WarmStartConfig, jaxrl_async.envs.EnvConfig. Override any field with
+--config.<section>.<field>=value.
 """
 
 import ml_collections
 
 from jaxrl_async.data import DataConfig
+from jaxrl_async.envs import EnvConfig
 from jaxrl_async.rewards import RewardConfig
 from jaxrl_async.run_config import MeshConfig, ModelSection, dataclass_section
 from jaxrl_async.sampler import SamplerConfig
@@ -72,4 +74,7 @@ def get_config() -> ml_collections.ConfigDict:
     # is not set here: it is the sampler's (config.sampler.temperature).
     c.trainer = dataclass_section(TrainConfig, total_steps=0)
     c.warm_start = dataclass_section(WarmStartConfig, enabled=False)
+    # Multi-turn episodes with tool calls (jaxrl_async.envs.EnvConfig; docs/environments.md): off = one
+    # completion per sample, as every run before; env.enabled=True runs each sample as an episode.
+    c.env = dataclass_section(EnvConfig)
     return c

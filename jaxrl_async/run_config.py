@@ -18,6 +18,7 @@ from ml_collections import config_dict
 
 from jaxrl_async import storage
 from jaxrl_async.data import DataConfig
+from jaxrl_async.envs.config import EnvConfig
 from jaxrl_async.model.config import ATTENTION, DTYPES
 from jaxrl_async.rewards import RewardConfig
 from jaxrl_async.sampler import SamplerConfig
@@ -30,6 +31,7 @@ SECTIONS = {
     "sampler": SamplerConfig,
     "trainer": TrainConfig,
     "warm_start": WarmStartConfig,
+    "env": EnvConfig,
 }
 MODES = ("async", "sync")
 EVAL_WEIGHTS = ("own", "shared")  # config.eval_weights (configs/base.py)
@@ -323,6 +325,7 @@ class RunConfig:
     sampler: SamplerConfig
     trainer: TrainConfig
     warm_start: WarmStartConfig
+    env: EnvConfig
 
 
 def memory_sections(c: dict[str, Any]) -> dict[str, Any]:
@@ -443,11 +446,13 @@ def _check_trainer_schedule(run: RunConfig, num_devices: int | None) -> None:
 
 def _check_sequence_fits(run: RunConfig, num_devices: int | None) -> None:
     smp = run.sampler
-    longest = smp.max_prompt_len + smp.max_new_tokens
+    after = ("config.env.max_episode_tokens", run.env.max_episode_tokens) if run.env.enabled else \
+        ("max_new_tokens", smp.max_new_tokens)  # fmt: skip
+    longest = smp.max_prompt_len + after[1]
     if run.trainer.token_budget < longest:
         raise ConfigError(
             f"config.trainer.token_budget={run.trainer.token_budget}: a packed row must hold the longest "
-            f"sequence, config.sampler.max_prompt_len + max_new_tokens = {longest}"
+            f"sequence, config.sampler.max_prompt_len + {after[0]} = {longest}"
         )
     if run.reward.overlong_buffer > smp.max_new_tokens:
         raise ConfigError(
@@ -456,12 +461,61 @@ def _check_sequence_fits(run: RunConfig, num_devices: int | None) -> None:
         )
 
 
+def _check_env(run: RunConfig, num_devices: int | None) -> None:
+    """Multi-turn episodes (config.env): refused where the run would not honour a field."""
+    env, smp = run.env, run.sampler
+    if not env.enabled:
+        default = EnvConfig()
+        for f in dataclasses.fields(EnvConfig):
+            if getattr(env, f.name) != getattr(default, f.name):
+                raise ConfigError(f"config.env.{f.name}: has no effect with config.env.enabled=False "
+                                  "(single-turn completions)")  # fmt: skip
+        return
+    from jaxrl_async.envs import load_environment
+    from jaxrl_async.envs.tools import registered_tools
+
+    if env.environment:  # first: its module may register the tools it names
+        try:
+            load_environment(env.environment)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    unknown = [t for t in env.tools if t not in registered_tools()]
+    if unknown:
+        known = registered_tools()
+        raise ConfigError(
+            f"config.env.tools: {unknown} not registered; registered: {known} (a custom tool registers when "
+            "the module of config.env.environment is imported)"
+        )
+    for name in smp.cpu_kernels:  # extend (the observation's prefill) runs on XLA's slotted or paged cache
+        raise ConfigError(
+            f"config.sampler.{name}='cpu_kernel': multi-turn episodes (config.env.enabled) append "
+            "observations with XLA ops on unpacked weights; use 'xla' or 'auto'"
+        )
+    # The longest sequence a slot holds: the slotted cache's slot length, the paged cache's max_seq_len.
+    # "auto" is the slotted cache on CPU; where it turns out paged (an accelerator) the actor's build checks
+    # again (runtime/episodes.py, `episode_kernels`).
+    capacity = smp.max_seq_len if smp.attention == "paged_kernel" else smp.slot_len
+    if smp.max_prompt_len + env.max_episode_tokens > capacity:
+        raise ConfigError(
+            f"config.env.max_episode_tokens={env.max_episode_tokens}: config.sampler.max_prompt_len="
+            f"{smp.max_prompt_len} + the episode's tokens exceed the {capacity} tokens a sampler slot holds "
+            "(raise config.sampler.token_budget for the slotted cache, or max_new_tokens)"
+        )
+    if run.reward.overlong_buffer:
+        raise ConfigError("config.reward.overlong_buffer: the overlong shaping grades one completion's "
+                          "length; multi-turn episodes (config.env.enabled) need 0")  # fmt: skip
+    if run.length_caps:
+        raise ConfigError("config.length_caps: per-prompt generation caps are for single-turn completions; "
+                          "multi-turn episodes (config.env.enabled) bound turns with config.env")  # fmt: skip
+
+
 CROSS_CHECKS = (
     _check_data_files,
     _check_device_count,
     _check_cpu_kernels,
     _check_length_caps,
     _check_trainer_schedule,
+    _check_env,
     _check_sequence_fits,
 )
 

@@ -29,6 +29,8 @@ DIFFERENT_MEANINGS = {
     # The model's training/prefill attention kernel (model.attention) against the sampler's decode
     # attention over its KV cache (sampler.attention): two code paths, chosen separately.
     "attention": {"ModelSection", "SamplerConfig"},
+    # Whether the run does the supervised warm start against whether it runs multi-turn episodes.
+    "enabled": {"WarmStartConfig", "EnvConfig"},
     # The RL optimizer's learning rate against the supervised warm start's own.
     "lr": {"TrainConfig", "WarmStartConfig"},
     # The run's seed (parameter init, sampling streams) against the data's (order, synthetic problems).
@@ -82,7 +84,7 @@ def test_the_scan_reaches_every_section_and_component():
     names = {c.__name__ for c in _config_classes()}
     assert {"RunConfig", "Schedule", "EvalSection", "CheckpointSection", "LogSection", "ModelSection",
             "MeshConfig", "DataConfig", "RewardConfig", "SamplerConfig", "TrainConfig", "WarmStartConfig",
-            "ActorConfig", "LearnerConfig", "Roles"} <= names  # fmt: skip
+            "ActorConfig", "LearnerConfig", "Roles", "EnvConfig"} <= names  # fmt: skip
 
 
 def test_the_scan_sees_a_field_declared_twice():

@@ -3,7 +3,16 @@ token-exact training data (docs/environments.md)."""
 
 from jaxrl_async.envs.calls import FORMATS, Malformed, ToolCall, get_format
 from jaxrl_async.envs.config import EnvConfig
-from jaxrl_async.envs.env import Encoder, EnvFactory, Environment, StepResult, ToolEnv, tool_env_factory
+from jaxrl_async.envs.env import (
+    Encoder,
+    EnvFactory,
+    Environment,
+    StepResult,
+    ToolEnv,
+    load_environment,
+    make_env_factory,
+    tool_env_factory,
+)
 from jaxrl_async.envs.episode import Episode, observe, run_episode
 from jaxrl_async.envs.executor import ToolExecutor, ToolOutcome, ToolStats
 from jaxrl_async.envs.tools import ToolError, calculator, get_tool, register_tool, registered_tools
@@ -26,6 +35,8 @@ __all__ = [
     "calculator",
     "get_format",
     "get_tool",
+    "load_environment",
+    "make_env_factory",
     "observe",
     "register_tool",
     "registered_tools",

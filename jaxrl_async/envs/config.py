@@ -17,6 +17,13 @@ class EnvConfig:
     """Multi-turn episode settings.
 
     Attributes:
+      enabled: a run (config.env) runs multi-turn episodes: each granted prompt's G samples are episodes
+        on the sampler, parked while their environment answers. False = single-turn completions, and
+        every other field must keep its default (a run refuses settings it would not read). The library
+        pieces (driver, ToolEnv) do not read it.
+      environment: "" = `ToolEnv` over `tools`; else "package.module:function" naming a factory
+        `function(cfg, tokenizer, executor) -> (row -> environment)` (`env.make_env_factory`): the run
+        imports it on the actor's host, `executor` is the run's `ToolExecutor` over `tools`.
       tools: names of the registered tools the model may call (`tools.get_tool`); () = no tools.
       tool_format: how a turn calls a tool and how the answer comes back (`calls.FORMATS`): "tags"
         (`<tool name=NAME>ARGS</tool>`, answered `<result>TEXT</result>`) or "json"
@@ -34,6 +41,8 @@ class EnvConfig:
         episode ends with reward 0 at the first tool error).
     """
 
+    enabled: bool = False
+    environment: str = ""
     tools: tuple[str, ...] = ()
     tool_format: str = "tags"
     max_turns: int = 4
@@ -60,6 +69,11 @@ class EnvConfig:
             )
         if not self.tool_timeout_s > 0:
             raise ValueError(f"config.env.tool_timeout_s must be > 0, got {self.tool_timeout_s!r}")
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"config.env.enabled must be True or False, got {self.enabled!r}")
+        if not isinstance(self.environment, str) or (self.environment and ":" not in self.environment):
+            got = self.environment
+            raise ValueError(f'config.env.environment must be "" or "package.module:function", got {got!r}')
         if len(set(self.tools)) != len(self.tools):
             raise ValueError(f"config.env.tools lists a tool twice: {self.tools}")
         if self.max_observation_tokens > self.max_episode_tokens:

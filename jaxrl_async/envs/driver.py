@@ -78,6 +78,18 @@ class EpisodeDriver:
                     finished.append(run.episode)
         return finished
 
+    @property
+    def waiting(self) -> bool:
+        """Some environment is still answering a turn (its episode's slot stays parked until it does)."""
+        return any(r.future is not None for r in self._running.values())
+
+    def wait(self, timeout_s: float) -> None:
+        """Blocks until an environment answers or `timeout_s` passes (a caller with nothing to decode
+        sleeps here instead of spinning)."""
+        pending = [r.future for r in self._running.values() if r.future is not None]
+        if pending:
+            concurrent.futures.wait(pending, timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
+
     def run(self) -> list[Episode]:
         """Steps until every episode added so far has ended."""
         out = []

@@ -21,6 +21,7 @@ tokens per step, episode tokens); `ToolEnv` adds tool calls and their limits.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -165,4 +166,32 @@ def tool_env_factory(cfg: EnvConfig, tokenizer, reward_fn: Callable, stats: Tool
     return (lambda row: ToolEnv(row, cfg, tokenizer, executor, reward_fn)), executor
 
 
-__all__ = ["Encoder", "EnvFactory", "Environment", "StepResult", "ToolCall", "ToolEnv", "tool_env_factory"]
+def load_environment(spec: str) -> Callable:
+    """The factory maker "package.module:function" names (`EnvConfig.environment`).
+
+    Raises:
+      ValueError: the module cannot be imported or has no such callable (the message names both).
+    """
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"config.env.environment={spec!r}: cannot import {module_name!r} ({e})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"config.env.environment={spec!r}: {module_name!r} has no callable {attr!r}")
+    return fn
+
+
+def make_env_factory(cfg: EnvConfig, tokenizer, reward_fn: Callable, stats: ToolStats | None = None):
+    """(factory row -> environment, the shared executor) for `cfg`: `tool_env_factory`'s ToolEnv, or the
+    user's environment (`cfg.environment`), whose maker gets the executor so that its tool calls are
+    bounded and counted like ToolEnv's."""
+    factory, executor = tool_env_factory(cfg, tokenizer, reward_fn, stats)
+    if cfg.environment:
+        factory = load_environment(cfg.environment)(cfg, tokenizer, executor)
+    return factory, executor
+
+
+__all__ = ["Encoder", "EnvFactory", "Environment", "StepResult", "ToolCall", "ToolEnv", "load_environment",
+           "make_env_factory", "tool_env_factory"]  # fmt: skip

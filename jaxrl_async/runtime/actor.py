@@ -11,12 +11,15 @@ messages, and a version in transit lands on the sampler's devices while it decod
 (it waits for a version only when it has nothing else to do).
 
 Its parts: `tickets.TicketBook` (prompts asked for and granted), `rollout_groups.GroupAssembly`
-(completions to graded groups), `arrivals.Arrivals` (versions in transit) and the `EvalSchedule`.
+(completions to graded groups), `arrivals.Arrivals` (versions in transit) and the `EvalSchedule`. With
+config.env enabled, `episodes.EpisodeRunner` runs each granted prompt's samples as multi-turn episodes and
+its step replaces the loop's (and evaluations are greedy episodes); everything else is the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -24,7 +27,9 @@ from collections.abc import Callable
 from jaxrl_async.run_config import RunConfig
 from jaxrl_async.runtime.arrivals import Arrivals
 from jaxrl_async.runtime.cluster import Roles
+from jaxrl_async.runtime.episodes import EpisodeEvaluation, EpisodeRunner
 from jaxrl_async.runtime.eval_schedule import EvalSchedule
+from jaxrl_async.runtime.evaluation import Evaluation
 from jaxrl_async.runtime.expected_reward import scorer
 from jaxrl_async.runtime.messages import (
     ActorStats,
@@ -101,10 +106,15 @@ class Actor:
         send = lambda m: transport.send("learner", m)  # noqa: E731
         # The exact expected reward needs the version's whole weights in this process: not in a replica
         # that spans processes (its forward pass would need every member).
-        score = None if members else scorer(run.reward.reward, engine.cfg, engine.model_cfg, eval_prompts,
-                                            tokenizer)  # fmt: skip
+        # Multi-turn episodes (config.env): the runner owns the loop's stepping; evaluations are episodes.
+        self.episodes = EpisodeRunner(run.env, self.loop, tokenizer) if run.env.enabled else None
+        # Nor for episodes: their accuracy depends on what the tools answer, which no forward pass scores.
+        exact = not members and self.episodes is None
+        score = scorer(run.reward.reward, engine.cfg, engine.model_cfg, eval_prompts, tokenizer) if exact \
+            else None  # fmt: skip
+        evaluation = functools.partial(EpisodeEvaluation, run.env) if self.episodes else Evaluation
         self.eval_schedule = EvalSchedule(run.eval, run.schedule.total_steps, eval_engine, rewards, tokenizer,
-                                          eval_prompts, send, self._tell, score)  # fmt: skip
+                                          eval_prompts, send, self._tell, score, evaluation)  # fmt: skip
         self.version: int | None = None  # the policy version in use (None until the first arrives)
         self.done = False  # Stop arrived (the final report is sent)
         self.idle_s = 0.0
@@ -154,13 +164,22 @@ class Actor:
             self.eval_schedule.sample_calls_during += 1
         if self.members is not None:  # the members run this round's calls with this process
             self.members.step(evaluate=self.eval_schedule.running is not None)
-        completions = self.loop.step(self._admit_none)
-        active = bool(completions) or not self.loop.idle
-        self.groups.submit(completions)
-        active = self.eval_schedule.step() or active
+        if self.episodes is None:
+            completions = self.loop.step(self._admit_none)
+            active = bool(completions) or not self.loop.idle
+            self.groups.submit(completions)
+        else:
+            finished = self.episodes.step()
+            active = bool(finished) or not self.loop.idle
+            self.groups.submit_episodes(finished)
+        active = self.eval_schedule.step(self.version) or active
         if not active and self.arrivals:  # nothing to decode: wait for the version on its way
             self._take_arrived(block=True)
             active = True
+        elif not active and self.episodes is not None and self.episodes.waiting:
+            # Only environments are answering: sleep until one does (the sampler's idle time: what the
+            # async schedule should hide behind other episodes' turns).
+            self.episodes.wait(0.005)
         elif not active and self.groups.pending:  # only rewards in flight: sleep until one lands
             self.rewards.wait(0.005)
         self._collect()
@@ -181,6 +200,9 @@ class Actor:
 
     def _start(self, tickets: Tickets) -> None:
         for request in self.tickets.grant(tickets):
+            if self.episodes is not None:
+                self.episodes.add(request)
+                continue
             self.loop.add_request(request)
             if self.members is not None:
                 self.members.queue(request)
@@ -216,7 +238,8 @@ class Actor:
                 self.groups.add(res)
 
     def _drained(self) -> bool:
-        return self.tickets.exhausted and self.loop.idle and not self.groups.pending
+        episodes = self.episodes is not None and self.episodes.in_flight  # parked slots leave the loop idle
+        return self.tickets.exhausted and self.loop.idle and not self.groups.pending and not episodes
 
     def _send(self) -> None:
         if self.tickets.report_due(bool(self.groups.ready), self._drained()):
@@ -231,7 +254,9 @@ class Actor:
             f"{self.endpoint}: version {self.version}, {self.loop.num_live} live / "
             f"{self.loop.free_slots} free slots, {t.queued(self.loop.stats.requests_admitted)} prompts "
             f"queued, {t.asked} asked, {len(g.pending)} rewards pending, {len(g.partial)} partial groups, "
-            f"{g.groups_sent} groups sent" + (", data exhausted" if t.exhausted else "")
+            f"{g.groups_sent} groups sent"
+            + (f", {self.episodes.in_flight} episodes in flight" if self.episodes is not None else "")
+            + (", data exhausted" if t.exhausted else "")
         )
 
     def stats(self, final: bool = False) -> ActorStats:
@@ -253,6 +278,7 @@ class Actor:
             checksums=dict(self.arrivals.checksums),
             reward_stats=self.rewards.stats() if final else None,
             wall_s=now - self._started,
+            env=None if self.episodes is None else self.episodes.stats(),
         )
 
     def _final_stats(self) -> ActorStats:

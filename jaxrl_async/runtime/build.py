@@ -37,6 +37,7 @@ from jaxrl_async.runtime.cluster import (
     devices_per_process,
 )
 from jaxrl_async.runtime.coordinator import Coordinator
+from jaxrl_async.runtime.episodes import episode_kernels
 from jaxrl_async.runtime.evaluation import eval_sampler_config, evaluate_accuracy
 from jaxrl_async.runtime.lag import lagged
 from jaxrl_async.runtime.learner import Follower, Learner, LearnerConfig, TrainerCore
@@ -74,6 +75,13 @@ def validate_for(config, cluster) -> RunConfig:
         check_placement(run.mesh, cluster.roles, devices_per_process(jax.devices()))
     except ClusterError as e:
         raise ConfigError(str(e)) from None
+    spanning = [r for r in cluster.roles.replicas if len(r) > 1]
+    if run.env.enabled and spanning:  # replica.py: members do not mirror parked slots and observations
+        raise ConfigError(
+            f"config.env.enabled: multi-turn episodes do not run on a sampler replica that spans processes "
+            f"(processes {list(spanning[0])} hold one config.mesh.sampler={run.mesh.sampler}); give each "
+            "replica the devices of one process"
+        )
     return run
 
 
@@ -173,6 +181,8 @@ def build_engines(run: RunConfig, model_cfg: ModelConfig, mesh, sampler_cfg: Sam
     evaluation runs beside sampling with the version it evaluates, runtime/evaluation.py), or shares the
     sampler's with config.eval_weights="shared". `compile_fn`: see `Engine`."""
     weights_cfg = model_cfg.compute_copy()
+    if run.env.enabled:  # observations are appended by XLA ops: no "auto" CPU kernel (episodes.py)
+        sampler_cfg = episode_kernels(sampler_cfg, model_cfg, mesh, run.env.max_episode_tokens)
     # Built before the first version arrives: "auto" kernels are timed on random weights (sampler/engine.py).
     engine = Engine(weights_cfg, None, mesh, sampler_cfg, compile_fn=compile_fn, time_kernels=True)
     eval_cfg = eval_sampler_config(engine.cfg, mesh.shape["data"], run.eval.slots)  # the kernels it chose
@@ -524,6 +534,8 @@ def _build_actor(proc, run, cluster, transport, tokenizer, model_cfg, scfg, t_me
         proc.closers.append(members.close)
     proc.actor = Actor(acfg, engine, eval_engine, rewards, tokenizer, eval_prompts, transport, weights, caps,
                        members, executables if own else None)  # fmt: skip
+    if proc.actor.episodes is not None:
+        proc.closers.append(proc.actor.episodes.close)
     proc.roles.insert(0, proc.actor)
 
 

@@ -212,7 +212,7 @@ SCHEMAS: dict[type, dict[str, _Spec]] = {
                    "eval_spans": _Seq("l", _Tuple(INT, FLOAT, FLOAT)), "evals_skipped": IDS,
                    "sample_calls_during_eval": INT, "reward_errors": INT, "drained": BOOL,
                    "checksums": DICT, "reward_stats": _Optional(DICT), "replica": _Optional(DICT),
-                   "executables": _Optional(DICT), "wall_s": FLOAT},
+                   "executables": _Optional(DICT), "wall_s": FLOAT, "env": _Optional(DICT)},
     m.Rollouts: {"actor": INT, "groups": GROUPS, "stats": _Object(m.ActorStats)},
     m.NewWeights: {"version": INT, "params": _Scalar(type(None), name="None (weights are pulled)"),
                    "checksum": _Optional(FLOAT)},

@@ -37,8 +37,9 @@ class EvalSchedule:
 
     def __init__(self, cfg: EvalSection, last_version: int, engine, rewards, tokenizer, prompts,
                  send: Callable[[EvalResult], None], tell: Callable[[Any], None],
-                 scorer: Callable | None = None):  # fmt: skip
+                 scorer: Callable | None = None, evaluation: Callable = Evaluation):  # fmt: skip
         self.cfg, self.last_version, self.scorer = cfg, last_version, scorer
+        self._evaluation = evaluation
         self._expected = None  # the running evaluation's expected reward (ExpectedReward), if scored
         self.engine, self.rewards, self.tokenizer, self.prompts = engine, rewards, tokenizer, prompts
         self._send, self._tell = send, tell
@@ -72,8 +73,8 @@ class EvalSchedule:
             scored = self.scorer is not None and params is not None
             self._expected = self.scorer(params) if scored else None
             self._tell(MemberEvaluate(version, own_weights=params is not None))
-            self.running = Evaluation(self.engine, self.rewards, self.tokenizer, self.prompts, params,
-                                      version)  # fmt: skip
+            self.running = self._evaluation(self.engine, self.rewards, self.tokenizer, self.prompts, params,
+                                            version)  # fmt: skip
             self._began = time.monotonic()
             if self.running.done:  # no held-out prompts: nothing to wait for
                 self._finish(sampling_version)
@@ -84,11 +85,14 @@ class EvalSchedule:
                         "its weights; raise config.eval_every or lower config.eval_prompts)",
                         [v for v, _ in self._waiting], self.running.version)  # fmt: skip
 
-    def step(self) -> bool:
-        """The running evaluation's generate call for this round; False if none runs."""
+    def step(self, sampling_version: int | None = None) -> bool:
+        """The running evaluation's generate call for this round; False if none runs. An evaluation can
+        finish here when its last prompts needed no grading (an episode that ended without an answer)."""
         if self.running is None:
             return False
         self.running.step()
+        if self.running.done:
+            self._finish(sampling_version)
         return True
 
     def take(self, request_id, reward: float, sampling_version: int | None) -> bool:
@@ -103,6 +107,7 @@ class EvalSchedule:
 
     def _finish(self, sampling_version: int | None) -> None:
         ev, self.running = self.running, None
+        ev.close()
         seconds = time.perf_counter() - ev.started
         if self.cfg.shares_weights and sampling_version != ev.version:
             log.info("the evaluation of version %d decoded with versions %d..%d (config.eval_weights="

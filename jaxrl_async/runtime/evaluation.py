@@ -88,6 +88,9 @@ class Evaluation:
     def done(self) -> bool:
         return self.graded == self.total
 
+    def close(self) -> None:
+        """Releases what the evaluation holds beside the engine (nothing here; episodes: their threads)."""
+
     @property
     def accuracy(self) -> float:
         """The weighted fraction of prompts right (the plain fraction when every weight is 1)."""

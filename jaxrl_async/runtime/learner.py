@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl_async.envs.metrics import rollout_values, tool_values
 from jaxrl_async.model import attention
 from jaxrl_async.rollouts import GroupFilter, NonFiniteSteps, Rollout, RolloutQueue, staleness_stats
 from jaxrl_async.run_config import CheckpointSection, LogSection, Schedule
@@ -397,6 +398,8 @@ class Learner:
             **staleness_values(st, self.queue.dropped_groups),
             **self.filter.step_values(),
             **completion_values(groups),
+            **rollout_values([r for g in groups for r in g]),  # multi-turn episodes only (env/)
+            **tool_values([s.env for s in self.reports.latest.values() if s.env is not None]),
             **self.log.rates(elapsed, totals),
             "perf/slot_occupancy": self.reports.total("occupancy") / n_actors,
             "perf/weight_sync_s": sync_s,

@@ -149,6 +149,8 @@ class StepLog:
         w.histogram(version, "completion/length", lengths)
         for r in rollouts[: self.text_samples]:
             text = f"reward {r.reward:.2f} | {r.metadata['prompt']!r} -> {r.metadata['text']!r}"
+            if r.model_mask is not None:  # a whole episode: its turns and the observations between them
+                text = f"{r.metadata.get('turns', 1)} turns, ended {r.finish_reason} | {text}"
             w.text(version, "samples", text)
         values = {**values, **times}
         self.history.append({k: v for k, v in values.items() if v is not None})

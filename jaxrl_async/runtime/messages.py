@@ -64,6 +64,9 @@ class ActorStats:
     # at most as much, so the learner takes the idle fraction per second of this clock, not of its own
     # (a report may come long after the idle time it carries: the actor sends none while it is idle).
     wall_s: float = 0.0
+    # Multi-turn runs (config.env): running counters of episodes and tool calls since the start
+    # (`episodes.EpisodeRunner.stats`; the learner logs them as env/ tags), None for single-turn runs.
+    env: dict | None = None
 
     @classmethod
     def empty(cls) -> ActorStats:

@@ -37,6 +37,20 @@ SCALAR_TAGS = (
     "reward/overlong_penalty",
     "completion/truncated_frac",
 )
+# Written at every step of a multi-turn run (config.env.enabled; docs/environments.md documents them, with
+# the env/tool_errors/<kind> and env/ends/<reason> tags that appear once such an error or ending has).
+ENV_TAGS = (
+    "env/episodes",
+    "env/turns_per_episode",
+    "env/observation_token_fraction",
+    "env/tool_calls",
+    "env/tool_errors",
+    "env/tool_timeouts",
+    "env/tool_outputs_cleaned",
+    "env/tool_threads_abandoned",
+    "env/env_errors",
+    "env/parked_slot_fraction",
+)
 # Written only when their feature is on: train/kl_ref (trainer.kl_coef > 0), dynamic_sampling/yield and
 # dynamic_sampling/filtered_groups (trainer.dynamic_sampling), eval/expected_reward and its _stderr (an
 # exact-match task sampled without top-k/top-p, runtime/expected_reward.py).

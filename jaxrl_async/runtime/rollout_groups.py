@@ -1,5 +1,9 @@
 """An actor's rollout groups in assembly: completions out for grading, groups with some samples graded,
 and finished groups (every one of the G samples graded) waiting to go to the learner.
+
+Multi-turn runs submit finished episodes instead (`submit_episodes`): one that ended with an answer is
+graded on its answer turn's text by the same reward service; any other ending keeps the environment's
+reward (0 for tool episodes) without grading. Either way the sample becomes a Rollout with `model_mask`.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import numpy as np
 from jaxrl_async.rewards import RewardConfig
 from jaxrl_async.rewards.shaping import overlong_penalty
 from jaxrl_async.rollouts import Rollout
+from jaxrl_async.runtime.episodes import answer_text, episode_text
 
 
 def to_rollout(c, reward: float, reason: str, tokenizer, shaping: float = 0.0) -> Rollout:
@@ -65,15 +70,40 @@ class GroupAssembly:
             prompt = c.metadata
             self.rewards.submit(key, prompt.text, self.tokenizer.decode(c.tokens), dict(prompt.metadata))
 
+    def submit_episodes(self, finished) -> None:
+        """Finished episodes, [(Episode, Prompt)]: answers go to the reward service, other endings are
+        final as they are."""
+        for episode, prompt in finished:
+            self.sample_tokens += int(sum(episode.model_mask))
+            key = (int(episode.uid), int(episode.sample_index))
+            if episode.finish_reason == "answer":
+                self.pending[key] = (episode, prompt)
+                text = answer_text(episode, self.tokenizer)
+                self.rewards.submit(key, prompt.text, text, dict(prompt.metadata))
+            else:
+                self._complete(self._episode_rollout(episode, prompt, episode.reward, episode.finish_reason))
+
+    def _episode_rollout(self, episode, prompt, reward: float, reason: str) -> Rollout:
+        episode.reward = float(reward)
+        meta = {"text": episode_text(episode, self.tokenizer), "prompt": prompt.text, "reason": reason,
+                "overlong_penalty": 0.0}  # fmt: skip
+        return episode.to_rollout(prompt.uid, int(episode.uid), int(episode.sample_index), meta)
+
     def add(self, result) -> None:
         """One reward result of a submitted completion; its group is ready once all G are graded."""
         c = self.pending.pop(result.request_id)
-        group = self.partial.setdefault(int(c.uid), [])
+        if isinstance(c, tuple):  # an episode's answer
+            self._complete(self._episode_rollout(*c, result.reward, result.reason))
+            return
         rw, cap = self.reward, self.max_new_tokens
         shaping = overlong_penalty(len(c.tokens), cap, rw.overlong_buffer, rw.overlong_penalty)
-        group.append(to_rollout(c, result.reward, result.reason, self.tokenizer, shaping))
+        self._complete(to_rollout(c, result.reward, result.reason, self.tokenizer, shaping))
+
+    def _complete(self, rollout: Rollout) -> None:
+        group = self.partial.setdefault(rollout.group_id, [])
+        group.append(rollout)
         if len(group) == self.samples:
-            del self.partial[int(c.uid)]
+            del self.partial[rollout.group_id]
             group.sort(key=lambda r: r.sample_index)
             self.ready.append(group)
 

@@ -1,0 +1,173 @@
+"""Multi-turn episodes inside a run (config.env): sync and async runs train episodes with their
+observations masked and log env/ tags; evaluation runs greedy episodes; a killed run restarts the episodes
+it had in flight exactly once; a bad env field fails before anything compiles, naming the field.
+
+The runs name `multiturn_envs:first_turn_calls` (tests/multiturn_envs.py): a random tiny model never writes
+a tool call itself, so each episode's first turn is taken as a calculator call.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from configs import tiny_arith
+from jaxrl_async.run_config import ConfigError, validate
+from jaxrl_async.runtime.metrics import ENV_TAGS, read_scalars
+from jaxrl_async.runtime.orchestrator import run_from_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(REPO, "tests")
+
+
+def _config(workdir, tool="calculator", **overrides):
+    c = tiny_arith.get_config()
+    c.workdir = str(workdir)
+    c.total_steps, c.prompts_per_step, c.samples_per_prompt = 2, 4, 4
+    c.eval_every, c.eval_prompts, c.max_staleness = 0, 4, 1
+    c.mesh.sampler, c.mesh.trainer = (1, 1), (1, 1)
+    c.warm_start.enabled = False
+    c.reward.reward = "format"  # the answer turn holds a digit (~50%): every group has signal
+    c.reward.defaults = {"format_regex": "[0-9]"}
+    c.sampler.num_slots = 8
+    # A slot holds the prompt (8) and the episode: a turn (6), "<result>136</result>" (20), a turn (6).
+    c.sampler.token_budget = 8 * 48
+    c.trainer.token_budget, c.trainer.rows_per_micro = 64, 2
+    c.env.enabled = True
+    c.env.environment = "multiturn_envs:first_turn_calls"
+    c.env.tools = (tool,)
+    c.env.max_turns = 2
+    c.env.max_observation_tokens = 24
+    c.env.max_episode_tokens = 40
+    for k, v in overrides.items():
+        target = c
+        *path, last = k.split(".")
+        for p in path:
+            target = target[p]
+        target[last] = v
+    return c
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_run_trains_episodes_with_observations_masked_and_logs_env_tags(tmp_path, mode, monkeypatch):
+    monkeypatch.syspath_prepend(TESTS)
+    from jaxrl_async.runtime import rollout_groups
+
+    trained = []  # every rollout the actor assembled (the learner trains these groups)
+    complete = rollout_groups.GroupAssembly._complete
+    monkeypatch.setattr(rollout_groups.GroupAssembly, "_complete",
+                        lambda self, r: (trained.append(r), complete(self, r))[1])  # fmt: skip
+    summary = run_from_config(_config(tmp_path, mode=mode))
+    assert summary["steps"] == 2
+    assert [e["step"] for e in summary["evals"]] == [0, 2]  # greedy episodes held out
+    # Every sample was an episode: a model turn, the calculator's answer (masked), a model turn.
+    assert len(trained) >= 2 * 4 * 4
+    for r in trained:
+        mask = np.asarray(r.model_mask)
+        assert mask.shape == r.completion_tokens.shape and mask[0]
+        observation = r.completion_tokens[~mask]
+        assert 0 < len(observation) <= 24 and (r.versions[~mask] == -1).all()
+        assert (r.behav_logprobs[~mask] == 0).all() and (r.versions[mask] >= 0).all()
+        assert r.metadata["turns"] == 2 and r.finish_reason in ("answer", "max_turns", "capacity")
+        assert "<result>" in r.metadata["text"]  # the text sample shows the whole episode
+    for r in trained:  # the observation is the calculator's true answer to the prompt's sum
+        a, b = r.metadata["prompt"].rstrip("=").split("+")
+        assert f"<result>{int(a) + int(b)}</result>" in r.metadata["text"]
+    tags = read_scalars(str(tmp_path / "tb"))
+    assert [t for t in ENV_TAGS if t not in tags] == []
+    assert tags["env/turns_per_episode"][-1][1] == 2.0
+    assert 0.2 < tags["env/observation_token_fraction"][-1][1] < 0.9
+    assert tags["env/tool_calls"][-1][1] >= 2 * 4 * 4 and tags["env/tool_errors"][-1][1] == 0
+    assert tags["env/tool_latency_ms_mean"][-1][1] > 0
+    assert 0 < tags["env/parked_slot_fraction"][-1][1] < 1
+
+
+def test_bad_env_fields_fail_before_anything_compiles_naming_the_field(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(TESTS)
+    cases = {
+        r"config\.env\.tools: \['nope'\] not registered": {"env.tools": ("nope",)},
+        r"config\.env\.max_episode_tokens=400: .* exceed the 48 tokens": {"env.max_episode_tokens": 400},
+        r"config\.env\.max_turns must be an integer >= 1": {"env.max_turns": 0},
+        r"config\.env\.environment=.*cannot import 'no_such_module'": {"env.environment": "no_such_module:f"},
+        r"config\.env\.tool_format=": {"env.tool_format": "xml"},
+        r"config\.sampler\.attention='cpu_kernel': multi-turn": {"sampler.attention": "cpu_kernel"},
+        r"config\.reward\.overlong_buffer": {"reward.overlong_buffer": 2},
+        r"config\.trainer\.token_budget=40: .*config\.env\.max_episode_tokens": {"trainer.token_budget": 40},
+        r"config\.env\.environment: has no effect with config\.env\.enabled=False": {"env.enabled": False},
+    }
+    for pattern, over in cases.items():
+        with pytest.raises(ConfigError, match=pattern):
+            validate(_config(tmp_path / "w", **over))
+    with pytest.raises(ConfigError, match=r"config\.env\.tools"):  # the run refuses it before building
+        run_from_config(_config(tmp_path / "w", **{"env.tools": ("nope",)}))
+    assert not (tmp_path / "w").exists()  # nothing was built
+    validate(_config(tmp_path / "w"))  # the tests' own config is valid
+
+
+# One epoch of 32 prompts = 8 steps of 4, a checkpoint after every step; a 50 ms tool keeps episodes
+# parked, so a kill finds some in flight.
+RESUME_CONFIG = """
+import sys
+
+sys.path.insert(0, {tests!r})
+sys.path.insert(0, {repo!r})
+from test_multiturn_run import _config
+
+
+def get_config():
+    c = _config("", tool="slow_calculator", total_steps=8, eval_every=0, eval_prompts=4)
+    c.checkpoint_every = 1
+    c.data.num_train, c.data.num_epochs = 32, 1
+    return c
+"""
+
+
+def _start(workdir):
+    path = os.path.join(workdir, "config.py")
+    if not os.path.exists(path):
+        os.makedirs(workdir, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(RESUME_CONFIG.format(tests=TESTS, repo=REPO))
+    cmd = [sys.executable, os.path.join(REPO, "launch", "run.py"), f"--config={path}"]
+    cmd.append(f"--config.workdir={workdir}")
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{TESTS}", JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    return subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _run_until(proc, step, timeout=300):
+    lines, deadline = [], time.monotonic() + timeout
+    for line in proc.stdout:
+        lines.append(line)
+        if step is not None and f"step {step} |" in line:
+            proc.send_signal(signal.SIGKILL)
+            break
+        assert time.monotonic() < deadline, "".join(lines[-30:])
+    return "".join(lines) + proc.communicate(timeout=timeout)[0]
+
+
+def test_a_resumed_run_restarts_the_episodes_in_flight_exactly_once(tmp_path):
+    import json
+
+    proc = _start(tmp_path)
+    out = _run_until(proc, 3)
+    assert proc.returncode == -signal.SIGKILL, out[-3000:]
+    proc = _start(tmp_path)
+    out = _run_until(proc, None)
+    assert proc.returncode == 0, out[-3000:]
+    assert "resumed from" in out
+    last = {}
+    with open(tmp_path / "trained_uids.jsonl") as f:
+        for line in f:
+            row = json.loads(line)
+            last[row["version"]] = row["uids"]  # after a resume a version's last line counts
+    assert sorted(last) == list(range(1, 9))
+    uids = [u for v in sorted(last) for u in last[v]]
+    # Each prompt trained once: those whose episodes were parked or graded at the kill were started again,
+    # whole, by the resumed run, and none twice.
+    assert sorted(uids) == sorted(f"0:{r}" for r in range(32))
+    tags = read_scalars(str(tmp_path / "tb"))
+    assert tags["env/tool_calls"][-1][1] > 0 and tags["env/turns_per_episode"][-1][1] == 2.0
