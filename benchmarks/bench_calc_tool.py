@@ -119,9 +119,9 @@ def main(_):
     params = init_params(model, jax.random.key(FLAGS.seed), make_mesh((1, 1), ("fsdp", "tensor"), [device]),
                          TRAINER_RULES)  # fmt: skip
     sampler_mesh = make_mesh((1, 1), ("data", "tensor"), [device])
-    scfg = SamplerConfig(num_slots=FLAGS.slots, max_prompt_len=MAX_PROMPT_LEN,
-                         max_new_tokens=EPISODE_TOKENS, prompt_buckets=(MAX_PROMPT_LEN,), steps_per_call=4,
-                         temperature=0.0, stop_tokens=(tok.eos_id,), attention="xla", linear="xla")  # fmt: skip
+    scfg = SamplerConfig(num_slots=FLAGS.slots, max_prompt_len=MAX_PROMPT_LEN, max_new_tokens=EPISODE_TOKENS,
+                         prompt_buckets=(MAX_PROMPT_LEN,), steps_per_call=4, temperature=0.0,
+                         stop_tokens=(tok.eos_id,), attention="xla", linear="xla")  # fmt: skip
     engine = Engine(model.compute_copy(), None, sampler_mesh, scfg)
     sync = WeightSync(model, sampler_mesh)
     prompts = held_out_prompts(data, tok, FLAGS.prompts)

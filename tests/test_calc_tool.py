@@ -5,9 +5,11 @@ one that needs the tool)."""
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
+from configs import calc_tool as calc_tool_config
 from jaxrl_async.data import DataConfig, held_out_prompts, reference_completion
 from jaxrl_async.data.calc_tool import (
     TWO_CALL_SHARE,
@@ -19,6 +21,7 @@ from jaxrl_async.data.calc_tool import (
 from jaxrl_async.data.synthetic import synthetic_distinct
 from jaxrl_async.envs import EnvConfig, calculator, tool_env_factory
 from jaxrl_async.rewards.registry import get_reward
+from jaxrl_async.run_config import ConfigError, validate
 from jaxrl_async.tokenizer import CharTokenizer
 from jaxrl_async.trainer.warmstart import episode_example, make_sft_batch
 
@@ -108,3 +111,25 @@ def test_warm_start_masks_the_calculator_results_out_of_the_loss():
     assert pair_mask[0].sum() == len(completion)
     with pytest.raises(ValueError, match="model mask"):
         make_sft_batch([(p_ids, completion, model[:-1])], 160)
+
+
+def test_config_validates_fits_the_longest_episode_and_refuses_the_task_without_the_tool(tmp_path):
+    c = calc_tool_config.get_config()
+    c.workdir = str(tmp_path)
+    run = validate(c, len(jax.devices()))
+    assert run.reward.reward == "calc_tool" and run.env.enabled and run.env.tools == ("calculator",)
+    tok = CharTokenizer()
+    prompt = calc_tool_problem(999, 99, 999)[0]  # the longest problem of 3 digits
+    segments = reference_segments(prompt)
+    p_ids, completion, _ = episode_example(tok.encode, tok.eos_id, tok.encode(prompt), segments)
+    assert len(p_ids) <= run.sampler.max_prompt_len
+    assert len(completion) <= run.env.max_episode_tokens
+    assert len(p_ids) + len(completion) <= run.warm_start.seq_len + 1
+    assert max(len(tok.encode(t)) + 1 for t, m in segments if m) <= run.sampler.max_new_tokens
+    c.env.enabled = False
+    c.env.tools = ()
+    with pytest.raises(ConfigError, match=r"config\.env\.enabled"):
+        validate(c, len(jax.devices()))
+    c.env.enabled = True
+    with pytest.raises(ConfigError, match=r"config\.env\.tools"):
+        validate(c, len(jax.devices()))

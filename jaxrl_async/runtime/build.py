@@ -37,8 +37,8 @@ from jaxrl_async.runtime.cluster import (
     devices_per_process,
 )
 from jaxrl_async.runtime.coordinator import Coordinator
-from jaxrl_async.runtime.episodes import episode_kernels
-from jaxrl_async.runtime.evaluation import eval_sampler_config, evaluate_accuracy
+from jaxrl_async.runtime.episodes import episode_kernels, grade_greedy_episodes
+from jaxrl_async.runtime.evaluation import eval_sampler_config, evaluate_accuracy, weighted_accuracy
 from jaxrl_async.runtime.lag import lagged
 from jaxrl_async.runtime.learner import Follower, Learner, LearnerConfig, TrainerCore
 from jaxrl_async.runtime.messages import Hello, WarmStartParams
@@ -223,7 +223,10 @@ def warm_started_params(run: RunConfig, model_cfg: ModelConfig, tokenizer: Token
     examples = (reference_example(run.data.task, tokenizer, p) for p in it)
     eval_prompts = held_out_prompts(run.data, tokenizer, run.eval.prompts)  # the RL run's own eval set
     evaluator = _WarmStartEval(run, model_cfg, tokenizer, device, eval_prompts)
-    key = cache_key(model_cfg, run.data, run.warm_start, run.seed, tokenizer.vocab_size, run.eval.prompts)
+    key_parts = [model_cfg, run.data, run.warm_start, run.seed, tokenizer.vocab_size, run.eval.prompts]
+    if run.env.enabled:  # its check runs episodes under these bounds, so where it stops depends on them
+        key_parts.append(run.env)
+    key = cache_key(*key_parts)
     bar = progress_bar(run.warm_start.max_steps, "warm start", show)
     try:
         params, info = warm_start(
@@ -270,6 +273,10 @@ class _WarmStartEval:
             self.engine = build_engines(self.run, self.model_cfg, mesh, scfg)[1]
             self.sync = WeightSync(self.model_cfg, mesh)
             self.rewards = RewardService(self.run.reward)
+        if self.run.env.enabled:  # a tool call is no answer: grade whole greedy episodes, tools included
+            graded = grade_greedy_episodes(self.run.env, self.engine, self.rewards, self.tokenizer,
+                                           self.prompts, self.sync(params), 0)  # fmt: skip
+            return weighted_accuracy(graded)
         return evaluate_accuracy(
             self.engine, self.rewards, self.tokenizer, self.prompts, self.sync(params), 0
         )
