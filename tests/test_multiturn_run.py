@@ -7,6 +7,7 @@ a tool call itself, so each episode's first turn is taken as a calculator call.
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -52,8 +53,14 @@ def _config(workdir, tool="calculator", **overrides):
     return c
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_run_trains_episodes_with_observations_masked_and_logs_env_tags(tmp_path, mode, monkeypatch):
+# In-flight weight updates keep their modes: async runs swap versions while episodes are parked (recompute_kv
+# rebuilds their caches, observations included; finish lets running turns end and not parked episodes).
+MODES = [("sync", "keep_kv"), ("async", "recompute_kv"), ("async", "finish")]
+
+
+@pytest.mark.parametrize("mode, update_mode", MODES)
+def test_a_run_trains_episodes_with_observations_masked_and_logs_env_tags(tmp_path, mode, update_mode,
+                                                                          monkeypatch):  # fmt: skip
     monkeypatch.syspath_prepend(TESTS)
     from jaxrl_async.runtime import rollout_groups
 
@@ -61,7 +68,7 @@ def test_a_run_trains_episodes_with_observations_masked_and_logs_env_tags(tmp_pa
     complete = rollout_groups.GroupAssembly._complete
     monkeypatch.setattr(rollout_groups.GroupAssembly, "_complete",
                         lambda self, r: (trained.append(r), complete(self, r))[1])  # fmt: skip
-    summary = run_from_config(_config(tmp_path, mode=mode))
+    summary = run_from_config(_config(tmp_path, mode=mode, **{"sampler.update_mode": update_mode}))
     assert summary["steps"] == 2
     assert [e["step"] for e in summary["evals"]] == [0, 2]  # greedy episodes held out
     # Every sample was an episode: a model turn, the calculator's answer (masked), a model turn.
@@ -159,6 +166,8 @@ def test_a_resumed_run_restarts_the_episodes_in_flight_exactly_once(tmp_path):
     out = _run_until(proc, None)
     assert proc.returncode == 0, out[-3000:]
     assert "resumed from" in out
+    started_again = re.search(r"resume: (\d+) prompts in flight at the checkpoint are started again", out)
+    assert started_again and int(started_again.group(1)) > 0, out[-3000:]  # episodes were in flight
     last = {}
     with open(tmp_path / "trained_uids.jsonl") as f:
         for line in f:
@@ -171,3 +180,56 @@ def test_a_resumed_run_restarts_the_episodes_in_flight_exactly_once(tmp_path):
     assert sorted(uids) == sorted(f"0:{r}" for r in range(32))
     tags = read_scalars(str(tmp_path / "tb"))
     assert tags["env/tool_calls"][-1][1] > 0 and tags["env/turns_per_episode"][-1][1] == 2.0
+
+
+def test_every_env_tag_is_documented():
+    with open(os.path.join(REPO, "docs", "environments.md")) as f:
+        text = f.read()
+    assert [tag for tag in ENV_TAGS if f"`{tag}`" not in text] == []
+
+
+def test_a_sampler_replica_that_spans_processes_refuses_episodes_naming_the_field(tmp_path, monkeypatch):
+    import types
+
+    from jaxrl_async.runtime.build import validate_for
+    from jaxrl_async.runtime.cluster import Roles
+
+    monkeypatch.syspath_prepend(TESTS)
+    cluster = types.SimpleNamespace(roles=Roles(3, (1,), (0,), replicas=((1, 2),)))
+    with pytest.raises(ConfigError, match=r"config\.env\.enabled: .*spans processes \(processes \[1, 2\]"):
+        validate_for(_config(tmp_path), cluster)
+
+
+TWO_PROCESS_CONFIG = """
+import sys
+
+sys.path.insert(0, {tests!r})
+sys.path.insert(0, {repo!r})
+from test_multiturn_run import _config
+
+
+def get_config():
+    return _config("", eval_every=0, eval_prompts=4)
+"""
+
+
+def test_a_two_process_run_with_tools_trains(tmp_path):
+    """The learner on process 0, the actor (and its tools) on process 1: episodes, their masks and the
+    actor's env counters cross the wire."""
+    import json
+
+    path = tmp_path / "config.py"
+    path.write_text(TWO_PROCESS_CONFIG.format(tests=TESTS, repo=REPO))
+    cmd = [sys.executable, os.path.join(REPO, "launch", "local_cluster.py"), "--num-processes", "2",
+           "--devices-per-process", "1", "--heartbeat-timeout-s", "10", "--", f"--config={path}",
+           f"--config.workdir={tmp_path}"]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{TESTS}")
+    res = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    with open(tmp_path / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["processes"] == 2 and summary["steps"] == 2
+    assert "process 1 of 2: sampler 0" in res.stdout
+    tags = read_scalars(str(tmp_path / "tb"))
+    assert tags["env/turns_per_episode"][-1][1] == 2.0 and tags["env/observation_token_fraction"][-1][1] > 0.2
+    assert tags["env/tool_calls"][-1][1] >= 2 * 4 * 4

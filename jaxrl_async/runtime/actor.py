@@ -19,7 +19,6 @@ its step replaces the loop's (and evaluations are greedy episodes); everything e
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -27,9 +26,8 @@ from collections.abc import Callable
 from jaxrl_async.run_config import RunConfig
 from jaxrl_async.runtime.arrivals import Arrivals
 from jaxrl_async.runtime.cluster import Roles
-from jaxrl_async.runtime.episodes import EpisodeEvaluation, EpisodeRunner
+from jaxrl_async.runtime.episodes import EpisodeRunner, evaluation_for, sample_round, sampling_idle
 from jaxrl_async.runtime.eval_schedule import EvalSchedule
-from jaxrl_async.runtime.evaluation import Evaluation
 from jaxrl_async.runtime.expected_reward import scorer
 from jaxrl_async.runtime.messages import (
     ActorStats,
@@ -104,17 +102,15 @@ class Actor:
                                     rewards, tokenizer)  # fmt: skip
         self.arrivals = Arrivals(weights, run.verify_weights)
         send = lambda m: transport.send("learner", m)  # noqa: E731
-        # The exact expected reward needs the version's whole weights in this process: not in a replica
-        # that spans processes (its forward pass would need every member).
-        # Multi-turn episodes (config.env): the runner owns the loop's stepping; evaluations are episodes.
+        # Multi-turn episodes (config.env): the runner steps the loop; evaluations are greedy episodes.
         self.episodes = EpisodeRunner(run.env, self.loop, tokenizer) if run.env.enabled else None
-        # Nor for episodes: their accuracy depends on what the tools answer, which no forward pass scores.
-        exact = not members and self.episodes is None
-        score = scorer(run.reward.reward, engine.cfg, engine.model_cfg, eval_prompts, tokenizer) if exact \
-            else None  # fmt: skip
-        evaluation = functools.partial(EpisodeEvaluation, run.env) if self.episodes else Evaluation
+        # The exact expected reward needs the version's whole weights in this process (not in a replica that
+        # spans processes: its forward pass would need every member) and single-turn completions.
+        score = None if members or self.episodes else scorer(run.reward.reward, engine.cfg, engine.model_cfg,
+                                                             eval_prompts, tokenizer)  # fmt: skip
         self.eval_schedule = EvalSchedule(run.eval, run.schedule.total_steps, eval_engine, rewards, tokenizer,
-                                          eval_prompts, send, self._tell, score, evaluation)  # fmt: skip
+                                          eval_prompts, send, self._tell, score,
+                                          evaluation_for(run.env))  # fmt: skip
         self.version: int | None = None  # the policy version in use (None until the first arrives)
         self.done = False  # Stop arrived (the final report is sent)
         self.idle_s = 0.0
@@ -164,22 +160,13 @@ class Actor:
             self.eval_schedule.sample_calls_during += 1
         if self.members is not None:  # the members run this round's calls with this process
             self.members.step(evaluate=self.eval_schedule.running is not None)
-        if self.episodes is None:
-            completions = self.loop.step(self._admit_none)
-            active = bool(completions) or not self.loop.idle
-            self.groups.submit(completions)
-        else:
-            finished = self.episodes.step()
-            active = bool(finished) or not self.loop.idle
-            self.groups.submit_episodes(finished)
+        active = sample_round(self.loop, self.episodes, self.groups)  # `_start` queued every request
         active = self.eval_schedule.step(self.version) or active
         if not active and self.arrivals:  # nothing to decode: wait for the version on its way
             self._take_arrived(block=True)
             active = True
         elif not active and self.episodes is not None and self.episodes.waiting:
-            # Only environments are answering: sleep until one does (the sampler's idle time: what the
-            # async schedule should hide behind other episodes' turns).
-            self.episodes.wait(0.005)
+            self.episodes.wait(0.005)  # only environments answer: sleep until one does (sampler idle time)
         elif not active and self.groups.pending:  # only rewards in flight: sleep until one lands
             self.rewards.wait(0.005)
         self._collect()
@@ -195,15 +182,9 @@ class Actor:
         elif not busy and self._idle_since is None:
             self._idle_since = t0
 
-    def _admit_none(self):
-        return None  # every request is queued by `_start`
-
     def _start(self, tickets: Tickets) -> None:
         for request in self.tickets.grant(tickets):
-            if self.episodes is not None:
-                self.episodes.add(request)
-                continue
-            self.loop.add_request(request)
+            (self.loop if self.episodes is None else self.episodes).add_request(request)
             if self.members is not None:
                 self.members.queue(request)
 
@@ -238,8 +219,7 @@ class Actor:
                 self.groups.add(res)
 
     def _drained(self) -> bool:
-        episodes = self.episodes is not None and self.episodes.in_flight  # parked slots leave the loop idle
-        return self.tickets.exhausted and self.loop.idle and not self.groups.pending and not episodes
+        return self.tickets.exhausted and sampling_idle(self.loop, self.episodes) and not self.groups.pending
 
     def _send(self) -> None:
         if self.tickets.report_due(bool(self.groups.ready), self._drained()):
@@ -255,8 +235,8 @@ class Actor:
             f"{self.loop.free_slots} free slots, {t.queued(self.loop.stats.requests_admitted)} prompts "
             f"queued, {t.asked} asked, {len(g.pending)} rewards pending, {len(g.partial)} partial groups, "
             f"{g.groups_sent} groups sent"
-            + (f", {self.episodes.in_flight} episodes in flight" if self.episodes is not None else "")
             + (", data exhausted" if t.exhausted else "")
+            + (f", {self.episodes.in_flight} episodes in flight" if self.episodes is not None else "")
         )
 
     def stats(self, final: bool = False) -> ActorStats:

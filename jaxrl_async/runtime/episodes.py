@@ -20,6 +20,7 @@ it again, whole, once (tests/test_multiturn_run.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -77,6 +78,30 @@ def episode_text(episode, tokenizer) -> str:
     return "".join(out)
 
 
+def sample_round(loop: SamplerLoop, episodes: EpisodeRunner | None, groups) -> bool:
+    """One decode call of an actor's sampling (its requests are queued), the finished samples handed to
+    `groups` (GroupAssembly): single-turn completions (`loop.step()`), or episodes (`episodes.step()`).
+    True if there was work (something finished, or the loop is not idle)."""
+    if episodes is None:
+        completions = loop.step()
+        groups.submit(completions)
+        return bool(completions) or not loop.idle
+    finished = episodes.step()
+    groups.submit_episodes(finished)
+    return bool(finished) or not loop.idle
+
+
+def sampling_idle(loop: SamplerLoop, episodes: EpisodeRunner | None) -> bool:
+    """Nothing to decode and (episodes) no episode in flight: parked slots leave the loop idle."""
+    return loop.idle and not (episodes is not None and episodes.in_flight)
+
+
+def evaluation_for(env: EnvConfig):
+    """What evaluates a version (`EvalSchedule`'s `evaluation`): greedy episodes with config.env, else
+    single-turn completions."""
+    return functools.partial(EpisodeEvaluation, env) if env.enabled else Evaluation
+
+
 class EpisodeRunner:
     """G episodes per granted prompt on one sampler loop (see the module docstring).
 
@@ -93,7 +118,7 @@ class EpisodeRunner:
         self._prompts: dict[int, list] = {}  # group id -> [its Prompt, episodes not yet ended]
         self._totals: dict = {"episodes": 0}  # running counters (`stats`)
 
-    def add(self, request) -> None:
+    def add_request(self, request) -> None:
         """Starts a granted prompt's episodes (`request`: the ticket book's sampler Request; its metadata
         is the Prompt record, which is also each environment's row)."""
         prompt = request.metadata

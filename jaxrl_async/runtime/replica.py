@@ -264,4 +264,4 @@ class ReplicaMember:
 
 
 def _none():
-    return None  # every request is queued from a MemberStep (the leader's `_admit_none`)
+    return None  # every request is queued from a MemberStep (the leader steps its loop without admit)
