@@ -10,7 +10,9 @@ is appended to the slot's cache, and the model answers (two calls for the rows w
 then the sum). The supervised warm start trains on reference episodes with the results masked out of its
 loss, so it teaches the call format and copying a result back, never a product (held-out accuracy
 without the tool stays near 0: benchmarks/bench_calc_tool.py). RL with the exact final-answer reward
-("calc_tool") then raises the with-tool accuracy. Figures: docs/benchmarks.md, "Calculator task".
+("calc_tool") then trains the with-tool episodes. Measured (one seed per mode, loaded machine): RL took
+held-out accuracy with the tool from 0.58 to 0.64 and no further in 60 steps, sync and async alike,
+short of the issue's 0.90 (docs/environments.md, "A task that needs the tool").
 """
 
 from jaxrl_async.cli.config_file import sibling
