@@ -42,6 +42,7 @@ TASK_REWARD = {
     "countdown": "countdown",
     "shift": "shift",
     "letter_range": "letter_range",
+    "calc_tool": "calc_tool",
     "gsm8k": "math",
     "math": "math",
     "jsonl": "math",
@@ -511,6 +512,19 @@ def _check_env(run: RunConfig, num_devices: int | None) -> None:
                           "multi-turn episodes (config.env.enabled) bound turns with config.env")  # fmt: skip
 
 
+def _check_tool_task(run: RunConfig, num_devices: int | None) -> None:
+    """The calc_tool task is answered through the calculator: a run of it without episodes or without
+    that tool could only score what the model computes in its head (jaxrl_async.data.calc_tool)."""
+    if run.data.task != "calc_tool":
+        return
+    if not run.env.enabled:
+        raise ConfigError("config.env.enabled: config.data.task='calc_tool' is solved with the calculator in "
+                          "multi-turn episodes; set it True (configs/calc_tool.py)")  # fmt: skip
+    if "calculator" not in run.env.tools:
+        raise ConfigError(f"config.env.tools={run.env.tools}: config.data.task='calc_tool' needs "
+                          "'calculator' (its reference episodes call it)")  # fmt: skip
+
+
 CROSS_CHECKS = (
     _check_data_files,
     _check_device_count,
@@ -518,6 +532,7 @@ CROSS_CHECKS = (
     _check_length_caps,
     _check_trainer_schedule,
     _check_env,
+    _check_tool_task,
     _check_sequence_fits,
 )
 

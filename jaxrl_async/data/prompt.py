@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-TASKS = ("arithmetic", "countdown", "shift", "letter_range", "jsonl", "parquet", "gsm8k", "math")
-SYNTHETIC_TASKS = ("arithmetic", "countdown", "shift", "letter_range")
+TASKS = ("arithmetic", "countdown", "shift", "letter_range", "calc_tool", "jsonl", "parquet", "gsm8k", "math")
+SYNTHETIC_TASKS = ("arithmetic", "countdown", "shift", "letter_range", "calc_tool")
 # (prompt field, answer field) for each file task unless DataConfig overrides them.
 DEFAULT_FIELDS = {
     "jsonl": ("prompt", "answer"),
@@ -52,8 +52,8 @@ class DataConfig:
     """Where prompts come from and how they are rendered, shuffled and split.
 
     Attributes:
-      task: "arithmetic" | "countdown" | "shift" | "letter_range" (built in, no files) | "jsonl" |
-        "parquet" | "gsm8k" | "math".
+      task: "arithmetic" | "countdown" | "shift" | "letter_range" | "calc_tool" (built in, no files) |
+        "jsonl" | "parquet" | "gsm8k" | "math".
       path: data file for file tasks (.jsonl/.json or .parquet; gsm8k/math accept either).
       eval_path: optional held-out file; without it file tasks hold out `heldout_fraction` by uid hash.
       prompt_field, answer_field: field mapping (defaults per task in DEFAULT_FIELDS).
@@ -69,7 +69,8 @@ class DataConfig:
       max_prompt_tokens: drop prompts longer than this (None keeps all).
       heldout_fraction: share of examples (by stable hash) reserved for the held-out split.
       digits, operators: arithmetic operands in [0, 10**digits) with operators from "+-*"; for the
-        shift task, the length of the digit string (and of the answer).
+        shift task, the length of the digit string (and of the answer); for calc_tool, the digits of the
+        first factor (and of the added number), the second factor having two (operators unused).
       num_train: synthetic examples per epoch.
       num_eval: size of a synthetic task's "test" split iterator.
       countdown_numbers, countdown_max_number, countdown_max_target: countdown puzzle sizes.

@@ -11,8 +11,9 @@ Shift: prompt "shift 40913:" (`digits` random digits), completion every digit pl
 answers as long as `digits` (tens of tokens), so that weight updates land in the middle of sequences,
 yet learnable by a tiny model (each answer token copies one prompt token, shifted); metadata carries
 "answer". Letter range (jaxrl_async.data.letter_range): prompt "range d-k:", completion "defghijk", with
-long-tailed answer lengths. The verifiers that read that metadata are the rewards "arithmetic",
-"countdown", "shift" and "letter_range" (jaxrl_async.rewards.synthetic).
+long-tailed answer lengths. Calculator (jaxrl_async.data.calc_tool): prompt "What is 347*29?", solved by
+calling the calculator tool in a multi-turn episode. The verifiers that read that metadata are the
+rewards "arithmetic", "countdown", "shift", "letter_range" and "calc_tool" (jaxrl_async.rewards.synthetic).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
+from jaxrl_async.data.calc_tool import calc_tool_distinct, calc_tool_example, parse_calc_tool
 from jaxrl_async.data.letter_range import (
     letter_range_distinct,
     letter_range_example,
@@ -180,7 +182,13 @@ def shift_example(cfg: DataConfig, split: str, index: int) -> dict[str, Any]:
 
 def reference_completion(prompt: str) -> str:
     """The correct completion text for an arithmetic, countdown, shift or letter-range prompt (supervised
-    warm starts)."""
+    warm starts). A calc_tool prompt has none: its reference is a multi-turn episode with the calculator's
+    answers in it (`jaxrl_async.data.calc_tool.reference_segments`)."""
+    if parse_calc_tool(prompt) is not None:
+        raise ValueError(
+            f"calc_tool prompt {prompt!r} has a reference episode, not a completion: "
+            "jaxrl_async.data.calc_tool.reference_segments"
+        )
     bounds = parse_letter_range(prompt)
     if bounds:
         return letter_range_problem(*bounds)[1]
@@ -200,7 +208,8 @@ def reference_completion(prompt: str) -> str:
 
 def synthetic_example(cfg: DataConfig, split: str, index: int) -> dict[str, Any]:
     """The `index`-th raw record of a synthetic task's split."""
-    tasks = {"arithmetic": arithmetic_example, "shift": shift_example, "letter_range": letter_range_example}
+    tasks = {"arithmetic": arithmetic_example, "shift": shift_example, "letter_range": letter_range_example,
+             "calc_tool": calc_tool_example}  # fmt: skip
     fn = tasks.get(cfg.task, countdown_example)
     return fn(cfg, split, index)
 
@@ -212,6 +221,8 @@ def synthetic_distinct(cfg: DataConfig, n: int, split: str = "test") -> list[dic
         return _arithmetic_distinct(cfg, n, split)
     if cfg.task == "letter_range":
         return letter_range_distinct(cfg, n, split)
+    if cfg.task == "calc_tool":
+        return calc_tool_distinct(cfg, n, split)
     return _sample_unique(lambda i: synthetic_example(cfg, split, i), n)
 
 

@@ -26,6 +26,7 @@ _BUILTIN_MODULES = {
     "countdown": "jaxrl_async.rewards.synthetic",
     "shift": "jaxrl_async.rewards.synthetic",
     "letter_range": "jaxrl_async.rewards.synthetic",
+    "calc_tool": "jaxrl_async.rewards.synthetic",
     "math": "jaxrl_async.rewards.math",
     "format": "jaxrl_async.rewards.math",
     "code": "jaxrl_async.rewards.code",

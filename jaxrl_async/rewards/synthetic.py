@@ -1,9 +1,10 @@
-"""Verifiers of the built-in synthetic tasks (jaxrl_async.data's "arithmetic", "countdown", "shift" and
-"letter_range").
+"""Verifiers of the built-in synthetic tasks (jaxrl_async.data's "arithmetic", "countdown", "shift",
+"letter_range" and "calc_tool").
 
 They read the problem from the prompt's metadata, never from its text: arithmetic and shift compare
 with metadata["answer"], countdown checks against metadata["numbers"] and metadata["target"], letter
-range rebuilds its answer from metadata["first"] and metadata["last"]. A request without them is an
+range rebuilds its answer from metadata["first"] and metadata["last"], calc_tool recomputes it from
+metadata["expression"]. A request without them is an
 error (reward 0 with reason "error:KeyError"; bounds that are no letters: "error:ValueError").
 """
 
@@ -84,3 +85,25 @@ def letter_range_reward(prompt: str, completion: str, metadata: Mapping[str, Any
     accuracy (0.315 -> 0.125 in 60 steps of configs/letter_range.py; its completions got shorter), with
     this reward it gained (0.315 -> 0.45 in 100 steps)."""
     return 1.0 if completion.strip() == letter_range(str(metadata["first"]), str(metadata["last"])) else 0.0
+
+
+_RESULT_CLOSE = "</result>"  # the tool-call formats' result marker (jaxrl_async.envs.calls)
+
+
+def _calc_value(expression: str) -> int:
+    """The exact value of a calc_tool expression "a*b" or "a*b+c" (digits only: anything else raises)."""
+    product, _, added = expression.partition("+")
+    a, b = product.split("*")
+    return int(a) * int(b) + (int(added) if added else 0)
+
+
+@register_reward("calc_tool")
+def calc_tool_reward(prompt: str, completion: str, metadata: Mapping[str, Any]) -> float:
+    """1.0 when the episode's final answer is exactly metadata["expression"]'s value, else 0.
+
+    The final answer is the text after the last `</result>` (the whole completion when a single turn was
+    graded): an episode's earlier calls and the results they read are not the answer, and a last turn
+    that is itself a call ("<tool ...") answered nothing. The value is recomputed from the expression,
+    not read from metadata["answer"], so a row cannot carry a wrong reference."""
+    final = completion.rpartition(_RESULT_CLOSE)[2].strip()
+    return 1.0 if final == str(_calc_value(str(metadata["expression"]))) else 0.0

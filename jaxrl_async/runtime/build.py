@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from jaxrl_async import storage
 from jaxrl_async.data import held_out_prompts, make_prompt_iterator, prompt_at, reference_completion
+from jaxrl_async.data.calc_tool import reference_segments
 from jaxrl_async.data.length_caps import length_cap_fn
 from jaxrl_async.data.prompt import SYNTHETIC_TASKS
 from jaxrl_async.model import ModelConfig, from_hf_config, init_params, load_hf, param_shardings, presets
@@ -36,8 +37,8 @@ from jaxrl_async.runtime.cluster import (
     devices_per_process,
 )
 from jaxrl_async.runtime.coordinator import Coordinator
-from jaxrl_async.runtime.episodes import episode_kernels
-from jaxrl_async.runtime.evaluation import eval_sampler_config, evaluate_accuracy
+from jaxrl_async.runtime.episodes import episode_kernels, grade_greedy_episodes
+from jaxrl_async.runtime.evaluation import eval_sampler_config, evaluate_accuracy, weighted_accuracy
 from jaxrl_async.runtime.lag import lagged
 from jaxrl_async.runtime.learner import Follower, Learner, LearnerConfig, TrainerCore
 from jaxrl_async.runtime.lora_checkpoint import save_base
@@ -58,7 +59,7 @@ from jaxrl_async.sampler import Engine, SamplerConfig
 from jaxrl_async.sharding import TRAINER_RULES, make_mesh
 from jaxrl_async.tokenizer import Tokenizer, load_tokenizer
 from jaxrl_async.trainer import TrainState, create_train_state
-from jaxrl_async.trainer.warmstart import cache_key, warm_start
+from jaxrl_async.trainer.warmstart import cache_key, episode_example, warm_start
 
 log = logging.getLogger(__name__)
 
@@ -230,10 +231,13 @@ def warm_started_params(run: RunConfig, model_cfg: ModelConfig, tokenizer: Token
     params = init_params(model_cfg, jax.random.key(run.seed), mesh, TRAINER_RULES)
     data_cfg = dataclasses.replace(run.data, num_epochs=None, seed=run.data.seed + 7919)
     it = make_prompt_iterator(data_cfg, tokenizer)
-    examples = ((p.tokens, tokenizer.encode(reference_completion(p.text)) + [tokenizer.eos_id]) for p in it)
+    examples = (reference_example(run.data.task, tokenizer, p) for p in it)
     eval_prompts = held_out_prompts(run.data, tokenizer, run.eval.prompts)  # the RL run's own eval set
     evaluator = _WarmStartEval(run, model_cfg, tokenizer, device, eval_prompts)
-    key = cache_key(model_cfg, run.data, run.warm_start, run.seed, tokenizer.vocab_size, run.eval.prompts)
+    key_parts = [model_cfg, run.data, run.warm_start, run.seed, tokenizer.vocab_size, run.eval.prompts]
+    if run.env.enabled:  # its check runs episodes under these bounds, so where it stops depends on them
+        key_parts.append(run.env)
+    key = cache_key(*key_parts)
     bar = progress_bar(run.warm_start.max_steps, "warm start", show)
     try:
         params, info = warm_start(
@@ -244,6 +248,16 @@ def warm_started_params(run: RunConfig, model_cfg: ModelConfig, tokenizer: Token
         evaluator.close()
     log.info("warm start: %s", info)
     return jax.tree.map(np.asarray, params), info
+
+
+def reference_example(task: str, tokenizer: Tokenizer, prompt) -> tuple:
+    """A warm-start example for `prompt`: (prompt ids, reference completion ids + eos), or for the
+    calc_tool task the whole reference episode with the calculator's results masked out of the loss
+    (prompt ids, completion ids, model mask; `warmstart.episode_example`)."""
+    if task == "calc_tool":
+        segments = reference_segments(prompt.text)
+        return episode_example(tokenizer.encode, tokenizer.eos_id, prompt.tokens, segments)
+    return prompt.tokens, tokenizer.encode(reference_completion(prompt.text)) + [tokenizer.eos_id]
 
 
 class _WarmStartEval:
@@ -270,6 +284,10 @@ class _WarmStartEval:
             self.engine = build_engines(self.run, self.model_cfg, mesh, scfg)[1]
             self.sync = WeightSync(self.model_cfg, mesh)
             self.rewards = RewardService(self.run.reward)
+        if self.run.env.enabled:  # a tool call is no answer: grade whole greedy episodes, tools included
+            graded = grade_greedy_episodes(self.run.env, self.engine, self.rewards, self.tokenizer,
+                                           self.prompts, self.sync(params), 0)  # fmt: skip
+            return weighted_accuracy(graded)
         return evaluate_accuracy(
             self.engine, self.rewards, self.tokenizer, self.prompts, self.sync(params), 0
         )

@@ -213,3 +213,25 @@ class EpisodeEvaluation(Evaluation):
 def episode_sample_tokens(episode) -> int:
     """Tokens the model sampled in an episode (its observations left out)."""
     return int(np.sum(episode.model_mask))
+
+
+def grade_greedy_episodes(env: EnvConfig, engine, rewards, tokenizer, prompts, sampler_params, version=None):
+    """[(prompt, reward)] of every prompt's greedy episode, all at once (blocking: the supervised warm
+    start's check, `build._WarmStartEval`, where `evaluation.grade_greedy` would grade a tool call as the
+    answer). Graded as `EpisodeEvaluation` grades: an answer by the reward service, any other ending 0."""
+    if sampler_params is not None:
+        engine.update_params(sampler_params, version)
+    factory, executor = make_env_factory(env, tokenizer, _graded_by_the_service)
+    driver = EpisodeDriver(SamplerLoop(engine), env, tokenizer, factory, workers=env.tool_workers)
+    try:
+        for i, p in enumerate(prompts):
+            driver.add(i, p, tuple(int(t) for t in p.tokens))
+        episodes = driver.run()
+    finally:
+        driver.close()
+        executor.close()
+    answered = [e for e in episodes if e.finish_reason == "answer"]
+    items = [(prompts[int(e.uid)].text, answer_text(e, tokenizer), dict(prompts[int(e.uid)].metadata))
+             for e in answered]  # fmt: skip
+    graded = dict(zip((int(e.uid) for e in answered), rewards.grade_batch(items), strict=True))
+    return [(prompts[int(e.uid)], graded.get(int(e.uid), 0.0)) for e in episodes]

@@ -2,6 +2,12 @@
 
 RL from a random policy gets almost no reward on multi-digit arithmetic; a short supervised phase brings the
 policy to a modest accuracy (stopped at `target_accuracy`, so RL still has most of the way to go).
+
+An example is a (prompt, completion) pair, or a whole multi-turn episode (prompt, completion, model mask):
+the completion holds the model's turns and the environment's observations in order, and the mask says
+which tokens are the model's. Only those are trained: an observation (a tool's result) is context, never
+a target, so a warm start on tool episodes teaches when and how to call and what to do with the answer,
+not the answers themselves (configs/calc_tool.py).
 """
 
 from __future__ import annotations
@@ -69,19 +75,50 @@ def cache_key(*parts) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def make_sft_batch(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: int, pad_id: int = 0):
-    """Packs (prompt, completion) token pairs into [B, seq_len] inputs, targets and a completion-only mask."""
-    b = len(pairs)
+def episode_example(
+    encode: Callable[[str], list[int]],
+    eos_id: int,
+    prompt_ids: Sequence[int],
+    segments: Sequence[tuple[str, bool]],
+) -> tuple[list[int], list[int], list[bool]]:
+    """A multi-turn warm-start example from (text, is_model_turn) segments in episode order: (prompt ids,
+    completion ids, model mask). Each model turn ends with `eos_id`, the stop token that ends a turn in
+    the sampler (an episode's context holds it before the next observation); observations are encoded as
+    they are and masked."""
+    completion: list[int] = []
+    model: list[bool] = []
+    for text, is_model in segments:
+        ids = list(encode(text)) + ([eos_id] if is_model else [])
+        completion += ids
+        model += [bool(is_model)] * len(ids)
+    return list(prompt_ids), completion, model
+
+
+def make_sft_batch(examples: Sequence[tuple], seq_len: int, pad_id: int = 0):
+    """Packs examples into [B, seq_len] inputs, targets and a loss mask.
+
+    An example is (prompt, completion) (every completion token is trained) or (prompt, completion,
+    model_mask) with one bool per completion token (only the True ones are trained: a multi-turn episode's
+    observations are False). Prompt tokens are never trained."""
+    b = len(examples)
     inputs = np.full((b, seq_len), pad_id, np.int32)
     targets = np.full((b, seq_len), pad_id, np.int32)
     mask = np.zeros((b, seq_len), np.float32)
-    for i, (prompt, completion) in enumerate(pairs):
-        seq = list(prompt) + list(completion)
+    for i, example in enumerate(examples):
+        prompt, completion = list(example[0]), list(example[1])
+        trained = [True] * len(completion) if len(example) == 2 else [bool(m) for m in example[2]]
+        if len(trained) != len(completion):
+            raise ValueError(
+                f"warm start: a model mask of {len(trained)} for a completion of {len(completion)} tokens"
+            )
+        seq = prompt + completion
         if len(seq) > seq_len + 1:
             raise ValueError(f"warm start: sequence of {len(seq)} tokens exceeds seq_len={seq_len} + 1")
         inputs[i, : len(seq) - 1] = seq[:-1]
         targets[i, : len(seq) - 1] = seq[1:]
-        mask[i, len(prompt) - 1 : len(seq) - 1] = 1.0
+        # Position j predicts seq[j + 1]: the completion's k-th token is the target at len(prompt) - 1 + k.
+        start = len(prompt) - 1
+        mask[i, start : start + len(completion)] = np.asarray(trained, np.float32)
     return inputs, targets, mask
 
 
@@ -112,7 +149,8 @@ def warm_start(
 
     Args:
       model_cfg, params: the model (params may be sharded; the step keeps their shardings).
-      examples: endless (prompt tokens, completion tokens incl. eos) pairs.
+      examples: endless (prompt tokens, completion tokens incl. eos) pairs, or (prompt, completion,
+        model mask) episodes (`make_sft_batch`, `episode_example`).
       evaluate: held-out accuracy of a parameter tree.
       cfg: warm start settings.
       key: cache key (see `cache_key`) naming everything the result depends on.
