@@ -30,11 +30,15 @@ LAUNCHER = os.path.join(REPO, "launch", "local_cluster.py")
 # The small run of test_orchestrator as a config file (a random model never solves addition: the reward
 # "contains a digit" gives every group signal).
 SMALL = """
+import os
+
 from configs import tiny_arith
 
 
 def get_config():
     c = tiny_arith.get_config()
+    # The suite's compile cache (tests/conftest.py): every process loads what an earlier test compiled.
+    c.compile_cache_dir = os.environ.get("JAXRL_TESTS_COMPILE_CACHE_DIR", "")
     c.total_steps, c.prompts_per_step, c.samples_per_prompt = 4, 4, 4
     c.eval_every, c.eval_prompts, c.max_staleness = 2, 16, 1
     c.sampler.num_slots = 8
