@@ -3,7 +3,6 @@
 import json
 import os
 import re
-import subprocess
 import sys
 
 import jax
@@ -21,6 +20,7 @@ from jaxrl_async.runtime.weight_sync import checksum
 from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
 from jaxrl_async.tokenizer import CharTokenizer
 from tests.claims import assert_staleness_bound
+from tests.procs import started
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -147,15 +147,17 @@ def test_async_run_trains_syncs_respects_eta_and_writes_tags(tmp_path):
     cmd = [sys.executable, "-m", "jaxrl_async.cli.generate", "--checkpoint", str(tmp_path)]
     cmd += ["--prompt", "12+34=", "--max-new-tokens", "4", "--cpu-kernels"]
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    # ... and export to Hugging Face, side by side with the generate command (both only read the run).
+    out = str(tmp_path / "hf")
+    export = [sys.executable, "-m", "jaxrl_async.cli.export_hf", str(tmp_path), "--out", out]
+    with started(cmd, env) as res, started(export, env) as exported:
+        pass
     assert res.returncode == 0, res.stderr
     assert "policy version 4" in res.stdout
     assert len([line for line in res.stdout.splitlines() if line.startswith("ids:")]) == 1
 
-    # Export to Hugging Face: transformers loads it and gives our logits.
-    out = str(tmp_path / "hf")
-    cmd = [sys.executable, "-m", "jaxrl_async.cli.export_hf", str(tmp_path), "--out", out]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    # The export: transformers loads it and gives our logits.
+    res = exported
     assert res.returncode == 0 and "policy version 4" in res.stdout, res.stderr
     import torch
     import transformers

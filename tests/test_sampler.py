@@ -1,13 +1,10 @@
 """Sampler engine and loop: cached decode == full forward, logprob parity, slot independence, weight updates,
 no recompilation inside a bucket, sharded == single device, and the generate CLI."""
 
-import contextlib
 import functools
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 
 import host_caps
 import jax
@@ -27,6 +24,7 @@ from jaxrl_async.sampler import (
     sampling,
 )
 from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
+from tests.procs import started
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # GQA + qkv bias + QK-norm exercise every branch of the decode layout; vocab 64 shards over tensor=2.
@@ -402,30 +400,12 @@ def test_generate_cli_on_hf_checkpoint(tmp_path, params):
         "0",
     ]
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    with _started(cmd, env) as res:  # the reference below is computed while the command runs
+    with started(cmd, env) as res:  # the reference below is computed while the command runs
         ref = _greedy_reference(p, tok.encode(prompt), 5, cfg, stop=tok.eos_id)  # the CLI stops at eos
     assert res.returncode == 0, res.stderr
     ids_lines = [line for line in res.stdout.splitlines() if line.startswith("ids:")]
     assert ids_lines == ["ids: " + " ".join(map(str, ref))]
 
-
-@contextlib.contextmanager
-def _started(cmd, env, timeout=240):
-    """Starts `cmd` and yields a `CompletedProcess` that is filled in (stdout, stderr, exit status) once the
-    block has run and the command has ended: what the test computes meanwhile overlaps the command's
-    start-up and compile."""
-    res = subprocess.CompletedProcess(cmd, None)
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, env=env, text=True, stdout=out, stderr=err)
-        try:
-            yield res
-            proc.wait(timeout=timeout)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        out.seek(0), err.seek(0)
-        res.returncode, res.stdout, res.stderr = proc.returncode, out.read(), err.read()
 
 
 def test_generate_cli_prompt_ids_need_no_tokenizer(tmp_path):
@@ -446,7 +426,7 @@ def test_generate_cli_prompt_ids_need_no_tokenizer(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
     # Both commands and the reference at once: they are independent.
     ids, text = [*base, "--prompt-ids", "3,5,7"], [*base, "--prompt", "12+"]
-    with _started(ids, env) as res, _started(text, env) as bad:
+    with started(ids, env) as res, started(text, env) as bad:
         ref = _greedy_reference(p, [3, 5, 7], 4, cfg, stop=cfg.eos_token_id)
     assert res.returncode == 0, res.stderr
     assert "no tokenizer found" in res.stdout
