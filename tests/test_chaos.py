@@ -4,11 +4,11 @@ grades, checkpoint writes that fail (the checkpoint manager alone, and inside a 
 with restarts (seven 3-process runs) is a benchmark command (docs/history/benchmarks.md).
 
 Each scenario is its own `python -m benchmarks.chaos --scenario=...` command, as before; the scenarios this
-session collected start together (at most `_AT_ONCE` at a time) from one module fixture, and each test checks
-its own command's result. Most of a scenario's time is waiting (a SIGSTOPped process's heartbeat timeout, a
-slow reward, a restart), so running them side by side cut the six from ~150 s to ~XX s on the 2-core
-machine; the bounds each scenario asserts (a hang ended within the heartbeat timeout + 30 s) are checked
-by the tool itself, with its own clocks, as before."""
+session collected start from one module fixture, at most `_AT_ONCE` at a time, and each test checks its own
+command's result. Much of a scenario's time is waiting (a SIGSTOPped process's heartbeat timeout, a slow
+reward, a restart), which the others fill; the bounds a scenario asserts (a hang ended within the heartbeat
+timeout + 30 s) are measured by the tool itself, from the fault to the end, as before. The runs use the
+suite's compile cache (--compile-cache-dir), so their sampler processes load their programs too."""
 
 import json
 import os
