@@ -69,6 +69,7 @@ import time
 
 from absl import flags, logging
 
+from benchmarks import chaos_runs
 from benchmarks.chaos_runs import Run as _Run
 from benchmarks.chaos_runs import disk_full_run, hung_follower, random_kills
 from benchmarks.chaos_runs import ledger as _ledger
@@ -82,6 +83,9 @@ _HEARTBEAT = flags.DEFINE_integer("heartbeat-timeout-s", 10, "The processes' --h
 _WORKDIR = flags.DEFINE_string("workdir", "", "Where the runs write (default: a temporary directory).")
 _TIMEOUT = flags.DEFINE_float("timeout-s", 600.0, "Longest wait for one run.", lower_bound=1.0)
 _OUT = flags.DEFINE_string("out", "", "Also write the results as JSON here.")
+_COMPILE_CACHE = flags.DEFINE_string(
+    "compile-cache-dir", "", "Every run's config.compile_cache_dir: a run loads what earlier ones compiled."
+)
 _SEED = flags.DEFINE_integer("seed", 0, "Seeds the kills scenario's victims and times (replay a failure).")
 _KILLS = flags.DEFINE_integer("kills", 5, "SIGKILLs of the kills scenario (each followed by a restart).", 1)
 _RESTART_STEPS = flags.DEFINE_integer(
@@ -326,6 +330,7 @@ def main(argv) -> int:
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it reads (disk-run, kills)
     scenarios = SCENARIOS if _SCENARIO.value == "all" else [_SCENARIO.value]
+    chaos_runs.COMPILE_CACHE_DIR = _COMPILE_CACHE.value
     hb, timeout = _HEARTBEAT.value, _TIMEOUT.value
     results = []
     with tempfile.TemporaryDirectory() as tmp:

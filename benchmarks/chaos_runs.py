@@ -37,6 +37,9 @@ def get_config():
     return c
 """
 PROMPTS = 4  # per step, as CONFIG says
+# Every run's config.compile_cache_dir (chaos.py --compile-cache-dir; "" = none): runs after the first load
+# their programs, the sampler processes' too (runtime/compile_cache.py), instead of compiling them again.
+COMPILE_CACHE_DIR = ""
 
 # Process layouts: (processes, sampler processes, trainer processes, trainer mesh); None: one process.
 TWO = (2, "(1,)", "(0,)", "(1,1)")
@@ -61,6 +64,8 @@ class Run:
         with open(path, "w") as f:
             f.write(CONFIG.format(steps=steps, reward=reward, epochs=epochs))
         flags = [f"--config={path}", f"--config.workdir={workdir}", *extra]
+        if COMPILE_CACHE_DIR:
+            flags.append(f"--config.compile_cache_dir={COMPILE_CACHE_DIR}")
         if layout is None:
             cmd = module_command("run", *flags)
         else:

@@ -19,6 +19,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
+    # The same folder as the runs' config.compile_cache_dir, for the multi-process runs' configs that read
+    # this variable: JAX writes cache entries from process 0 only, so without it every sampler process of
+    # every multi-process test compiled all its programs again (about half of such a run's CPU time); with
+    # it those processes keep theirs in the folder's executable store (runtime/compile_cache.py) and later
+    # runs load them. Set only for a folder made here (private to this user, as the store requires).
+    os.environ["JAXRL_TESTS_COMPILE_CACHE_DIR"] = _xla_cache
 
 import sys  # noqa: E402
 

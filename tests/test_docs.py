@@ -167,13 +167,22 @@ def test_getting_started_generate_and_export_work_on_the_main_jobs_workdir(main_
     export = "jaxrl-export-hf runs/tiny_arith --out /tmp/tiny_arith_hf"
     assert generate in guide and export in guide
     hf = str(tmp_path / "hf")
-    outputs = []
+    procs = []  # the two side by side: each only reads the run
     for line in (generate, export):
         argv = shlex.split(line.replace("runs/tiny_arith", workdir).replace("/tmp/tiny_arith_hf", hf))
-        done = subprocess.run([*_script(argv[0]), *argv[1:]], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=300)  # fmt: skip
-        assert done.returncode == 0, (line, done.stderr[-3000:])
-        outputs.append(done.stdout)
+        procs.append(subprocess.Popen([*_script(argv[0]), *argv[1:]], cwd=REPO, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))  # fmt: skip
+    outputs = []
+    try:
+        for line, proc in zip((generate, export), procs, strict=True):
+            stdout, stderr = proc.communicate(timeout=300)
+            assert proc.returncode == 0, (line, stderr[-3000:])
+            outputs.append(stdout)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     assert "ids:" in outputs[0], outputs[0][-2000:]
     assert os.path.exists(os.path.join(hf, "config.json")) and glob.glob(os.path.join(hf, "*.safetensors"))
 

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -31,9 +32,29 @@ def get_config():
 
 
 def _python(*args, timeout=600):
+    return _pythons(args, timeout=timeout)[0]
+
+
+def _pythons(*commands, timeout=600) -> list[tuple[int, str]]:
+    """Runs the commands (each `python ARGS...`) side by side; (exit status, stdout + stderr) of each. They
+    read a finished run and write files of their own, so they need not wait for each other."""
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    res = subprocess.run([sys.executable, *args], env=env, text=True, capture_output=True, timeout=timeout)
-    return res.returncode, res.stdout + res.stderr
+    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in commands]
+    procs = [subprocess.Popen([sys.executable, *args], env=env, text=True, stdout=out, stderr=err)
+             for args, (out, err) in zip(commands, files, strict=True)]  # fmt: skip
+    try:
+        results = []
+        for p, (out, err) in zip(procs, files, strict=True):
+            p.wait(timeout=timeout)
+            out.seek(0), err.seek(0)
+            results.append((p.returncode, out.read() + err.read()))
+        return results
+    finally:
+        for p, (out, err) in zip(procs, files, strict=True):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            out.close(), err.close()
 
 
 def test_evaluate_gives_the_accuracies_the_run_logged(tmp_path):
@@ -45,19 +66,26 @@ def test_evaluate_gives_the_accuracies_the_run_logged(tmp_path):
     assert rc == 0, out[-3000:]
     logged = dict(read_scalars(str(work / "tb"))["eval/accuracy"])
     assert {1, 2} <= set(logged) and any(0 < a < 1 for a in logged.values()), logged  # not 0 == 0
-    report = tmp_path / "eval.json"
-    flags = [f"--config={config}", f"--checkpoint={work}", "--steps=1,2", f"--out={report}"]
-    rc, out = _python(*evaluate, *flags)
+    # The evaluations of the finished run, side by side (each a process of its own, reading the run).
+    report, train, expected = tmp_path / "eval.json", tmp_path / "train.json", tmp_path / "expected.json"
+    common = (*evaluate, f"--config={config}", f"--checkpoint={work}")
+    held_out, by_length, refused, letter_range, nowhere = _pythons(
+        (*common, "--steps=1,2", f"--out={report}"),
+        (*common, "--split=train", "--by_length", f"--out={train}"),
+        (*common, "--expected_reward"),
+        (*common, "--config.reward.reward=letter_range", "--steps=2", "--expected_reward",
+         f"--out={expected}"),
+        (*evaluate, f"--config={config}", f"--checkpoint={tmp_path / 'nowhere'}"),
+    )
+    rc, out = held_out
     assert rc == 0, out[-3000:]
     got = {int(v): a for v, a in json.loads(report.read_text()).items()}
     assert got == pytest.approx({v: logged[v] for v in (1, 2)}, abs=1e-6), (got, logged)
     assert "version 2: held-out accuracy" in out and "(24 prompts)" in out
     # The training split, per band of answer length: the bands weigh back to the version's accuracy.
-    report = tmp_path / "train.json"
-    flags = [f"--config={config}", f"--checkpoint={work}", "--split=train", "--by_length", f"--out={report}"]
-    rc, out = _python(*evaluate, *flags)
+    rc, out = by_length
     assert rc == 0, out[-3000:]
-    (version, got), = json.loads(report.read_text()).items()
+    (version, got), = json.loads(train.read_text()).items()
     assert version == "2" and f"version 2: train-split accuracy {got['accuracy']:.4f} (24 prompts)" in out
     bands = got["by_length"]
     assert len(bands) >= 3 and sum(b["prompts"] for b in bands.values()) == 24
@@ -65,15 +93,12 @@ def test_evaluate_gives_the_accuracies_the_run_logged(tmp_path):
     assert all(f"  answer {band} tokens: accuracy" in out for band in bands)
     # The expected reward: refused for a reward that accepts many completions, naming the field; given
     # with its standard error for letter_range's exact-match reward.
-    rc, out = _python(*evaluate, f"--config={config}", f"--checkpoint={work}", "--expected_reward")
+    rc, out = refused
     assert rc != 0 and "--expected_reward: config.reward.reward='format'" in out, out[-2000:]
-    report = tmp_path / "expected.json"
-    flags = [f"--config={config}", f"--checkpoint={work}", "--config.reward.reward=letter_range", "--steps=2",
-             "--expected_reward", f"--out={report}"]  # fmt: skip
-    rc, out = _python(*evaluate, *flags)
+    rc, out = letter_range
     assert rc == 0, out[-3000:]
-    got = json.loads(report.read_text())["2"]
+    got = json.loads(expected.read_text())["2"]
     assert 0 < got["expected_reward"] < 1 and 0 < got["expected_reward_stderr"] < got["expected_reward"]
     assert f"version 2: held-out expected reward {got['expected_reward']:.4f} +- " in out
-    rc, out = _python(*evaluate, f"--config={config}", f"--checkpoint={tmp_path / 'nowhere'}")
+    rc, out = nowhere
     assert rc != 0 and "--checkpoint" in out and "not a run of ours" in out

@@ -17,6 +17,12 @@ from jaxrl_async.model import ModelConfig, abstract_params
 from jaxrl_async.run_config import MeshConfig
 from jaxrl_async.runtime.cluster import ClusterError, Flags, Roles
 from jaxrl_async.runtime.metrics import read_scalars
+from tests.claims import (
+    assert_each_prompt_trained_once,
+    assert_staleness_bound,
+    final_coordinator_state,
+    read_ledger,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(REPO, "launch", "local_cluster.py")
@@ -24,11 +30,15 @@ LAUNCHER = os.path.join(REPO, "launch", "local_cluster.py")
 # The small run of test_orchestrator as a config file (a random model never solves addition: the reward
 # "contains a digit" gives every group signal).
 SMALL = """
+import os
+
 from configs import tiny_arith
 
 
 def get_config():
     c = tiny_arith.get_config()
+    # The suite's compile cache (tests/conftest.py): every process loads what an earlier test compiled.
+    c.compile_cache_dir = os.environ.get("JAXRL_TESTS_COMPILE_CACHE_DIR", "")
     c.total_steps, c.prompts_per_step, c.samples_per_prompt = 4, 4, 4
     c.eval_every, c.eval_prompts, c.max_staleness = 2, 16, 1
     c.sampler.num_slots = 8
@@ -74,6 +84,27 @@ def _checksums_equal_from(summary, start: int) -> None:
         assert sorted(got) == sorted(learner)
         for v in learner:
             assert got[v] == pytest.approx(learner[v], rel=1e-6), f"version {v}"
+
+
+def _beside_one_process(launch, flags: list[str], workdir):
+    """Runs the one-process reference run (`launch/run.py` with `flags`) while `launch()` runs the cluster:
+    the two are independent runs in workdirs of their own, and each is mostly one compile thread or
+    waiting on a peer, so side by side they take little more than the longer one. Returns (the cluster's
+    result, the reference run's `CompletedProcess`)."""
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, os.path.join(REPO, "launch", "run.py"), *flags]
+    with open(workdir / "run.out", "w+") as out, open(workdir / "run.err", "w+") as err:
+        proc = subprocess.Popen(cmd, env=env, text=True, stdout=out, stderr=err)
+        try:
+            res = launch()
+            proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        out.seek(0), err.seek(0)
+        one = subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
+    return res, one
 
 
 def test_roles_and_flags_are_validated_before_anything_connects():
@@ -143,7 +174,7 @@ def test_two_sampler_replicas_share_eta_get_every_version_and_only_actor_0_evalu
     _checksums_equal(summary)  # both replicas hold the trainer's weights after every version
     assert summary["max_admission_ahead"] <= 1 and summary["staleness_max"] <= 1
     scalars = read_scalars(str(tmp_path / "tb"))
-    assert all(v <= 1 for _, v in scalars["staleness/token_max"]) and len(scalars["staleness/token_max"]) == 4
+    assert_staleness_bound(scalars, eta=1, steps=4)  # claim 9's check, across both actors
     assert [e["step"] for e in summary["evals"]] == [0, 2, 4]
     assert "process 1 of 3: sampler 0" in res.stdout and "process 2 of 3: sampler 1" in res.stdout
 
@@ -161,14 +192,9 @@ def test_two_trainer_processes_match_one_process(tmp_path):
     multi = _flags(
         tmp_path / "multi", **common, **{"mesh.sampler_processes": "(2,)", "mesh.trainer_processes": "(0,1)"}
     )
-    res = _launch(3, 1, multi)
-    assert res.returncode == 0, res.stdout[-4000:]
     single = _flags(tmp_path / "single", **common)
-    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    one = subprocess.run(
-        [sys.executable, os.path.join(REPO, "launch", "run.py"), *single],
-        env=env, text=True, capture_output=True, timeout=600,
-    )  # fmt: skip
+    res, one = _beside_one_process(lambda: _launch(3, 1, multi), single, tmp_path / "single")
+    assert res.returncode == 0, res.stdout[-4000:]
     assert one.returncode == 0, one.stderr[-4000:]
     losses = {
         k: [v for _, v in read_scalars(str(tmp_path / k / "tb"))["loss/policy"]] for k in ("multi", "single")
@@ -252,16 +278,14 @@ def test_a_killed_process_ends_every_process(tmp_path, victim):
         summary = json.load(f)
     assert summary["steps"] == 5 and summary["evals"][0]["step"] >= 1  # from a checkpoint, not from 0
     _checksums_equal_from(summary, summary["evals"][0]["step"])
-    # The ledger across the kill: versions 1..5 without a gap, each trained on a full batch, and no
-    # prompt trained twice (a version retrained after the resume counts by its last line).
-    trained = {}
-    with open(tmp_path / "trained_uids.jsonl") as f:
-        for line in f:
-            row = json.loads(line)
-            trained[row["version"]] = row["uids"]
-    assert sorted(trained) == [1, 2, 3, 4, 5]
-    uids = [u for v in sorted(trained) for u in trained[v]]
-    assert all(len(trained[v]) == 4 for v in trained) and len(set(uids)) == len(uids), trained
+    # The ledger across the kill (claim 3; tests/claims.py, broken on purpose in test_claim_checks.py):
+    # versions 1..5 without a gap, each trained on a full batch, no prompt trained twice (a version
+    # retrained after the resume counts by its last line), and every prompt the coordinator started
+    # trained or still in flight at the last checkpoint: none lost across the kill.
+    state = final_coordinator_state(tmp_path)
+    assert state["version"] == 5 and state["filtered"] == 0, state
+    assert_each_prompt_trained_once(read_ledger(tmp_path), 5, 4, started=state["started"],
+                                    in_flight=[key for _, key in state["in_flight"]])  # fmt: skip
 
 
 def _start_running(tmp_path, flags, n=2, devices=1, timeout_s=300):
@@ -357,15 +381,11 @@ def test_replica_over_two_processes_decodes_as_one_process(tmp_path):
     logprobs equal the trainer's (is_weight = exp(trainer - sampler logprob) within 1e-5)."""
     common = {**REPLICA, "mode": "sync", "total_steps": 2, "eval_every": 0, "sampler.temperature": 0.0,
               "text_samples": 16}  # fmt: skip
-    res = _launch(3, 2, _flags(tmp_path / "multi", **common))
+    multi = _flags(tmp_path / "multi", **common)
+    single = _flags(tmp_path / "single", **common, **{"mesh.fake_cpu_devices": 6})
+    res, one = _beside_one_process(lambda: _launch(3, 2, multi), single, tmp_path / "single")
     assert res.returncode == 0, res.stdout[-4000:]
     assert "process 2 of 3: sampler 0 member 1" in res.stdout
-    single = _flags(tmp_path / "single", **common, **{"mesh.fake_cpu_devices": 6})
-    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    one = subprocess.run(
-        [sys.executable, os.path.join(REPO, "launch", "run.py"), *single],
-        env=env, text=True, capture_output=True, timeout=600,
-    )  # fmt: skip
     assert one.returncode == 0, one.stderr[-4000:]
     texts = {k: _texts(tmp_path / k / "tb") for k in ("multi", "single")}
     assert sorted(texts["multi"]) == [1, 2] and all(len(t) == 16 for t in texts["multi"].values())

@@ -3,7 +3,6 @@
 import json
 import os
 import re
-import subprocess
 import sys
 
 import jax
@@ -20,6 +19,8 @@ from jaxrl_async.runtime.orchestrator import run_from_config
 from jaxrl_async.runtime.weight_sync import checksum
 from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
 from jaxrl_async.tokenizer import CharTokenizer
+from tests.claims import assert_staleness_bound
+from tests.procs import started
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -124,10 +125,9 @@ def test_async_run_trains_syncs_respects_eta_and_writes_tags(tmp_path):
     # The staleness bound the config guarantees (eta = max_staleness = 1), at every step: no sample
     # started more than eta versions before the policy it trains, and no token came from an older policy
     # than its sample's first (tokens decoded after an in-flight update are newer, never older).
+    # (Claim 9: tests/claims.py, shown to fail on rollouts that break the bound in test_claim_checks.py.)
     assert summary["max_staleness"] == 1 and summary["staleness_max"] <= 1
-    head, token = ([v for _, v in scalars[f"staleness/{k}"]] for k in ("max", "token_max"))
-    assert len(head) == len(token) == 4
-    assert all(t <= h <= 1 for t, h in zip(token, head, strict=True)), (head, token)
+    assert_staleness_bound(scalars, eta=1, steps=4)
     with open(os.path.join(tmp_path, "summary.json")) as f:
         assert json.load(f)["steps"] == 4
 
@@ -147,15 +147,17 @@ def test_async_run_trains_syncs_respects_eta_and_writes_tags(tmp_path):
     cmd = [sys.executable, "-m", "jaxrl_async.cli.generate", "--checkpoint", str(tmp_path)]
     cmd += ["--prompt", "12+34=", "--max-new-tokens", "4", "--cpu-kernels"]
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    # ... and export to Hugging Face, side by side with the generate command (both only read the run).
+    out = str(tmp_path / "hf")
+    export = [sys.executable, "-m", "jaxrl_async.cli.export_hf", str(tmp_path), "--out", out]
+    with started(cmd, env) as res, started(export, env) as exported:
+        pass
     assert res.returncode == 0, res.stderr
     assert "policy version 4" in res.stdout
     assert len([line for line in res.stdout.splitlines() if line.startswith("ids:")]) == 1
 
-    # Export to Hugging Face: transformers loads it and gives our logits.
-    out = str(tmp_path / "hf")
-    cmd = [sys.executable, "-m", "jaxrl_async.cli.export_hf", str(tmp_path), "--out", out]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    # The export: transformers loads it and gives our logits.
+    res = exported
     assert res.returncode == 0 and "policy version 4" in res.stdout, res.stderr
     import torch
     import transformers

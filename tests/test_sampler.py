@@ -4,7 +4,6 @@ no recompilation inside a bucket, sharded == single device, and the generate CLI
 import functools
 import os
 import shutil
-import subprocess
 import sys
 
 import host_caps
@@ -25,6 +24,7 @@ from jaxrl_async.sampler import (
     sampling,
 )
 from jaxrl_async.sharding import SAMPLER_RULES, make_mesh
+from tests.procs import started
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # GQA + qkv bias + QK-norm exercise every branch of the decode layout; vocab 64 shards over tensor=2.
@@ -399,17 +399,13 @@ def test_generate_cli_on_hf_checkpoint(tmp_path, params):
         "--temperature",
         "0",
     ]
-    res = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"),
-    )
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    with started(cmd, env) as res:  # the reference below is computed while the command runs
+        ref = _greedy_reference(p, tok.encode(prompt), 5, cfg, stop=tok.eos_id)  # the CLI stops at eos
     assert res.returncode == 0, res.stderr
     ids_lines = [line for line in res.stdout.splitlines() if line.startswith("ids:")]
-    ref = _greedy_reference(p, tok.encode(prompt), 5, cfg, stop=tok.eos_id)  # the CLI stops at eos
     assert ids_lines == ["ids: " + " ".join(map(str, ref))]
+
 
 
 def test_generate_cli_prompt_ids_need_no_tokenizer(tmp_path):
@@ -428,17 +424,16 @@ def test_generate_cli_prompt_ids_need_no_tokenizer(tmp_path):
     ]
     base += ["--max-new-tokens", "4", "--temperature", "0"]
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-    res = subprocess.run(
-        [*base, "--prompt-ids", "3,5,7"], capture_output=True, text=True, timeout=240, env=env
-    )
+    # Both commands and the reference at once: they are independent.
+    ids, text = [*base, "--prompt-ids", "3,5,7"], [*base, "--prompt", "12+"]
+    with started(ids, env) as res, started(text, env) as bad:
+        ref = _greedy_reference(p, [3, 5, 7], 4, cfg, stop=cfg.eos_token_id)
     assert res.returncode == 0, res.stderr
     assert "no tokenizer found" in res.stdout
-    ref = _greedy_reference(p, [3, 5, 7], 4, cfg, stop=cfg.eos_token_id)
     assert [line for line in res.stdout.splitlines() if line.startswith("ids:")] == [
         "ids: " + " ".join(map(str, ref))
     ]
-    res = subprocess.run([*base, "--prompt", "12+"], capture_output=True, text=True, timeout=240, env=env)
-    assert res.returncode != 0 and "--prompt needs a tokenizer" in res.stderr and "--tokenizer" in res.stderr
+    assert bad.returncode != 0 and "--prompt needs a tokenizer" in bad.stderr and "--tokenizer" in bad.stderr
 
 
 def _need_cxx():
