@@ -147,6 +147,38 @@ def test_the_readme_main_job_runs_and_writes_tensorboard_events(main_job):
     assert "--config.workdir=runs/tiny_arith" in _readme_main_job()
 
 
+def test_the_readmes_other_run_commands_run_verbatim_in_cheap_forms(tmp_path):
+    """Every other `python launch/run.py` line of README (LoRA, multi-turn tools), verbatim with overrides
+    appended (a later flag wins): one step, no warm start, a tiny evaluation; the runs side by side."""
+    lines = [line for block in _code_blocks(_read(README)) for line in block.splitlines()]
+    others = [line for line in lines if line.startswith("python launch/run.py --config=configs/")
+              and not line.startswith("python launch/run.py --config=configs/tiny_arith.py")]  # fmt: skip
+    assert {"configs/tiny_arith_lora.py", "configs/calc_tool.py"} <= {
+        shlex.split(line)[2].partition("=")[2] for line in others
+    }
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    procs = []
+    for i, line in enumerate(others):
+        cheap = [f"--config.workdir={tmp_path / str(i)}", "--config.total_steps=1",
+                 "--config.warm_start.enabled=False", "--config.eval_prompts=8", "--config.eval_every=0",
+                 "--config.prompts_per_step=8"]  # fmt: skip
+        argv = shlex.split(line)
+        procs.append(subprocess.Popen([sys.executable, *argv[1:], *cheap], cwd=REPO, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))  # fmt: skip
+    try:
+        for line, proc in zip(others, procs, strict=True):
+            _, stderr = proc.communicate(timeout=600)
+            assert proc.returncode == 0, (line, stderr[-3000:])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for i in range(len(others)):
+        assert glob.glob(str(tmp_path / str(i) / "tb" / "events.out.tfevents.*")), others[i]
+
+
 def _script(name: str) -> list[str]:
     """A console script as the user types it, from this interpreter's environment (else its module)."""
     path = os.path.join(os.path.dirname(sys.executable), name)
