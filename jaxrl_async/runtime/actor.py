@@ -40,6 +40,7 @@ from jaxrl_async.runtime.messages import (
     TicketRequest,
     Tickets,
 )
+from jaxrl_async.runtime.metrics import IdleClock
 from jaxrl_async.runtime.rollout_groups import GroupAssembly
 from jaxrl_async.runtime.schedule_log import NoSchedule
 from jaxrl_async.runtime.tickets import TicketBook
@@ -116,9 +117,7 @@ class Actor:
                                           evaluation_for(run.env))  # fmt: skip
         self.version: int | None = None  # the policy version in use (None until the first arrives)
         self.done = False  # Stop arrived (the final report is sent)
-        self.idle_s = 0.0
-        self._idle_since: float | None = None
-        self._started = time.perf_counter()  # the clock of idle_s (ActorStats.wall_s)
+        self.idle = IdleClock()  # ActorStats.idle_s and wall_s
 
     @property
     def endpoint(self) -> str:
@@ -175,16 +174,8 @@ class Actor:
             self.rewards.wait(0.005)
         self._collect()
         self._send()
-        self._account_idle(t0, active or bool(new))
+        self.idle.round(t0, active or bool(new))  # nothing to decode or grade: idle time
         return active or bool(new)
-
-    def _account_idle(self, t0: float, busy: bool) -> None:
-        """Wall time with nothing to decode or grade (whatever the loop did meanwhile) is idle time."""
-        if busy and self._idle_since is not None:
-            self.idle_s += t0 - self._idle_since
-            self._idle_since = None
-        elif not busy and self._idle_since is None:
-            self._idle_since = t0
 
     def _start(self, tickets: Tickets) -> None:
         for request in self.tickets.grant(tickets):
@@ -254,7 +245,7 @@ class Actor:
             sample_tokens=self.groups.sample_tokens,
             completions=s.completions,
             occupancy=float(s.occupancy),
-            idle_s=self.idle_s + (now - self._idle_since if self._idle_since else 0.0),
+            idle_s=self.idle.idle_s(now),
             weight_s=self.arrivals.seconds,
             eval_s=ev.seconds,
             eval_spans=list(ev.spans),
@@ -264,7 +255,7 @@ class Actor:
             drained=self._drained(),
             checksums=dict(self.arrivals.checksums),
             reward_stats=self.rewards.stats() if final else None,
-            wall_s=now - self._started,
+            wall_s=self.idle.wall_s(now),
             env=None if self.episodes is None else self.episodes.stats(),
         )
 

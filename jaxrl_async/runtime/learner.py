@@ -144,6 +144,17 @@ class _InFlight:
     started: float
 
 
+@dataclasses.dataclass
+class _Totals:
+    """What the learner gathers over the run for its final summary."""
+
+    evals: list = dataclasses.field(default_factory=list)  # (version, accuracy, elapsed, expected reward)
+    checksums: dict = dataclasses.field(default_factory=dict)  # version -> checksum the samplers got
+    eval_s: float = 0.0  # seconds actor 0 spent evaluating
+    trained_tokens: int = 0
+    checkpoint_stall_s: list = dataclasses.field(default_factory=list)  # each save's hold on training
+
+
 class Learner:
     """The learner lead (see the module docstring).
 
@@ -167,15 +178,11 @@ class Learner:
         self.version = core.version
         self.inflight: _InFlight | None = None
         self.reports = ActorReports(cfg.actors)
-        self.evals: list[tuple] = []  # (version, accuracy, elapsed, expected reward or None)
-        self.checksums: dict[int, float] = {}
-        self.eval_s = 0.0
-        self.trained_tokens = 0
+        self.totals = _Totals()
         self.log = StepLog(writer, cfg.log.text_samples)
         self.done = False
         self.data_exhausted = False
         self.preempting = False
-        self.checkpoint_stall_s: list[float] = []
         train_cfg = core.train_cfg
         patience = train_cfg.dynamic_sampling_patience * cfg.schedule.prompts_per_step
         self.filter = GroupFilter(train_cfg.dynamic_sampling, patience)
@@ -256,7 +263,7 @@ class Learner:
             self.reports.work_coming()
 
     def _eval_of(self, version: int) -> float | None:
-        return next((e[1] for e in reversed(self.evals) if e[0] == version), None)
+        return next((e[1] for e in reversed(self.totals.evals) if e[0] == version), None)
 
     def _dispatch(self, groups) -> None:
         now = self.clock.dispatch()
@@ -282,7 +289,7 @@ class Learner:
         sync = self._publish()
         self.clock.idle()
         rollouts = [r for g in step.groups for r in g]
-        self.trained_tokens += sum(len(r.prompt_tokens) + len(r.completion_tokens) for r in rollouts)
+        self.totals.trained_tokens += sum(len(r.prompt_tokens) + len(r.completion_tokens) for r in rollouts)
         self.transport.send("coordinator", Trained(version, [g[0].group_id for g in step.groups]))
         metrics["zero_adv_skipped_frac"] = step.skipped / max(len(rollouts), 1)
         values = self._log_step(step.groups, metrics, step_s, sync)
@@ -318,7 +325,7 @@ class Learner:
         seconds = 0.0
         for message in self.core.publish_all():
             if message.checksum is not None:
-                self.checksums[message.version] = message.checksum
+                self.totals.checksums[message.version] = message.checksum
             for a in range(self.cfg.actors):
                 self.transport.send(f"actor:{a}", message)
             seconds += self.core.publisher.last_seconds
@@ -333,7 +340,7 @@ class Learner:
         for f in self.cfg.followers:
             self.transport.send(f, SaveCheckpoint(self.version, state, metrics, final))
         held = self.core.save(state, metrics, wait=final)
-        self.checkpoint_stall_s.append(held)
+        self.totals.checkpoint_stall_s.append(held)
         failed = self.core.checkpoints.failures if self.core.checkpoints is not None else 0
         self.writer.scalars(
             self.version, {"perf/checkpoint_stall_s": held, "perf/checkpoint_failures": failed}
@@ -341,9 +348,9 @@ class Learner:
         self.save_policy.saved_at = time.monotonic()
 
     def _record_eval(self, m: EvalResult) -> None:
-        self.eval_s += m.seconds
+        self.totals.eval_s += m.seconds
         elapsed = self.elapsed()
-        self.evals.append((m.version, m.accuracy, elapsed, m.expected_reward))
+        self.totals.evals.append((m.version, m.accuracy, elapsed, m.expected_reward))
         self.writer.scalars(m.version, {"eval/accuracy": m.accuracy})
         if m.expected_reward is None:
             log.info("version %d: held-out accuracy %.3f", m.version, m.accuracy)
@@ -356,7 +363,7 @@ class Learner:
     def _maybe_stop(self) -> None:
         quit_now = self.data_exhausted or self.preempting or self.no_signal or self.non_finite.stop
         finished = self.version >= self.cfg.schedule.total_steps or quit_now
-        last_eval = self.evals and self.evals[-1][0] >= self.version
+        last_eval = self.totals.evals and self.totals.evals[-1][0] >= self.version
         if finished and self.inflight is None and not self._stop_sent and (last_eval or quit_now):
             self.save(final=True)  # the final checkpoint, before the other trainer processes stop
             if self.preempting:
@@ -379,7 +386,7 @@ class Learner:
             f"learner: version {self.version}, step in flight: {self.inflight is not None}, "
             f"{self.queue.ready_groups()} groups ready ({self.groups_received} received, "
             f"{self.filter.filtered_total} filtered, {self.queue.dropped_groups} dropped as stale), "
-            f"last eval {self.evals[-1][0] if self.evals else None}"
+            f"last eval {self.totals.evals[-1][0] if self.totals.evals else None}"
         )
 
     def elapsed(self) -> float:
@@ -402,7 +409,7 @@ class Learner:
         # its denominator; per actor idle grows no faster than its clock, so the fraction stays <= 1
         # (an actor that had not reported yet counts from zero on both).
         sampler_idle_s, sampler_wall_s = self.reports.total("idle_s"), self.reports.total("wall_s")
-        totals = {"train_tokens_per_s": float(self.trained_tokens),
+        totals = {"train_tokens_per_s": float(self.totals.trained_tokens),
                   "sample_tokens_per_s": self.reports.total("sample_tokens"),
                   "sampler_idle_frac": sampler_idle_s, "sampler_wall_s": sampler_wall_s,
                   "trainer_idle_frac": self.clock.idle_s}  # fmt: skip
@@ -425,7 +432,7 @@ class Learner:
         synced = getattr(self.core.publisher, "last_bytes", None)  # publishers that count (LoRA's)
         if synced is not None:
             values["perf/weight_sync_bytes"] = float(synced)
-        times = {"time/elapsed_s": elapsed, "time/trained_tokens": float(self.trained_tokens),
+        times = {"time/elapsed_s": elapsed, "time/trained_tokens": float(self.totals.trained_tokens),
                  "time/trainer_idle_s": self.clock.idle_s,
                  "time/sampler_idle_s": sampler_idle_s, "time/sampler_wall_s": sampler_wall_s}  # fmt: skip
         return self.log.record(self.version, values, st, groups, times)
@@ -442,9 +449,9 @@ class Learner:
             # seconds to the end of this run's first train step: start-up (compiling, the first evaluation,
             # the first batch) and one step
             "first_step_s": self.step_spans[0][2] - start if self.step_spans else None,
-            "eval_s": self.eval_s,
+            "eval_s": self.totals.eval_s,
             "step_spans": list(self.step_spans),
-            "train_tokens_per_s": self.trained_tokens / train_wall,
+            "train_tokens_per_s": self.totals.trained_tokens / train_wall,
             "steady_train_tokens_per_s": steady_rate(hist),
             "steady_sampler_idle_frac": steady_rate(hist, "time/sampler_idle_s", "time/sampler_wall_s"),
             "steady_trainer_idle_frac": steady_rate(hist, "time/trainer_idle_s"),
@@ -461,7 +468,7 @@ class Learner:
             "train_step_s_mean": mean("perf/train_step_s"),
             # what the trainer pays per version, as a share of a train step (publish / step)
             "weight_sync_frac": mean("perf/weight_sync_s") / max(mean("perf/train_step_s"), 1e-9),
-            "checkpoint_stall_s": self.checkpoint_stall_s,
+            "checkpoint_stall_s": self.totals.checkpoint_stall_s,
             "checkpoint_failures": self.core.checkpoints.failures if self.core.checkpoints is not None else 0,
             "preempted": self.preempting,
             "dropped_groups": self.queue.dropped_groups,
@@ -471,10 +478,10 @@ class Learner:
             "stopped_non_finite": self.non_finite.stop,
             "dropped_lengths": self.queue.dropped_lengths,
             "evals": [{"step": s, "accuracy": a, "elapsed_s": e, "trained_s": trained.get(s),
-                       "expected_reward": x} for s, a, e, x in self.evals],  # fmt: skip
-            "final_accuracy": self.evals[-1][1] if self.evals else None,
-            "initial_accuracy": self.evals[0][1] if self.evals else None,
-            "weight_checksums": {"learner": self.checksums,
+                       "expected_reward": x} for s, a, e, x in self.totals.evals],  # fmt: skip
+            "final_accuracy": self.totals.evals[-1][1] if self.totals.evals else None,
+            "initial_accuracy": self.totals.evals[0][1] if self.totals.evals else None,
+            "weight_checksums": {"learner": self.totals.checksums,
                                  "actors": {i: s.checksums for i, s in self.reports.latest.items()}},
         }  # fmt: skip
 

@@ -125,3 +125,28 @@ def summary_line(step: int, values: Mapping[str, float], keys: tuple[str, ...]) 
             v = values[k]
             parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
     return " | ".join(parts)
+
+
+class IdleClock:
+    """A role's idle time: wall time of rounds that had nothing to do (the actor's "nothing to decode or
+    grade"), whatever its loop did meanwhile, counted from the first idle round to the next busy one."""
+
+    def __init__(self):
+        self.started = time.perf_counter()  # the clock of `wall_s`
+        self._idle_s = 0.0
+        self._since: float | None = None
+
+    def round(self, t0: float, busy: bool) -> None:
+        """Accounts for a round that began at `t0` (perf_counter) and was busy or not."""
+        if busy and self._since is not None:
+            self._idle_s += t0 - self._since
+            self._since = None
+        elif not busy and self._since is None:
+            self._since = t0
+
+    def idle_s(self, now: float) -> float:
+        return self._idle_s + (now - self._since if self._since is not None else 0.0)
+
+    def wall_s(self, now: float) -> float:
+        return now - self.started
+
