@@ -44,12 +44,7 @@ def _config(workdir, tool="calculator", **overrides):
     c.env.max_turns = 2
     c.env.max_observation_tokens = 24
     c.env.max_episode_tokens = 40
-    for k, v in overrides.items():
-        target = c
-        *path, last = k.split(".")
-        for p in path:
-            target = target[p]
-        target[last] = v
+    c.update_from_flattened_dict(overrides)  # "section.field" keys, type-checked as a flag would be
     return c
 
 

@@ -45,12 +45,7 @@ def _small(workdir, **overrides):
     # A random tiny model never solves addition; reward "contains a digit" (~50%) gives every group signal.
     c.reward.reward = "format"
     c.reward.defaults = {"format_regex": "[0-9]"}
-    for k, v in overrides.items():
-        target = c
-        *path, last = k.split(".")
-        for p in path:
-            target = target[p]
-        target[last] = v
+    c.update_from_flattened_dict(overrides)  # "section.field" keys, type-checked as a flag would be
     return c
 
 
