@@ -58,6 +58,8 @@ def cudnn_as_on_an_h100(monkeypatch):
 def _lower(layout: str, platform: str):
     get_config, preset = LAYOUTS[layout]
     c = get_config()
+    if (layout, platform) == ("math_8b", "tpu"):  # its v5p splits decode over both cores of a chip; "auto"
+        c.sampler.megacore = "kv_head"  # picks this there (asserted below), and one core here on CPU devices
     m = c.model
     model = presets.get(preset, dtype=m.dtype, param_dtype=m.param_dtype, attention=m.attention)
     sections = memory_sections(c.to_dict())
@@ -99,6 +101,13 @@ def test_every_program_of_the_flagship_layouts_lowers_for_the_target_with_its_ke
         for role in ("sampler", "eval"):
             smem = lowering.paged_table_smem_bytes(engines[role])
             assert smem <= paged.SMEM_TABLE_SHARE * paged.TPU_SMEM_BYTES, (layout, role, smem)
+            lay, cfg = engines[role].spec.cache.layout, engines[role].cfg
+            heads = lay.n_kv_heads // (lay.mesh.shape[lay.heads] if lay.heads else 1)
+            on_v5p = paged.megacore_mode("auto", "TPU v5p", heads, cfg.num_slots // lay.data)
+            assert lay.megacore == (on_v5p if layout == "math_8b" else None), (layout, role, lay.megacore)
+            kernels = lowering.mosaic_grids(programs[f"{role}/generate"])
+            grids = [grid for name, grid in kernels if name.startswith("paged_flash_attention")]
+            assert grids and all(g[0] == (2 if lay.megacore else 1) for g in grids), (layout, role, kernels)
 
 
 def test_cudnn_is_the_gpu_attention_at_the_trainer_row_shape(cudnn_as_on_an_h100):

@@ -390,3 +390,58 @@ def test_plan_sizes_paged_kv():
     assert 8 < tokens < 64 and plan["sequences_long_tail"] == 2 * int(plan["pages_per_device"] * 8 // tokens)
     assert plan["sequences_long_tail"] > plan["sequences_at_max_len"]
     assert plan["decode_batch_long_tail"] == 64  # capped by num_slots
+
+
+def test_megacore_splits_the_tpu_kernel_only_on_megacore_chips_and_refuses_what_would_hang():
+    """v4 and v5p (one JAX device per chip, two TensorCores) split the kernel's grid; other chips and
+    programs lowered here for an unknown chip run one core; an explicit split is refused where it could
+    hang (a chip without megacore) or cannot divide (odd heads or slots a shard), naming the field."""
+    for kind in ("TPU v4", "TPU v5", "TPU v5p"):
+        assert paged.megacore_mode("auto", kind, 2, 64) == "kv_head"  # math_8b: 8 KV heads over tensor 4
+        assert paged.megacore_mode("auto", kind, 1, 64) == "batch"
+        assert paged.megacore_mode("auto", kind, 1, 5) is None
+        assert paged.megacore_mode("off", kind, 2, 64) is None
+    for kind in ("TPU v5 lite", "TPU v6 lite", "TPU v4 lite", "TPU7x", ""):
+        assert paged.megacore_mode("auto", kind, 2, 64) is None
+    assert paged.megacore_mode("batch", "", 1, 64) == "batch"  # lowered for a target named by the config
+    for setting, kind, heads, slots, match in (
+        ("kv_head", "TPU v6 lite", 2, 64, "no megacore"),
+        ("kv_head", "TPU v5p", 1, 64, "even number of KV heads"),
+        ("batch", "TPU v5p", 2, 5, "even number of slots"),
+        ("both", "TPU v5p", 2, 64, "not in"),
+    ):
+        with pytest.raises(ValueError, match=f"SamplerConfig.megacore.*{match}"):
+            paged.megacore_mode(setting, kind, heads, slots)
+    with pytest.raises(ValueError, match="SamplerConfig.megacore has no effect"):
+        SamplerConfig(attention="xla", megacore="kv_head")
+    mesh = make_mesh((1, 1), ("data", "tensor"), jax.devices()[:1])  # the GPU kernel (interpreted here)
+    with pytest.raises(ValueError, match="SamplerConfig.megacore='batch': a TPU kernel setting"):
+        Engine(presets.tiny(), None, mesh, SamplerConfig(attention="paged_kernel", megacore="batch"))
+
+
+def test_the_tpu_kernel_split_over_two_cores_matches_the_reference_and_lowers_to_a_two_core_grid():
+    """Both megacore splits (interpreted on two simulated cores) attend like the reference, and lowered for
+    tpu the kernel's grid leads with the two cores (one without the split)."""
+    rng = np.random.default_rng(2)
+    b, h, g, k, ps, pages, width = 4, 4, 2, 32, 4, 24, 4
+    q = jnp.asarray(rng.standard_normal((b, h, k), np.float32))
+    kpool, vpool = (jnp.asarray(rng.standard_normal((g, pages, ps, k), np.float32)) for _ in range(2))
+    table = jnp.asarray(rng.permutation(np.arange(1, pages))[: b * width].reshape(b, width).astype(np.int32))
+    lengths = jnp.asarray([1, 7, 16, 11], jnp.int32)
+    ref = paged.reference_attention(q, kpool, vpool, lengths, table)
+    for megacore in ("kv_head", "batch"):
+        lay = paged.PagedLayout(MESH1, g, k, ps, pages, width, "tpu", True, megacore)
+        out = paged._attend_local(lay, q, kpool, vpool, lengths, table)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=3e-2, rtol=0)
+    from jaxrl_async.runtime import lowering
+
+    k, ps, width = 128, 16, 8  # a device's blocks: 8 pages of 16 positions, lanes of 128
+    shapes = ((b, h, k), (g, pages, ps, k), (g, pages, ps, k), (b,), (b, width))
+    dtypes = [jnp.bfloat16] * 3 + [jnp.int32] * 2
+    spec = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes, strict=True)]
+    for megacore, cores in ((None, 1), ("kv_head", 2), ("batch", 2)):
+        lay = paged.PagedLayout(MESH1, g, k, ps, pages, width, "tpu", False, megacore)
+        traced = jax.jit(lambda *a, lay=lay: paged._attend_local(lay, *a)).trace(*spec)
+        low = traced.lower(lowering_platforms=("tpu",))
+        ((_, grid),) = lowering.mosaic_grids(low)
+        assert grid[0] == cores, (megacore, grid)

@@ -20,6 +20,7 @@ its call's page table in scalar memory (the engine refuses a layout over budget,
 
 from __future__ import annotations
 
+import base64
 import re
 import time
 
@@ -52,6 +53,26 @@ def custom_calls(lowered) -> set[str]:
 def has_call(calls: set[str], names: tuple[str, ...]) -> bool:
     """Whether any target in `calls` starts with one of `names`."""
     return any(c.startswith(n) for c in calls for n in names)
+
+
+def mosaic_grids(lowered) -> list[tuple[str, tuple[int, ...]]]:
+    """(kernel name, grid) of each Mosaic kernel call in a program lowered for tpu: the kernel bodies,
+    serialized MLIR in the calls' configs, decoded with the TPU dialect jaxlib ships. The TPU paged
+    kernel's grid leads with its core count: 2 where it splits over a megacore chip's two TensorCores."""
+    from jax._src.lib import tpu
+    from jax._src.lib.mlir import ir
+
+    grids = []
+    for call in lowered.as_text().split("@tpu_custom_call")[1:]:
+        body = re.search(r"body\\22: \\22([A-Za-z0-9+/=]+)", call).group(1)
+        name = re.search(r'kernel_name = "(\w+)"', call)
+        with ir.Context() as ctx:
+            ctx.allow_unregistered_dialects = True  # the "stable_mosaic" version wrapper
+            tpu.register_dialect(ctx)
+            text = str(ir.Module.parse(base64.b64decode(body)))
+        bounds = re.search(r"iteration_bounds = array<i64: ([\d, ]+)>", text).group(1)
+        grids.append((name.group(1) if name else "", tuple(int(b) for b in bounds.split(","))))
+    return grids
 
 
 def paged_table_smem_bytes(engine: Engine) -> int:

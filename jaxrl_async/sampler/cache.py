@@ -142,6 +142,7 @@ class PagedCache:
         usable, per_seq = lay.pages_per_shard - 1, pages_for(self.capacity, c.page_size)
         splits, per_block = lay.blocks
         kernel = f"{lay.impl} kernel" + (", interpreted" if lay.interpret else "")
+        kernel += f", megacore over {lay.megacore}" if lay.megacore else ""
         return (
             f"paged, {lay.data} data shard(s) of {usable} pages of {c.page_size} positions and a scratch "
             f"page (token_budget {c.token_budget}): {usable // per_seq} sequences of {self.capacity} "

@@ -7,6 +7,7 @@ import dataclasses
 ATTENTION = ("auto", "xla", "paged_kernel", "cpu_kernel")  # values of SamplerConfig.attention
 LINEAR = ("auto", "xla", "cpu_kernel")  # values of SamplerConfig.linear
 UPDATE_MODES = ("keep_kv", "recompute_kv", "finish")
+MEGACORE = ("auto", "kv_head", "batch", "off")  # values of SamplerConfig.megacore (sampler/paged.py)
 LORA_APPLY = ("merge", "unmerged")  # values of SamplerConfig.lora_apply
 
 
@@ -61,6 +62,9 @@ class SamplerConfig:
         in 16-row panels at each weight update; all cores; same limits as attention="cpu_kernel") or "auto"
         (timed with `attention` on one float32 CPU device, else xla).
       page_size: KV positions per page of the paged cache (attention="paged_kernel").
+      megacore: how the TPU paged kernel uses a megacore chip's two TensorCores (v4, v5p): "auto" (split
+        over KV heads where a shard's are even, else over slots; one core on other chips), "kv_head",
+        "batch" or "off" (one core). Read by the TPU kernel only (`paged.megacore_mode`).
       lora_apply: how a LoRA run's (config.trainer.lora) sampler applies each version's adapters:
         "merge" writes W + (alpha/r)·A·B into its copy of the base once per version; "unmerged" keeps the
         base's decode layout and adds (x·A)·B in every matmul, so a version lays out only the adapters.
@@ -85,6 +89,7 @@ class SamplerConfig:
     attention: str = "auto"
     linear: str = "auto"
     page_size: int = 16
+    megacore: str = "auto"
     lora_apply: str = "unmerged"
 
     def __post_init__(self):
@@ -127,6 +132,8 @@ class SamplerConfig:
         for name, allowed in (("attention", ATTENTION), ("linear", LINEAR)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"SamplerConfig.{name}={getattr(self, name)!r} not in {allowed}")
+        if self.megacore not in MEGACORE:
+            raise ValueError(f"SamplerConfig.megacore={self.megacore!r} not in {MEGACORE}")
         if self.lora_apply not in LORA_APPLY:
             raise ValueError(f"SamplerConfig.lora_apply={self.lora_apply!r} not in {LORA_APPLY}")
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
@@ -149,10 +156,11 @@ class SamplerConfig:
             )
         if self.top_p == 1.0 and self.top_p_candidates != default["top_p_candidates"]:
             raise ValueError("SamplerConfig.top_p_candidates has no effect with top_p=1.0 (no nucleus)")
-        if self.attention in ("xla", "cpu_kernel") and self.page_size != default["page_size"]:
-            raise ValueError(
-                f"SamplerConfig.page_size has no effect with attention={self.attention!r} (a slotted cache)"
-            )
+        for name in ("page_size", "megacore"):
+            if self.attention in ("xla", "cpu_kernel") and getattr(self, name) != default[name]:
+                raise ValueError(
+                    f"SamplerConfig.{name} has no effect with attention={self.attention!r} (a slotted cache)"
+                )
 
     def check_slotted(self) -> None:
         """Raises ValueError unless every slot of a slotted cache can hold a prompt of max_prompt_len."""

@@ -30,11 +30,16 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxrl_async.sampler.config import MEGACORE
 from jaxrl_async.sampler.layout import POOL_AXES
 from jaxrl_async.sampler.page_table import SCRATCH, pages_for
 from jaxrl_async.sharding import SAMPLER_RULES
 
 IMPLS = ("tpu", "gpu")
+# Device kinds of the chips whose two TensorCores JAX presents as one device (jax's Pallas TPU chip table:
+# v4 and v5p). The TPU kernel splits its grid over the two cores only when told, and its documentation
+# warns that it may hang when told so on a chip without megacore.
+MEGACORE_KINDS = ("TPU v4", "TPU v5", "TPU v5p")
 
 
 def default_impl(platform: str) -> tuple[str, bool]:
@@ -58,6 +63,8 @@ class PagedLayout:
       width: page-table columns per slot (pages of the longest sequence, rounded up for the kernel).
       impl: "tpu" or "gpu" (which Pallas kernel).
       interpret: run the kernel in Pallas interpret mode (CPU).
+      megacore: how the TPU kernel splits its grid over a megacore chip's two TensorCores: "kv_head",
+        "batch" or None (one core; `megacore_mode`).
     """
 
     mesh: Mesh
@@ -68,10 +75,13 @@ class PagedLayout:
     width: int
     impl: str
     interpret: bool
+    megacore: str | None = None
 
     def __post_init__(self):
         if self.impl not in IMPLS:
             raise ValueError(f"paged kernel {self.impl!r} not in {IMPLS}")
+        if self.megacore is not None and self.impl != "tpu":
+            raise ValueError(f"megacore={self.megacore!r} is a TPU kernel setting, not {self.impl!r}'s")
 
     @property
     def data(self) -> int:
@@ -116,6 +126,45 @@ class PagedLayout:
 # own (vllm-project/vllm#16871), after SMEM OOMs from this kernel at long contexts (#9350). Same bound here.
 TPU_SMEM_BYTES = 1 << 20
 SMEM_TABLE_SHARE = 0.5
+
+
+def megacore_mode(setting: str, device_kind: str, local_kv_heads: int, local_slots: int) -> str | None:
+    """The TPU kernel's `megacore_mode` for SamplerConfig.megacore = `setting` on devices of `device_kind`
+    ("" when unknown: a program lowered here for a TPU target, or the interpreter).
+
+    "auto" splits over KV heads where a shard's heads are even, else over its slots where they are even,
+    on the megacore chips (`MEGACORE_KINDS`) only; anywhere else one core. "kv_head" or "batch" is used as
+    given; it is refused on a TPU known to have no megacore (the kernel may hang there) and where the
+    shard's heads (slots) are odd, naming the field.
+    """
+    if setting not in MEGACORE:
+        raise ValueError(f"SamplerConfig.megacore={setting!r} not in {MEGACORE}")
+    if setting == "off":
+        return None
+    if setting == "auto":
+        if device_kind not in MEGACORE_KINDS:
+            return None
+        return "kv_head" if local_kv_heads % 2 == 0 else "batch" if local_slots % 2 == 0 else None
+    if device_kind.startswith("TPU") and device_kind not in MEGACORE_KINDS:
+        raise ValueError(
+            f"SamplerConfig.megacore={setting!r}: {device_kind} has no megacore (one TensorCore a device); "
+            'the kernel may hang. Use "auto" or "off"'
+        )
+    count, name = (local_kv_heads, "KV heads") if setting == "kv_head" else (local_slots, "slots")
+    if count % 2:
+        raise ValueError(
+            f"SamplerConfig.megacore={setting!r} needs an even number of {name} per shard, not {count}"
+        )
+    return setting
+
+
+def _device_kind(mesh: Mesh) -> str:
+    """The TPU kind the engine runs on ("" off TPU). A megacore chip run with one device per TensorCore
+    (a device with core_on_chip 1 exists) is no megacore device."""
+    dev = mesh.devices.flat[0]
+    if dev.platform != "tpu" or any(getattr(d, "core_on_chip", 0) for d in mesh.devices.flat):
+        return ""
+    return dev.device_kind
 
 
 def table_smem_bytes(slots_per_shard: int, width: int) -> int:
@@ -185,9 +234,16 @@ def engine_layout(mesh: Mesh, model_cfg, cfg) -> PagedLayout:
             f"is a {smem / 2**10:.0f} KiB page table per TPU kernel call, over {SMEM_TABLE_SHARE:.0%} of the "
             f"{TPU_SMEM_BYTES // 2**10} KiB of scalar memory; use fewer slots per data shard or larger pages"
         )
-    return PagedLayout(
+    layout = PagedLayout(
         mesh, model_cfg.n_kv_heads, model_cfg.head_dim, cfg.page_size, usable + 1, width, impl, interpret
     )
+    if impl != "tpu":
+        if cfg.megacore not in ("auto", "off"):
+            raise ValueError(f"SamplerConfig.megacore={cfg.megacore!r}: a TPU kernel setting, not {impl}")
+        return layout
+    heads = layout.n_kv_heads // (mesh.shape[layout.heads] if layout.heads else 1)
+    megacore = megacore_mode(cfg.megacore, _device_kind(mesh), heads, cfg.num_slots // data)
+    return dataclasses.replace(layout, megacore=megacore)
 
 
 def _attend_local(layout: PagedLayout, q_BxHxK, kpool, vpool, lengths_B, table_BxW):
@@ -205,9 +261,14 @@ def _attend_local(layout: PagedLayout, q_BxHxK, kpool, vpool, lengths_B, table_B
     else:
         from jax.experimental.pallas import tpu as pltpu
 
-        interpret = pltpu.force_tpu_interpret_mode() if layout.interpret else contextlib.nullcontext()
+        # The interpreter runs a megacore split's core axis on two simulated cores; on one it hangs.
+        cores = pltpu.InterpretParams(num_cores_or_threads=2 if layout.megacore else 1)
+        interpret = pltpu.force_tpu_interpret_mode(cores) if layout.interpret else contextlib.nullcontext()
         with interpret:
-            out = tpu_paged(q_BxHxK, kpool, vpool, lengths_B, table_BxW, pages_per_compute_block=per_block)
+            out = tpu_paged(
+                q_BxHxK, kpool, vpool, lengths_B, table_BxW, pages_per_compute_block=per_block,
+                megacore_mode=layout.megacore,
+            )  # fmt: skip
     return out
 
 
