@@ -48,6 +48,69 @@ def _config(workdir, tool="calculator", **overrides):
     return c
 
 
+ANSWER_REWARD = """
+import time
+
+
+def grade(prompt, completion, metadata):
+    if completion == "boom":
+        raise RuntimeError("boom")
+    if completion == "hang":
+        time.sleep(600)
+    return 1.0
+"""
+
+
+def test_a_reward_that_raises_or_hangs_on_an_episode_answer_scores_0(tmp_path, monkeypatch):
+    """The actor's grading of episodes (GroupAssembly.submit_episodes and the reward service): answer turns
+    whose reward raises or hangs score 0 with their reason, the group still goes to the learner with every
+    episode's mask, and the service grades on. The time-out runs on a clock the test advances."""
+    from jaxrl_async.data.prompt import Prompt
+    from jaxrl_async.envs.episode import Episode
+    from jaxrl_async.rewards import RewardConfig
+    from jaxrl_async.rewards.service import RewardService
+    from jaxrl_async.runtime.rollout_groups import GroupAssembly
+    from jaxrl_async.tokenizer import CharTokenizer
+
+    (tmp_path / "episode_rewards_q55.py").write_text(ANSWER_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the spawned workers inherit sys.path
+    tok, now = CharTokenizer(), [0.0]
+    cfg = RewardConfig(reward="episode_rewards_q55:grade", num_workers=2, timeout_s=1.0,
+                       imports=("episode_rewards_q55",))  # fmt: skip
+    prompt = Prompt("p0", "1+2=", np.asarray(tok.encode("1+2="), np.int32), "3", {"answer": "3", "task": "t"})
+    with RewardService(cfg, clock=lambda: now[0]) as svc:
+        svc.wait_ready()
+        groups = GroupAssembly(3, cfg, 16, svc, tok)
+        finished = []
+        for i, answer in enumerate(["3", "boom", "hang"]):
+            e = Episode(np.asarray(prompt.tokens), uid=5, sample_index=i)
+            call, text = tok.encode("<tool>1+2</tool>"), tok.encode(answer)
+            e.add_turn(call, [0.0] * len(call), [0] * len(call))
+            e.add_observation(tok.encode("<result>3</result>"))
+            e.add_turn(text, [0.0] * len(text), [0] * len(text))
+            e.finish_reason = "answer"
+            finished.append((e, prompt))
+        groups.submit_episodes(finished)
+        results, deadline = [], time.monotonic() + 120  # a guard against a hang, not a timing
+        while len(results) < 2:  # the clock stands still: only the hanging call is left in flight
+            assert time.monotonic() < deadline, results
+            svc.wait(0.5)
+            results += svc.poll()
+        now[0] += cfg.timeout_s + 0.5
+        while len(results) < 3:
+            assert time.monotonic() < deadline, results
+            svc.wait(0.5)
+            results += svc.poll()
+        for r in results:
+            groups.add(r)
+        (group,) = groups.take_ready()
+        assert [(r.reward, r.metadata["reason"]) for r in group] == [
+            (1.0, "ok"), (0.0, "error:RuntimeError"), (0.0, "timeout")]  # fmt: skip
+        for r, (e, _) in zip(group, finished, strict=True):
+            assert list(r.model_mask) == e.model_mask and r.finish_reason == "answer"
+        assert svc.grade_batch([("1+2=", "3", {"answer": "3"})], timeout=60) == [1.0]  # it grades on
+
+
 # In-flight weight updates keep their modes: async runs swap versions while episodes are parked (recompute_kv
 # rebuilds their caches, observations included; finish lets running turns end and not parked episodes).
 MODES = [("sync", "keep_kv"), ("async", "recompute_kv"), ("async", "finish")]
