@@ -308,9 +308,11 @@ def test_episode_metrics_count_turns_tools_and_observation_tokens():
     assert 0 < m["env/observation_token_fraction"] < 1
 
 
-def test_a_multi_turn_request_is_refused_on_a_replica_that_spans_processes():
-    from jaxrl_async.runtime.replica import as_member_request
+def test_a_multi_turn_request_reaches_a_replica_member_as_one():
+    from jaxrl_async.runtime.replica import as_member_request, as_request
     from jaxrl_async.sampler import Request
 
-    with pytest.raises(ValueError, match="spans processes"):
-        as_member_request(Request(1, [1, 2], park=True))
+    for park in (True, False):
+        got = as_request(as_member_request(Request(1, (1, 2), 3, 7, 16, park=park)))
+        assert (got.uid, got.prompt_tokens, got.n_samples, got.seed, got.max_new_tokens, got.park) == (
+            1, (1, 2), 3, 7, 16, park)  # fmt: skip

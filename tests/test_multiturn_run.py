@@ -248,18 +248,6 @@ def test_every_env_tag_is_documented():
     assert [tag for tag in ENV_TAGS if f"`{tag}`" not in text] == []
 
 
-def test_a_sampler_replica_that_spans_processes_refuses_episodes_naming_the_field(tmp_path, monkeypatch):
-    import types
-
-    from jaxrl_async.runtime.build import validate_for
-    from jaxrl_async.runtime.cluster import Roles
-
-    monkeypatch.syspath_prepend(TESTS)
-    cluster = types.SimpleNamespace(roles=Roles(3, (1,), (0,), replicas=((1, 2),)))
-    with pytest.raises(ConfigError, match=r"config\.env\.enabled: .*spans processes \(processes \[1, 2\]"):
-        validate_for(_config(tmp_path), cluster)
-
-
 TWO_PROCESS_CONFIG = """
 import sys
 
@@ -293,3 +281,47 @@ def test_a_two_process_run_with_tools_trains(tmp_path):
     tags = read_scalars(str(tmp_path / "tb"))
     assert tags["env/turns_per_episode"][-1][1] == 2.0 and tags["env/observation_token_fraction"][-1][1] > 0.2
     assert tags["env/tool_calls"][-1][1] >= 2 * 4 * 4
+
+
+def test_a_replica_that_spans_processes_runs_episodes_as_one_process(tmp_path):
+    """A (2, 2) sampler replica over processes 1 and 2 (2 CPU devices each) and a trainer process, sync and
+    greedy, evaluating versions 0 and 2 while it samples: the member makes the leader's queueing, resumes
+    (`Engine.extend` on the mesh) and finishes of both loops at the same points (`replica.MirroredLoop`),
+    so it decodes what the leader does, and the episodes, their evaluations and the losses are those of
+    the same meshes in one process."""
+    import json
+
+    from tests.test_multiprocess import _beside_one_process, _launch, _texts
+
+    path = tmp_path / "config.py"
+    path.write_text(TWO_PROCESS_CONFIG.format(tests=TESTS, repo=REPO))
+    common = {"mesh.sampler": "(2,2)", "mesh.trainer": "(2,1)", "mode": "sync", "sampler.temperature": 0.0,
+              "text_samples": 16, "eval_every": 2}  # fmt: skip
+    if os.environ.get("JAXRL_TESTS_COMPILE_CACHE_DIR"):  # the suite's compile cache (tests/conftest.py)
+        common["compile_cache_dir"] = os.environ["JAXRL_TESTS_COMPILE_CACHE_DIR"]
+    flags = lambda name, **more: [f"--config={path}", f"--config.workdir={tmp_path / name}"] + [  # noqa: E731
+        f"--config.{k}={v}" for k, v in {**common, **more}.items()
+    ]
+    (tmp_path / "single").mkdir()
+    single = flags("single", **{"mesh.fake_cpu_devices": 6})
+    res, one = _beside_one_process(lambda: _launch(3, 2, flags("multi")), single, tmp_path / "single")
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert "process 2 of 3: sampler 0 member 1" in res.stdout
+    assert one.returncode == 0, one.stderr[-4000:]
+    summaries = {}
+    for name in ("multi", "single"):
+        with open(tmp_path / name / "summary.json") as f:
+            summaries[name] = json.load(f)
+    (rec,) = summaries["multi"]["replicas"].values()
+    (member,) = rec["members"].values()
+    assert member["tokens_generated"] == rec["tokens_generated"] > 0
+    assert member["applied_at"] == rec["applied_at"]
+    evals = {k: [(e["step"], e["accuracy"]) for e in s["evals"]] for k, s in summaries.items()}
+    assert [step for step, _ in evals["multi"]] == [0, 2] and evals["multi"] == evals["single"]
+    texts = {k: _texts(tmp_path / k / "tb") for k in ("multi", "single")}
+    assert sorted(texts["multi"]) == [1, 2] and texts["multi"] == texts["single"]
+    assert all("<result>" in t for ts in texts["multi"].values() for t in ts)  # whole episodes
+    scalars = {k: read_scalars(str(tmp_path / k / "tb")) for k in ("multi", "single")}
+    assert scalars["multi"]["env/tool_calls"][-1][1] >= 2 * 4 * 4
+    loss = {k: [v for _, v in s["loss/policy"]] for k, s in scalars.items()}
+    assert loss["multi"] == pytest.approx(loss["single"], abs=1e-5)
