@@ -9,8 +9,8 @@ as a remote tool would). Two ways to run the same episodes on the same engine, s
   - driver: `envs.driver.EpisodeDriver`: tools run in a thread pool while the other slots decode, the
     parked slots waiting for their answers.
 Reported: wall seconds, model tokens/s, and the parked-slot fraction, with the CPU model and load average.
-Sampler-level figures: the run's trained tokens/s with tools (issue 55's sync vs async goal) need the
-actor integration, which is not built yet.
+Sampler-level figures: the run's trained tokens/s with injected tool latency, sync against async (issue
+55's goal), is benchmarks/bench_tool_runs.py.
 """
 
 from __future__ import annotations

@@ -192,6 +192,25 @@ def test_tool_env_answers_a_call_and_grades_the_answer():
     assert ex.stats.take()["calls"] == 1
 
 
+def test_the_tool_latency_benchmark_environment_delays_every_call_and_refuses_no_latency(monkeypatch):
+    """benchmarks/bench_tool_runs.py's environment: each call the ToolEnv runs goes through the slowed
+    executor (counted; answers and counters unchanged); a run without the latency variable fails."""
+    from benchmarks import tool_latency_env
+
+    _, ex, cfg = _env()
+    monkeypatch.delenv(tool_latency_env.LATENCY_VAR, raising=False)
+    with pytest.raises(ValueError, match=tool_latency_env.LATENCY_VAR):
+        tool_latency_env.slow_calls(cfg, CharTokenizer(), ex)
+    monkeypatch.setenv(tool_latency_env.LATENCY_VAR, "1")
+    env = tool_latency_env.slow_calls(cfg, CharTokenizer(), ex)({"answer": "408"})
+    for _ in range(2):
+        r = env.step("<tool name=calculator>12*34</tool>")
+        assert CharTokenizer().decode(r.observation) == "<result>408</result>"
+    env.step("<tool name=calculator>12*</tool>")  # a tool error: still a call the executor ran
+    assert env.executor.latency_s == 0.001 and env.executor.delayed == 3
+    assert env.step("no call").done and ex.stats.take()["calls"] == 3
+
+
 def test_tool_env_bounds_observations_and_keeps_the_markers():
     tok = CharTokenizer()
     env, ex, cfg = _env(("test_flood", "test_hostile"), max_observation_tokens=60, max_turns=5)
@@ -308,9 +327,11 @@ def test_episode_metrics_count_turns_tools_and_observation_tokens():
     assert 0 < m["env/observation_token_fraction"] < 1
 
 
-def test_a_multi_turn_request_is_refused_on_a_replica_that_spans_processes():
-    from jaxrl_async.runtime.replica import as_member_request
+def test_a_multi_turn_request_reaches_a_replica_member_as_one():
+    from jaxrl_async.runtime.replica import as_member_request, as_request
     from jaxrl_async.sampler import Request
 
-    with pytest.raises(ValueError, match="spans processes"):
-        as_member_request(Request(1, [1, 2], park=True))
+    for park in (True, False):
+        got = as_request(as_member_request(Request(1, (1, 2), 3, 7, 16, park=park)))
+        assert (got.uid, got.prompt_tokens, got.n_samples, got.seed, got.max_new_tokens, got.park) == (
+            1, (1, 2), 3, 7, 16, park)  # fmt: skip

@@ -48,6 +48,69 @@ def _config(workdir, tool="calculator", **overrides):
     return c
 
 
+ANSWER_REWARD = """
+import time
+
+
+def grade(prompt, completion, metadata):
+    if completion == "boom":
+        raise RuntimeError("boom")
+    if completion == "hang":
+        time.sleep(600)
+    return 1.0
+"""
+
+
+def test_a_reward_that_raises_or_hangs_on_an_episode_answer_scores_0(tmp_path, monkeypatch):
+    """The actor's grading of episodes (GroupAssembly.submit_episodes and the reward service): answer turns
+    whose reward raises or hangs score 0 with their reason, the group still goes to the learner with every
+    episode's mask, and the service grades on. The time-out runs on a clock the test advances."""
+    from jaxrl_async.data.prompt import Prompt
+    from jaxrl_async.envs.episode import Episode
+    from jaxrl_async.rewards import RewardConfig
+    from jaxrl_async.rewards.service import RewardService
+    from jaxrl_async.runtime.rollout_groups import GroupAssembly
+    from jaxrl_async.tokenizer import CharTokenizer
+
+    (tmp_path / "episode_rewards_q55.py").write_text(ANSWER_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the spawned workers inherit sys.path
+    tok, now = CharTokenizer(), [0.0]
+    cfg = RewardConfig(reward="episode_rewards_q55:grade", num_workers=2, timeout_s=1.0,
+                       imports=("episode_rewards_q55",))  # fmt: skip
+    prompt = Prompt("p0", "1+2=", np.asarray(tok.encode("1+2="), np.int32), "3", {"answer": "3", "task": "t"})
+    with RewardService(cfg, clock=lambda: now[0]) as svc:
+        svc.wait_ready()
+        groups = GroupAssembly(3, cfg, 16, svc, tok)
+        finished = []
+        for i, answer in enumerate(["3", "boom", "hang"]):
+            e = Episode(np.asarray(prompt.tokens), uid=5, sample_index=i)
+            call, text = tok.encode("<tool>1+2</tool>"), tok.encode(answer)
+            e.add_turn(call, [0.0] * len(call), [0] * len(call))
+            e.add_observation(tok.encode("<result>3</result>"))
+            e.add_turn(text, [0.0] * len(text), [0] * len(text))
+            e.finish_reason = "answer"
+            finished.append((e, prompt))
+        groups.submit_episodes(finished)
+        results, deadline = [], time.monotonic() + 120  # a guard against a hang, not a timing
+        while len(results) < 2:  # the clock stands still: only the hanging call is left in flight
+            assert time.monotonic() < deadline, results
+            svc.wait(0.5)
+            results += svc.poll()
+        now[0] += cfg.timeout_s + 0.5
+        while len(results) < 3:
+            assert time.monotonic() < deadline, results
+            svc.wait(0.5)
+            results += svc.poll()
+        for r in results:
+            groups.add(r)
+        (group,) = groups.take_ready()
+        assert [(r.reward, r.metadata["reason"]) for r in group] == [
+            (1.0, "ok"), (0.0, "error:RuntimeError"), (0.0, "timeout")]  # fmt: skip
+        for r, (e, _) in zip(group, finished, strict=True):
+            assert list(r.model_mask) == e.model_mask and r.finish_reason == "answer"
+        assert svc.grade_batch([("1+2=", "3", {"answer": "3"})], timeout=60) == [1.0]  # it grades on
+
+
 # In-flight weight updates keep their modes: async runs swap versions while episodes are parked (recompute_kv
 # rebuilds their caches, observations included; finish lets running turns end and not parked episodes).
 MODES = [("sync", "keep_kv"), ("async", "recompute_kv"), ("async", "finish")]
@@ -185,18 +248,6 @@ def test_every_env_tag_is_documented():
     assert [tag for tag in ENV_TAGS if f"`{tag}`" not in text] == []
 
 
-def test_a_sampler_replica_that_spans_processes_refuses_episodes_naming_the_field(tmp_path, monkeypatch):
-    import types
-
-    from jaxrl_async.runtime.build import validate_for
-    from jaxrl_async.runtime.cluster import Roles
-
-    monkeypatch.syspath_prepend(TESTS)
-    cluster = types.SimpleNamespace(roles=Roles(3, (1,), (0,), replicas=((1, 2),)))
-    with pytest.raises(ConfigError, match=r"config\.env\.enabled: .*spans processes \(processes \[1, 2\]"):
-        validate_for(_config(tmp_path), cluster)
-
-
 TWO_PROCESS_CONFIG = """
 import sys
 
@@ -230,3 +281,47 @@ def test_a_two_process_run_with_tools_trains(tmp_path):
     tags = read_scalars(str(tmp_path / "tb"))
     assert tags["env/turns_per_episode"][-1][1] == 2.0 and tags["env/observation_token_fraction"][-1][1] > 0.2
     assert tags["env/tool_calls"][-1][1] >= 2 * 4 * 4
+
+
+def test_a_replica_that_spans_processes_runs_episodes_as_one_process(tmp_path):
+    """A (2, 2) sampler replica over processes 1 and 2 (2 CPU devices each) and a trainer process, sync and
+    greedy, evaluating versions 0 and 2 while it samples: the member makes the leader's queueing, resumes
+    (`Engine.extend` on the mesh) and finishes of both loops at the same points (`replica.MirroredLoop`),
+    so it decodes what the leader does, and the episodes, their evaluations and the losses are those of
+    the same meshes in one process."""
+    import json
+
+    from tests.test_multiprocess import _beside_one_process, _launch, _texts
+
+    path = tmp_path / "config.py"
+    path.write_text(TWO_PROCESS_CONFIG.format(tests=TESTS, repo=REPO))
+    common = {"mesh.sampler": "(2,2)", "mesh.trainer": "(2,1)", "mode": "sync", "sampler.temperature": 0.0,
+              "text_samples": 16, "eval_every": 2}  # fmt: skip
+    if os.environ.get("JAXRL_TESTS_COMPILE_CACHE_DIR"):  # the suite's compile cache (tests/conftest.py)
+        common["compile_cache_dir"] = os.environ["JAXRL_TESTS_COMPILE_CACHE_DIR"]
+    flags = lambda name, **more: [f"--config={path}", f"--config.workdir={tmp_path / name}"] + [  # noqa: E731
+        f"--config.{k}={v}" for k, v in {**common, **more}.items()
+    ]
+    (tmp_path / "single").mkdir()
+    single = flags("single", **{"mesh.fake_cpu_devices": 6})
+    res, one = _beside_one_process(lambda: _launch(3, 2, flags("multi")), single, tmp_path / "single")
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert "process 2 of 3: sampler 0 member 1" in res.stdout
+    assert one.returncode == 0, one.stderr[-4000:]
+    summaries = {}
+    for name in ("multi", "single"):
+        with open(tmp_path / name / "summary.json") as f:
+            summaries[name] = json.load(f)
+    (rec,) = summaries["multi"]["replicas"].values()
+    (member,) = rec["members"].values()
+    assert member["tokens_generated"] == rec["tokens_generated"] > 0
+    assert member["applied_at"] == rec["applied_at"]
+    evals = {k: [(e["step"], e["accuracy"]) for e in s["evals"]] for k, s in summaries.items()}
+    assert [step for step, _ in evals["multi"]] == [0, 2] and evals["multi"] == evals["single"]
+    texts = {k: _texts(tmp_path / k / "tb") for k in ("multi", "single")}
+    assert sorted(texts["multi"]) == [1, 2] and texts["multi"] == texts["single"]
+    assert all("<result>" in t for ts in texts["multi"].values() for t in ts)  # whole episodes
+    scalars = {k: read_scalars(str(tmp_path / k / "tb")) for k in ("multi", "single")}
+    assert scalars["multi"]["env/tool_calls"][-1][1] >= 2 * 4 * 4
+    loss = {k: [v for _, v in s["loss/policy"]] for k, s in scalars.items()}
+    assert loss["multi"] == pytest.approx(loss["single"], abs=1e-5)

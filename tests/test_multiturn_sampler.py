@@ -166,6 +166,44 @@ def test_the_episode_driver_runs_episodes_with_environments_off_the_decode_loop(
     driver.close()
 
 
+class _GradesItself:
+    """An environment that grades the answer turn itself: the first turn gets an observation, the second
+    is graded, by a reward that raises for row 1."""
+
+    def __init__(self, row):
+        self.row, self.turns = row["row"], 0
+
+    def step(self, turn):
+        from jaxrl_async.envs import StepResult
+
+        self.turns += 1
+        if self.turns == 1:
+            return StepResult([5, 6, 7], reward=0.0, done=False)
+        if self.row == 1:
+            raise RuntimeError("the reward crashed")
+        return StepResult(None, reward=1.0, done=True, info={"reason": "answer"})
+
+
+def test_an_environment_whose_grading_raises_ends_its_episode_with_reward_0(params):
+    """A user environment's reward that raises ends that episode (reward 0, "env_error", counted); the
+    other episodes and the loop go on."""
+    from jaxrl_async.envs import EnvConfig
+    from jaxrl_async.envs.driver import EpisodeDriver
+
+    loop = SamplerLoop(_engine(params, "xla"))
+    driver = EpisodeDriver(loop, EnvConfig(max_turns=3, max_episode_tokens=64), tokenizer=_Ids(),
+                           make_env=_GradesItself, workers=2, max_turn_tokens=3)  # fmt: skip
+    for i, p in enumerate(_prompts(2, seed=17, lo=3, hi=6)):
+        driver.add(i, {"row": i}, p, n_samples=2, seed=i)
+    ended = {(e.uid, e.sample_index): e for e in driver.run()}
+    driver.close()
+    assert sorted(ended) == [(0, 0), (0, 1), (1, 0), (1, 1)] and driver.env_errors == 2
+    for (row, _), e in ended.items():
+        want = ("answer", 1.0, 2) if row == 0 else ("env_error", 0.0, 2)
+        assert (e.finish_reason, e.reward, e.turns) == want
+    assert loop.idle and not loop.parked and loop.free_slots == 4
+
+
 class _Ids:
     """A tokenizer over raw ids (the scripted environment reads nothing)."""
 

@@ -107,14 +107,14 @@ class Actor:
         self.arrivals = Arrivals(weights, run.verify_weights)
         send = lambda m: transport.send("learner", m)  # noqa: E731
         # Multi-turn episodes (config.env): the runner steps the loop; evaluations are greedy episodes.
-        self.episodes = EpisodeRunner(run.env, self.loop, tokenizer) if run.env.enabled else None
+        self.episodes = EpisodeRunner(run.env, self.loop, tokenizer, members) if run.env.enabled else None
         # The exact expected reward needs the version's whole weights in this process (not in a replica that
         # spans processes: its forward pass would need every member) and single-turn completions.
         score = None if members or self.episodes else scorer(run.reward.reward, engine.cfg, engine.model_cfg,
                                                              eval_prompts, tokenizer)  # fmt: skip
         self.eval_schedule = EvalSchedule(run.eval, run.schedule.total_steps, eval_engine, rewards, tokenizer,
                                           eval_prompts, send, self._tell, score,
-                                          evaluation_for(run.env))  # fmt: skip
+                                          evaluation_for(run.env, members))  # fmt: skip
         self.version: int | None = None  # the policy version in use (None until the first arrives)
         self.done = False  # Stop arrived (the final report is sent)
         self.idle = IdleClock()  # ActorStats.idle_s and wall_s
@@ -160,8 +160,8 @@ class Actor:
         self._ask()
         if self.eval_schedule.running is not None and not self.loop.idle:
             self.eval_schedule.sample_calls_during += 1
-        if self.members is not None:  # the members run this round's calls with this process
-            self.members.step(evaluate=self.eval_schedule.running is not None)
+        if self.members is not None:  # the members run this round's calls (episodes: MirroredLoop's too)
+            self.members.step(evaluate=self.eval_schedule.running is not None and self.episodes is None)
         self.schedule.calling(self.loop)
         active = sample_round(self.loop, self.episodes, self.groups)  # `_start` queued every request
         active = self.eval_schedule.step(self.version) or active
@@ -181,7 +181,7 @@ class Actor:
         for request in self.tickets.grant(tickets):
             (self.loop if self.episodes is None else self.episodes).add_request(request)
             self.schedule.added(request)
-            if self.members is not None:
+            if self.members is not None and self.episodes is None:  # episodes: their driver's requests
                 self.members.queue(request)
 
     def _ask(self) -> None:

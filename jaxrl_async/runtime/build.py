@@ -78,13 +78,6 @@ def validate_for(config, cluster) -> RunConfig:
         check_placement(run.mesh, cluster.roles, devices_per_process(jax.devices()))
     except ClusterError as e:
         raise ConfigError(str(e)) from None
-    spanning = [r for r in cluster.roles.replicas if len(r) > 1]
-    if run.env.enabled and spanning:  # replica.py: members do not mirror parked slots and observations
-        raise ConfigError(
-            f"config.env.enabled: multi-turn episodes do not run on a sampler replica that spans processes "
-            f"(processes {list(spanning[0])} hold one config.mesh.sampler={run.mesh.sampler}); give each "
-            "replica the devices of one process"
-        )
     return run
 
 
@@ -590,9 +583,8 @@ def _build_member(proc, run, cluster, tokenizer, model_cfg, scfg, t_mesh):
     weights = TransferReceiver(cluster, pull, model_cfg, t_mesh, s_mesh, sampler_dtype(model_cfg),
                                transport=run.mesh.weight_transport)  # fmt: skip
     eval_prompts = held_out_prompts(run.data, tokenizer, run.eval.prompts) if index == 0 else []
-    proc.member = ReplicaMember(
-        cluster, index, engine, eval_engine, eval_prompts, weights, run.verify_weights, proc.key
-    )
+    proc.member = ReplicaMember(cluster, index, engine, eval_engine, eval_prompts, weights,
+                                run.verify_weights, proc.key, episodes=run.env.enabled)  # fmt: skip
     proc.closers.append(proc.member.close)
     proc.roles.append(proc.member)
 

@@ -96,10 +96,20 @@ def sampling_idle(loop: SamplerLoop, episodes: EpisodeRunner | None) -> bool:
     return loop.idle and not (episodes is not None and episodes.in_flight)
 
 
-def evaluation_for(env: EnvConfig):
+def evaluation_for(env: EnvConfig, members=None):
     """What evaluates a version (`EvalSchedule`'s `evaluation`): greedy episodes with config.env, else
-    single-turn completions."""
-    return functools.partial(EpisodeEvaluation, env) if env.enabled else Evaluation
+    single-turn completions. `members`: as for `EpisodeRunner`."""
+    return functools.partial(EpisodeEvaluation, env, members=members) if env.enabled else Evaluation
+
+
+def _driven_loop(loop: SamplerLoop, members, evaluation: bool):
+    """The loop an episode driver steps: on a replica that spans processes, one whose calls the members
+    make too (`replica.MirroredLoop`)."""
+    if members is None:
+        return loop
+    from jaxrl_async.runtime.replica import MirroredLoop  # replica.py imports the sampler's run pieces
+
+    return MirroredLoop(loop, members, evaluation)
 
 
 class EpisodeRunner:
@@ -109,12 +119,15 @@ class EpisodeRunner:
       cfg: the run's EnvConfig.
       loop: the actor's SamplerLoop (the driver steps it; nothing else may).
       tokenizer: decodes turns, encodes observations.
+      members: the leader's `replica.Members` of a replica that spans processes (they make the driver's
+        queueing, resumes and finishes with it), or None.
     """
 
-    def __init__(self, cfg: EnvConfig, loop: SamplerLoop, tokenizer):
+    def __init__(self, cfg: EnvConfig, loop: SamplerLoop, tokenizer, members=None):
         self.cfg, self.loop = cfg, loop
         factory, self.executor = make_env_factory(cfg, tokenizer, _graded_by_the_service)
-        self.driver = EpisodeDriver(loop, cfg, tokenizer, factory, workers=cfg.tool_workers)
+        driven = _driven_loop(loop, members, evaluation=False)
+        self.driver = EpisodeDriver(driven, cfg, tokenizer, factory, workers=cfg.tool_workers)
         self._prompts: dict[int, list] = {}  # group id -> [its Prompt, episodes not yet ended]
         self._totals: dict = {"episodes": 0}  # running counters (`stats`)
 
@@ -169,16 +182,19 @@ class EpisodeEvaluation(Evaluation):
 
     Args:
       env: the run's EnvConfig; the rest as for `Evaluation`.
+      members: as for `EpisodeRunner` (the members also make each of this evaluation's loop steps).
     """
 
-    def __init__(self, env: EnvConfig, engine, rewards, tokenizer, prompts, params, version: int):
+    def __init__(self, env: EnvConfig, engine, rewards, tokenizer, prompts, params, version: int,
+                 members=None):  # fmt: skip
         super().__init__(engine, rewards, tokenizer, [], params, version)
         self.total = len(prompts)
         self.weights = {p.uid: float(p.weight) for p in prompts}
         self.total_weight = sum(self.weights.values())
         # The evaluation's own tool threads and counters: held-out tool calls are not the run's env/ tags.
         factory, self.executor = make_env_factory(env, tokenizer, _graded_by_the_service)
-        self.driver = EpisodeDriver(self.loop, env, tokenizer, factory, workers=env.tool_workers)
+        driven = _driven_loop(self.loop, members, evaluation=True)
+        self.driver = EpisodeDriver(driven, env, tokenizer, factory, workers=env.tool_workers)
         self._prompts = {}
         for i, p in enumerate(prompts):
             self._prompts[i] = p

@@ -171,13 +171,14 @@ class WarmStartParams:
 @dataclasses.dataclass
 class MemberRequest:
     """A request the leader queued, as the member's loop must queue it (sampler.Request's fields that
-    shape the decode: no metadata)."""
+    shape the decode: no metadata; `park`: a multi-turn episode's, whose turns park their slots)."""
 
     uid: int
     prompt_tokens: Any  # int32 [prompt_len]
     n_samples: int
     seed: int
     max_new_tokens: int | None
+    park: bool = False
 
 
 @dataclasses.dataclass
@@ -188,6 +189,43 @@ class MemberStep:
     call: int
     requests: list
     evaluate: bool = False
+
+
+@dataclasses.dataclass
+class MemberResume:
+    """Multi-turn episodes: `SamplerLoop.resume` of the parked turn (uid, sample_index) with `observation`
+    (int32) and `max_new_tokens` (0: the loop's), on the member's sampling loop or, with `evaluation`, the
+    running evaluation's. The leader tells it before it resumes (which runs `Engine.extend` on the mesh)."""
+
+    evaluation: bool
+    uid: int
+    sample_index: int
+    observation: Any  # int32 [observation_len]
+    max_new_tokens: int
+
+
+@dataclasses.dataclass
+class MemberFinish:
+    """Multi-turn episodes: `SamplerLoop.finish` of the parked turn (uid, sample_index) (its slot freed), on
+    the sampling loop or, with `evaluation`, the running evaluation's."""
+
+    evaluation: bool
+    uid: int
+    sample_index: int
+
+
+@dataclasses.dataclass
+class MemberEvalRequest:
+    """Multi-turn evaluations: queue `request` (a MemberRequest) on the running evaluation's loop now (the
+    leader's greedy episodes are queued when it starts, after its `MemberEvaluate`)."""
+
+    request: Any
+
+
+@dataclasses.dataclass
+class MemberEvalStep:
+    """Multi-turn evaluations: one step of the running evaluation's loop (with single-turn evaluations
+    `MemberStep.evaluate` says this; with episodes the leader's sampling resumes come in between)."""
 
 
 @dataclasses.dataclass

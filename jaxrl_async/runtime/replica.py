@@ -14,9 +14,15 @@ The commands (`runtime.messages`): one `MemberStep` per loop step (the requests 
 and whether the evaluation in progress takes its generate call), one `MemberReceive` per published
 version (the member pulls its own devices' pieces), one `MemberApply` per version swapped in (with the
 update mode: keep_kv, recompute_kv and finish act on every member at the same loop step), one
-`MemberEvaluate` per evaluation started, and `Stop`. They travel over a `ZmqTransport` star around the
-leader (the hub's wire format: codec, HMAC, run id), directly, not through the learner lead: a decode
-call must not wait for the lead's event loop. docs/distributed.md gives the bytes per call.
+`MemberEvaluate` per evaluation started, and `Stop`. Multi-turn episodes (config.env) add the calls the
+episode driver makes between loop steps, each told before the leader makes it (`MirroredLoop`): a
+`MemberResume` per observation appended to a parked turn (`SamplerLoop.resume`, which runs
+`Engine.extend` on the mesh), a `MemberFinish` per episode ended, and for the greedy episodes of an
+evaluation `MemberEvalRequest` (their requests) and `MemberEvalStep` (each of its loop steps, told apart
+from `MemberStep`: the sampling loop's resumes come between the two generate calls). They travel over a
+`ZmqTransport` star around the leader (the hub's wire format: codec, HMAC, run id), directly, not through
+the learner lead: a decode call must not wait for the lead's event loop. docs/distributed.md gives the
+bytes per call.
 """
 
 from __future__ import annotations
@@ -32,11 +38,15 @@ from jaxrl_async.runtime.evaluation import Evaluation
 from jaxrl_async.runtime.messages import (
     Hello,
     MemberApply,
+    MemberEvalRequest,
+    MemberEvalStep,
     MemberEvaluate,
+    MemberFinish,
     MemberPing,
     MemberReceive,
     MemberReport,
     MemberRequest,
+    MemberResume,
     MemberStep,
     NewWeights,
     Stop,
@@ -51,19 +61,15 @@ LEADER = "replica"  # the leader's endpoint on its replica's channel
 
 
 def as_member_request(r: Request) -> MemberRequest:
-    """What a member needs of a request the leader queued.
-
-    Raises:
-      ValueError: a multi-turn request (`Request.park`): members do not mirror parking, observations and
-        `SamplerLoop.resume` yet, so a replica that spans processes would diverge.
-    """
-    if r.park:
-        raise ValueError(
-            f"request {r.uid!r}: multi-turn episodes (Request.park) do not run yet on a replica that "
-            "spans processes (docs/environments.md)"
-        )
+    """What a member needs of a request the leader queued."""
     tokens = np.asarray(r.prompt_tokens, np.int32)
-    return MemberRequest(int(r.uid), tokens, int(r.n_samples), int(r.seed), r.max_new_tokens)
+    return MemberRequest(int(r.uid), tokens, int(r.n_samples), int(r.seed), r.max_new_tokens, bool(r.park))
+
+
+def as_request(r: MemberRequest) -> Request:
+    """The member's loop's request for what the leader queued."""
+    tokens = tuple(int(t) for t in r.prompt_tokens)
+    return Request(r.uid, tokens, r.n_samples, r.seed, r.max_new_tokens, park=r.park)
 
 
 # ----- the leader's side -------------------------------------------------------------------------------
@@ -164,6 +170,46 @@ class Members:
         self.channel.close()
 
 
+class MirroredLoop:
+    """The leader's loop as a multi-turn episode driver (`envs.driver.EpisodeDriver`) sees it: the calls
+    that change what the loop runs are told to the members first, so that they make them at the same
+    point between the same programs. The sampling loop's requests go with the next `MemberStep` (as
+    the actor's do); an evaluation's (`evaluation`) are told at once, and each of its steps too.
+
+    Args:
+      loop: the leader's SamplerLoop (everything else is read from it as it is).
+      members: the replica's `Members`.
+      evaluation: this is the running evaluation's loop, not the sampling loop.
+    """
+
+    def __init__(self, loop: SamplerLoop, members: Members, evaluation: bool):
+        self._loop, self._members, self._evaluation = loop, members, evaluation
+
+    def __getattr__(self, name):
+        return getattr(self._loop, name)
+
+    def add_request(self, request: Request) -> None:
+        if self._evaluation:
+            self._members.tell(MemberEvalRequest(as_member_request(request)))
+        else:
+            self._members.queue(request)
+        self._loop.add_request(request)
+
+    def resume(self, uid, sample_index: int, observation, max_new_tokens: int | None = None) -> None:
+        obs, limit = np.asarray(observation, np.int32).reshape(-1), max_new_tokens or 0
+        self._members.tell(MemberResume(self._evaluation, int(uid), int(sample_index), obs, limit))
+        self._loop.resume(uid, sample_index, observation, max_new_tokens)
+
+    def finish(self, uid, sample_index: int) -> None:
+        self._members.tell(MemberFinish(self._evaluation, int(uid), int(sample_index)))
+        self._loop.finish(uid, sample_index)
+
+    def step(self, admit=None) -> list:
+        if self._evaluation:
+            self._members.tell(MemberEvalStep())
+        return self._loop.step(admit)
+
+
 # ----- a member's side ---------------------------------------------------------------------------------
 
 
@@ -178,13 +224,15 @@ class ReplicaMember:
       weights: this member's `TransferReceiver`.
       verify: checksum every received version (config.verify_weights; the leader does the same).
       key: the run's secret (`secret.load()`, which takes it out of the environment: load it once).
+      episodes: multi-turn episodes (config.env.enabled): an evaluation's requests come from the leader
+        (`MemberEvalRequest`), not from `eval_prompts`.
     """
 
     def __init__(self, cluster: Cluster, replica: int, engine, eval_engine, eval_prompts, weights,
-                 verify: bool, key: bytes):  # fmt: skip
+                 verify: bool, key: bytes, episodes: bool = False):  # fmt: skip
         self.cluster, self.replica, self.pid = cluster, replica, cluster.process_id
         self.engine, self.eval_engine, self.eval_prompts = engine, eval_engine, eval_prompts
-        self.weights, self.verify = weights, verify
+        self.weights, self.verify, self.episodes = weights, verify, episodes
         self.endpoint = f"member:{self.pid}"
         address = cluster.lookup(f"replica/{replica}")
         self.channel = ZmqTransport([self.endpoint], False, address, self.pid, key)
@@ -228,7 +276,10 @@ class ReplicaMember:
             self.applied_at[c.version] = self.loop.stats.decode_steps
         elif isinstance(c, MemberEvaluate):
             params = self.held.pop(c.version) if c.own_weights else None
-            self.evaluation = Evaluation(self.eval_engine, None, None, self.eval_prompts, params, c.version)
+            prompts = [] if self.episodes else self.eval_prompts
+            self.evaluation = Evaluation(self.eval_engine, None, None, prompts, params, c.version)
+        elif isinstance(c, (MemberResume, MemberFinish, MemberEvalRequest, MemberEvalStep)):
+            self._episode_call(c)
         elif isinstance(c, MemberPing):
             pass
         elif isinstance(c, Stop):
@@ -244,14 +295,33 @@ class ReplicaMember:
         if c.call != self._steps:  # commands arrive in order over one connection; this is a guard
             raise RuntimeError(f"{self.endpoint}: the leader's step {c.call}, this member's {self._steps}")
         for r in c.requests:
-            tokens = tuple(int(t) for t in r.prompt_tokens)
-            self.loop.add_request(Request(r.uid, tokens, r.n_samples, r.seed, r.max_new_tokens))
+            self.loop.add_request(as_request(r))
         self.loop.step(_none)
         self._steps += 1
         if c.evaluate:
             if self.evaluation is None:
                 raise RuntimeError(f"{self.endpoint}: told to evaluate at step {c.call}, none started")
             self.evaluation.decode()
+
+    def _episode_call(self, c) -> None:
+        """A multi-turn episode driver's call on the leader's loop (`MirroredLoop`), made here on the same."""
+        if isinstance(c, MemberEvalStep | MemberEvalRequest) or c.evaluation:
+            if self.evaluation is None:
+                raise RuntimeError(f"{self.endpoint}: told {type(c).__name__} with no evaluation started")
+            loop = self.evaluation.loop
+        else:
+            loop = self.loop
+        if isinstance(c, MemberEvalStep):
+            loop.step(_none)
+        elif isinstance(c, MemberEvalRequest):
+            loop.add_request(as_request(c.request))
+        elif isinstance(c, MemberFinish):
+            loop.finish(c.uid, c.sample_index)
+        else:
+            try:
+                loop.resume(c.uid, c.sample_index, c.observation, c.max_new_tokens or None)
+            except ValueError:  # the leader's resume refused the same (capacity): it finishes the turn next
+                pass
 
     def describe(self) -> str:
         return (
