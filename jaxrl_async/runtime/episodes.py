@@ -109,12 +109,15 @@ class EpisodeRunner:
       cfg: the run's EnvConfig.
       loop: the actor's SamplerLoop (the driver steps it; nothing else may).
       tokenizer: decodes turns, encodes observations.
+      schedule: the actor's schedule recorder (`schedule_log.ActorSchedule`): each environment's answer,
+        at the decode call it was applied after, is a decision of timing and of the outside world.
     """
 
-    def __init__(self, cfg: EnvConfig, loop: SamplerLoop, tokenizer):
+    def __init__(self, cfg: EnvConfig, loop: SamplerLoop, tokenizer, schedule=None):
         self.cfg, self.loop = cfg, loop
         factory, self.executor = make_env_factory(cfg, tokenizer, _graded_by_the_service)
-        self.driver = EpisodeDriver(loop, cfg, tokenizer, factory, workers=cfg.tool_workers)
+        self.driver = EpisodeDriver(loop, cfg, tokenizer, factory, workers=cfg.tool_workers,
+                                    on_answer=None if schedule is None else schedule.answered)  # fmt: skip
         self._prompts: dict[int, list] = {}  # group id -> [its Prompt, episodes not yet ended]
         self._totals: dict = {"episodes": 0}  # running counters (`stats`)
 

@@ -9,6 +9,10 @@ result the run recorded for it, and its tokens are checked against the run's CRC
 parameters are fingerprinted and compared with the run's: the report names the first version that
 differs, and the first completion whose tokens differ.
 
+Multi-turn episodes (config.env) are replayed with the environments' recorded answers, each applied
+after the decode call the run applied it after (runtime/replay_episodes.py): no tool runs, and each model
+turn is checked against the run's CRC before its answer is applied.
+
 With the same machine kind, software and config the replay produces the same parameters, bit for bit, at
 every version (the engine is built with the kernels the run's timing chose, recorded in the actor's
 start record). What it covers: one actor (one sampler replica), one segment of the record (a process
@@ -48,6 +52,7 @@ from jaxrl_async.runtime.build import (
 from jaxrl_async.runtime.checkpoint import RunCheckpoints
 from jaxrl_async.runtime.learner import TrainerCore
 from jaxrl_async.runtime.messages import Tickets
+from jaxrl_async.runtime.replay_episodes import AnswerMissing, ReplayEpisodes
 from jaxrl_async.runtime.rollout_groups import GroupAssembly
 from jaxrl_async.runtime.schedule_log import fingerprint, read_schedule, schedule_path
 from jaxrl_async.runtime.tickets import TicketBook
@@ -161,7 +166,8 @@ class Replay:
         self.report.restarts = len(starts) - 1
         actor_recs, learner_recs = actor_segs[i], learner_segs[i]
         self.start, self.steps = learner_recs[0], collections.deque(learner_recs[1:])
-        self.calls = [r for r in actor_recs if "c" in r]
+        # decode calls, and (episodes) the environments' answers applied after them, in the run's order
+        self.events = [r for r in actor_recs if "c" in r or "o" in r]
         self.rewards = RecordedRewards([r for r in actor_recs if "r" in r])
         self.kernels = {k: actor_recs[0][k] for k in ("attention", "linear")}
 
@@ -187,6 +193,7 @@ class Replay:
         publisher = LocalWeights(WeightSync(model_cfg, s_mesh, dtype=sampler_dtype(model_cfg)))
         self.core = TrainerCore(state, run.trainer, publisher, None)
         self.loop = SamplerLoop(engine)
+        self.episodes = ReplayEpisodes(run.env, self.loop, tokenizer) if run.env.enabled else None
         caps = length_cap_fn(run.length_caps) if run.length_caps else None
         self.tickets = TicketBook(0, run.seed, run.schedule, engine.cfg.num_slots, 1, caps)
         self.groups = GroupAssembly(run.schedule.samples_per_prompt, run.reward, engine.cfg.max_new_tokens,
@@ -202,14 +209,17 @@ class Replay:
         self._check(self.core.version, self.start["fp"])
         self.published[self.core.version] = self.core.publish().params
         try:
-            for rec in self.calls:
-                if not self._call(rec):
+            for rec in self.events:
+                if not (self._call(rec) if "c" in rec else self._answers(rec)):
                     break
             else:
                 self._train_to(None)
         except ScheduleBroken as e:
             self.report.schedule_broken = str(e)
             log.warning("replay stops: %s", e)
+        finally:
+            if self.episodes is not None:
+                self.episodes.close()
         return self.report
 
     def _done(self) -> bool:
@@ -229,23 +239,51 @@ class Replay:
                 del self.published[old]
         for gid, key in rec.get("add", ()):
             for request in self.tickets.grant(Tickets([(gid, self.prompt(key))], False)):
-                self.loop.add_request(request)
-        completions = self.loop.step(lambda: None)
+                (self.loop if self.episodes is None else self.episodes).add_request(request)
         self.report.calls += 1
-        graded = []
-        for c in completions:
-            same = self.rewards.check(c)
-            if same is False and self.report.first_differing_completion is None:
-                self.report.first_differing_completion = {"call": rec["c"], "group": int(c.uid),
-                                                          "sample": int(c.sample_index)}  # fmt: skip
-            if same is not None:  # a completion the run never graded forms no group (nor did it there)
-                graded.append(c)
-        self.groups.submit(graded)
+        if self.episodes is not None:  # turns that end park; episodes end with the recorded answers
+            self.episodes.step()
+            return True
+        completions = self.loop.step(lambda: None)
+        self._assemble([c for c in completions if self._graded_as_in_the_run(rec["c"], c)], [])
+        return True
+
+    def _answers(self, rec: dict) -> bool:
+        """Applies the environments' answers recorded after call rec["at"] (multi-turn episodes)."""
+        if not self.steps:
+            return False
+        try:
+            ended, differ = self.episodes.answers(rec["o"])
+        except AnswerMissing as e:
+            self._differs(rec["at"], *e.args[1])
+            raise ScheduleBroken(f"after call {rec['at']}: {e.args[0]}") from None
+        for key in differ:
+            self._differs(rec["at"], *key)
+        answered = [e for e in ended if e[0].finish_reason == "answer"]  # graded by the reward service
+        graded = [e for e in answered if self._graded_as_in_the_run(rec["at"], e[0])]
+        self._assemble([], graded + [e for e in ended if e[0].finish_reason != "answer"])
+        return True
+
+    def _graded_as_in_the_run(self, call: int, sample) -> bool:
+        """Takes the run's reward result of `sample` (a completion or an episode); False when the run
+        graded no such sample (it stopped first: the sample forms no group, as it formed none there)."""
+        same = self.rewards.check(sample)
+        if same is False:
+            self._differs(call, int(sample.uid), int(sample.sample_index))
+        return same is not None
+
+    def _differs(self, call: int, group: int, sample: int) -> None:
+        if self.report.first_differing_completion is None:
+            self.report.first_differing_completion = {"call": call, "group": group, "sample": sample}
+
+    def _assemble(self, completions: list, episodes: list) -> None:
+        """Grades (with the recorded results) and groups finished samples, as the run's actor did."""
+        self.groups.submit(completions)
+        self.groups.submit_episodes(episodes)
         for res in self.rewards.poll():
             self.groups.add(res)
         for g in self.groups.take_ready():
             self.ready[int(g[0].group_id)] = g
-        return True
 
     def _train_to(self, version: int | None) -> None:
         """Trains the recorded steps up to `version` (None: every one left, or up to `to_version`)."""
