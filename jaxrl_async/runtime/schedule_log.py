@@ -138,6 +138,7 @@ class ScheduleWriter:
 
 
 def token_crc(tokens) -> int:
+    """CRC32 of token ids as int32 words: what the record keeps of a completion or a turn."""
     return zlib.crc32(np.asarray(tokens, np.int32).tobytes())
 
 
