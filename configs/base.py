@@ -60,10 +60,10 @@ def get_config() -> ml_collections.ConfigDict:
     # (jaxrl_async/runtime/compile_cache.py); "" = off. Refused if others may write to it: JAX runs what it
     # loads from there.
     c.compile_cache_dir = ""
-    # Record the decisions timing makes (decode calls, versions applied, rewards, each step's groups) in
-    # workdir/schedule/, so `jaxrl-run --replay=WORKDIR` reruns the run bit for bit (docs/reproducibility.md):
-    # "auto" = on for async single-turn runs (a sync run is already reproducible from its seeds; multi-turn
-    # episodes are not recorded yet, and "on" is refused for them), "on", "off". On by
+    # Record the decisions timing makes (decode calls, versions applied, rewards, environments' answers,
+    # each step's groups) in workdir/schedule/, so `jaxrl-run --replay=WORKDIR` reruns the run bit for bit
+    # (docs/reproducibility.md): "auto" = on for async runs (a sync run is already reproducible from its
+    # seeds, unless its environments are not deterministic: "on" records those), "on", "off". On by
     # default because it is cheap: ~17 KB and < 0.1% of a step's time per step on letter_range
     # (benchmarks/bench_schedule_log.py; docs/reproducibility.md).
     c.record_schedule = "auto"

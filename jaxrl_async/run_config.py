@@ -563,15 +563,11 @@ def _compile_cache_dir(v) -> str:
     return v
 
 
-def _record_schedule(v, mode: str, episodes: bool) -> bool:
+def _record_schedule(v, mode: str) -> bool:
+    # Multi-turn episodes are recorded too: their environments' answers and where they landed.
     if v not in ("auto", "on", "off"):
         raise ConfigError(f'config.record_schedule: "auto", "on" or "off", got {v!r}')
-    if episodes and v == "on":  # a tool's answers and parked turns are not in the record: no exact replay
-        raise ConfigError(
-            'config.record_schedule="on": multi-turn episodes (config.env.enabled) are not recorded yet '
-            '(their environments\' answers would be); use "auto" or "off"'
-        )
-    return v == "on" or (v == "auto" and mode == "async" and not episodes)
+    return v == "on" or (v == "auto" and mode == "async")
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> RunConfig:
@@ -595,8 +591,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         verify_weights=bool(_given(c, "verify_weights")),
         length_caps=_given(c, "length_caps"),
         compile_cache_dir=_compile_cache_dir(_given(c, "compile_cache_dir")),
-        record_schedule=_record_schedule(_given(c, "record_schedule"), _given(c, "mode"),
-                                         bool(dict(c.get("env") or {}).get("enabled"))),  # fmt: skip
+        record_schedule=_record_schedule(_given(c, "record_schedule"), _given(c, "mode")),
         **component_sections(c),
     )
     for check in CROSS_CHECKS:

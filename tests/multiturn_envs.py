@@ -6,6 +6,7 @@ as a calculator call on the prompt's sum, whatever the model wrote: each episode
 (the tool's real answer, through the run's executor and its counters) and a second turn of the model's own.
 """
 
+import random
 import time
 
 from jaxrl_async.envs import ToolEnv, register_tool
@@ -30,3 +31,13 @@ class FirstTurnCalls(ToolEnv):
 
 def first_turn_calls(cfg, tokenizer, executor):
     return lambda row: FirstTurnCalls(row, cfg, tokenizer, executor, lambda row, answer: 0.0)
+
+
+@register_tool("jittery_calculator")
+def jittery_calculator(expression: str) -> str:
+    """The calculator, nondeterministic as tools in the wild are: it answers after a random 0 to 20 ms (so
+    its answer lands at a decode call that timing picks) and appends a random digit (its answer differs
+    from run to run). A replay must follow the record, not the tool."""
+    rng = random.SystemRandom()
+    time.sleep(rng.uniform(0.0, 0.02))
+    return f"{calculator(expression)}{rng.randrange(10)}"

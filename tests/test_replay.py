@@ -1,7 +1,11 @@
 """Replay (runtime/replay.py): an asynchronous run (η = 2, in-flight keep_kv updates) and its replay in one
 process end with the same parameters, bit for bit, at every version; a replay with another learning rate
-names the first version that differs. Each run is a process of its own (launch/run.py)."""
+names the first version that differs. So do a run with two actors in processes of their own, a resumed
+run's second segment (from its checkpoint to a later version), and a multi-turn run whose tool answers
+at random times with random digits (a changed answer in the record is named). Each run is a process of
+its own (launch/run.py, launch/local_cluster.py)."""
 
+import collections
 import json
 import os
 import signal
@@ -83,21 +87,27 @@ def test_async_run_and_its_replay_agree_bit_for_bit(tmp_path):
     assert report["steps"] <= 2
 
 
-def test_a_two_process_run_replays_in_one_process(tmp_path):
-    """The learner lead (process 0) and the actor (process 1) each record their own decisions; the
-    replay, in one process, ends with the same parameters at every version."""
+def test_a_three_process_run_with_two_actors_replays_in_one_process(tmp_path):
+    """The learner lead (process 0) and two actors (processes 1 and 2, a sampler replica each) each record
+    their own decisions; the replay, in one process, runs both actors' calls side by side and ends with
+    the same parameters at every version."""
     with open(tmp_path / "config.py", "w") as f:
         f.write(CONFIG)
     flags = [f"--config={tmp_path / 'config.py'}", f"--config.workdir={tmp_path}",
-             "--config.mesh.sampler_processes=(1,)", "--config.mesh.trainer_processes=(0,)"]  # fmt: skip
-    cmd = [sys.executable, os.path.join(REPO, "launch", "local_cluster.py"), "--num-processes", "2",
+             "--config.mesh.sampler_processes=(1, 2)", "--config.mesh.trainer_processes=(0,)"]  # fmt: skip
+    cmd = [sys.executable, os.path.join(REPO, "launch", "local_cluster.py"), "--num-processes", "3",
            "--devices-per-process", "1", "--heartbeat-timeout-s", "10", "--", *flags]  # fmt: skip
     run = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=REPO), text=True, capture_output=True,
                          timeout=900)  # fmt: skip
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-3000:]
-    assert "process 1 of 2: sampler 0" in run.stdout
+    assert "process 1 of 3: sampler 0" in run.stdout and "process 2 of 3: sampler 1" in run.stdout
     learner = read_schedule(schedule_path(str(tmp_path), "learner")).records
     assert [r["t"] for r in learner if "t" in r] == list(range(1, STEPS + 1))
+    # Both actors decoded groups that trained (so the replay has to interleave them).
+    admitted = [{gid for r in read_schedule(schedule_path(str(tmp_path), f"actor:{i}")).records
+                 for gid, _ in r.get("add", ())} for i in (0, 1)]  # fmt: skip
+    trained = {g for r in learner if "t" in r for g in r["g"]}
+    assert trained & admitted[0] and trained & admitted[1], (admitted, trained)
     replay = _run(tmp_path, f"--replay={tmp_path}")
     assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
     report = _report(tmp_path)
@@ -107,7 +117,8 @@ def test_a_two_process_run_replays_in_one_process(tmp_path):
 
 def test_a_replay_from_the_checkpoint_a_run_resumed_at_matches_it(tmp_path):
     """Killed after step 3 and resumed: the record holds two segments; the second replays from the
-    checkpoint it started at, to the end, with the run's parameters at every version."""
+    checkpoint it started at (mid-run) to a later version, STEPS - 1, with the run's parameters at every
+    version from one to the other."""
     flags = ["--config.checkpoint_every=1", "--config.checkpoint_keep=20"]
     with open(tmp_path / "config.py", "w") as f:
         f.write(CONFIG)
@@ -128,9 +139,84 @@ def test_a_replay_from_the_checkpoint_a_run_resumed_at_matches_it(tmp_path):
     assert len(starts) == 2 and starts[0] == 0 and 1 <= starts[1] <= 3, starts
     start = starts[1]
 
-    replay = _run(tmp_path, f"--replay={tmp_path}", f"--replay_from={start}", *flags)
+    to = STEPS - 1
+    replay = _run(tmp_path, f"--replay={tmp_path}", f"--replay_from={start}", f"--replay_to={to}", *flags)
     assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
     report = _report(tmp_path)
-    assert report["identical"] and report["steps"] == STEPS - start and report["restarts"] == 1, report
-    assert sorted(map(int, report["versions"])) == list(range(start, STEPS + 1))
+    assert report["identical"] and report["steps"] == to - start and report["restarts"] == 1, report
+    assert sorted(map(int, report["versions"])) == list(range(start, to + 1))
     assert all(p["run"] == p["replay"] is not None for p in report["versions"].values())
+
+
+# Multi-turn episodes whose tool answers after a random delay with a random digit appended
+# (tests/multiturn_envs.py): the record holds each answer and the decode call it landed after.
+EPISODES_CONFIG = """
+import sys
+
+sys.path.insert(0, {tests!r})
+sys.path.insert(0, {repo!r})
+from test_multiturn_run import _config
+
+
+def get_config():
+    c = _config("", tool="jittery_calculator", mode="async", total_steps={steps}, eval_every=0)
+    c.sampler.update_mode = "recompute_kv"  # parked episodes' caches are rebuilt under each new version
+    c.checkpoint_every = 0
+    c.trainer.warmup_steps = 0  # the first step moves the weights too
+    return c
+"""
+EPISODE_STEPS = 2
+
+
+def test_an_async_run_with_a_nondeterministic_tool_replays_and_a_changed_answer_is_named(tmp_path):
+    from jaxrl_async.runtime.schedule_log import encode
+
+    tests = os.path.join(REPO, "tests")
+    (tmp_path / "config.py").write_text(EPISODES_CONFIG.format(tests=tests, repo=REPO, steps=EPISODE_STEPS))
+    run = _run(tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    path = schedule_path(str(tmp_path), "actor:0")
+    actor = read_schedule(path).records
+    answers = [a for r in actor if "o" in r for a in r["o"]]
+    observations = collections.defaultdict(set)  # group -> its samples' tool observations
+    for gid, _, _, obs, _, *reason in answers:
+        if not reason:
+            observations[gid].add(tuple(obs))
+    # The tool was not deterministic: the samples of one prompt got different answers to the same sum.
+    assert any(len(o) > 1 for o in observations.values()), observations
+    learner = read_schedule(schedule_path(str(tmp_path), "learner")).records
+    fps = [r["fp"] for r in learner]
+    assert len(set(fps)) == len(fps) == EPISODE_STEPS + 1  # every step moved the weights
+
+    same = _run(tmp_path, f"--replay={tmp_path}")
+    assert same.returncode == 0, same.stdout[-3000:] + same.stderr[-3000:]
+    report = _report(tmp_path)
+    assert report["identical"] and report["steps"] == EPISODE_STEPS, report
+    assert sorted(map(int, report["versions"])) == list(range(EPISODE_STEPS + 1))
+    assert all(p["run"] == p["replay"] is not None for p in report["versions"].values())
+
+    # Another answer from the tool, in a trained group whose rewards differ (its samples move the weights):
+    # the replay feeds it and names that episode, and where the parameters (or the schedule) part.
+    trained = {g: r["t"] for r in learner if "t" in r for g in r["g"]}  # group -> the version it made
+    rewards = collections.defaultdict(set)
+    for r in actor:
+        for gid, _, reward, *_ in r.get("r", ()):
+            rewards[gid].add(reward)
+    ended = {(a[0], a[1]) for a in answers if a[5:] == ["answer"]}
+    target = next((a for a in answers if len(a) == 5 and a[0] in trained and len(rewards[a[0]]) > 1
+                   and (a[0], a[1]) in ended), None)  # fmt: skip
+    assert target is not None, answers
+    obs = target[3]
+    i = next(i for i in range(len(obs) - 1) if obs[i] != obs[i + 1])
+    obs[i] = obs[i + 1]
+    lines = [encode(r) for r in actor]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    other = _run(tmp_path, f"--replay={tmp_path}", f"--replay_to={trained[target[0]]}")
+    assert other.returncode == 1, other.stdout[-3000:] + other.stderr[-3000:]
+    report = _report(tmp_path)
+    assert not report["identical"], report
+    first = report["first_differing_completion"]
+    assert first is not None and (first["group"], first["sample"]) == (target[0], target[1]), report
+    assert report["first_divergent_version"] is not None or report["schedule_broken"], report
+    assert report["steps"] <= trained[target[0]]

@@ -40,11 +40,14 @@ class EpisodeDriver:
       make_env: row -> environment (one per sample: a GRPO group's samples get one each).
       workers: threads that run environment steps.
       max_turn_tokens: tokens one turn may generate (None: the engine's max_new_tokens).
+      on_answer: called with (episode, StepResult) as each environment's answer is applied, before the
+        episode takes it (a run's schedule log records the answers: `runtime/schedule_log.py`).
     """
 
     def __init__(self, loop: SamplerLoop, cfg: EnvConfig, tokenizer, make_env: Callable, workers: int = 4,
-                 max_turn_tokens: int | None = None):  # fmt: skip
+                 max_turn_tokens: int | None = None, on_answer: Callable | None = None):  # fmt: skip
         self.loop, self.cfg, self.tokenizer, self.make_env = loop, cfg, tokenizer, make_env
+        self.on_answer = on_answer
         self.max_turn_tokens = max_turn_tokens or loop.cfg.max_new_tokens
         self.encoder = Encoder(tokenizer)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env")
@@ -108,12 +111,19 @@ class EpisodeDriver:
     def _answer(self, key: tuple, run: _Running) -> bool:
         """Applies the environment's answer; True when the episode ended (its slot is freed)."""
         future, run.future = run.future, None
-        episode = run.episode
         try:
             result = future.result()
         except Exception:  # a user environment's bug ends its episode, never the run
             self.env_errors += 1
             result = StepResult(None, 0.0, True, {"reason": "env_error"})
+        return self.apply(key, result)
+
+    def apply(self, key: tuple, result: StepResult) -> bool:
+        """Applies `result` to the parked episode `key` (resumes its slot, or ends the episode); True when
+        the episode ended. A replay calls it with the answers the run recorded."""
+        episode = self._running[key].episode
+        if self.on_answer is not None:
+            self.on_answer(episode, result)
         before = episode.length
         goes_on = observe(episode, result, self.cfg, self.encoder)
         observation = episode.tokens[before:]

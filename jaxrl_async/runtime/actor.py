@@ -107,7 +107,8 @@ class Actor:
         self.arrivals = Arrivals(weights, run.verify_weights)
         send = lambda m: transport.send("learner", m)  # noqa: E731
         # Multi-turn episodes (config.env): the runner steps the loop; evaluations are greedy episodes.
-        self.episodes = EpisodeRunner(run.env, self.loop, tokenizer, members) if run.env.enabled else None
+        self.episodes = (EpisodeRunner(run.env, self.loop, tokenizer, members, self.schedule)
+                         if run.env.enabled else None)  # fmt: skip
         # The exact expected reward needs the version's whole weights in this process (not in a replica that
         # spans processes: its forward pass would need every member) and single-turn completions.
         score = None if members or self.episodes else scorer(run.reward.reward, engine.cfg, engine.model_cfg,

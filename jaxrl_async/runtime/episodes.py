@@ -121,13 +121,16 @@ class EpisodeRunner:
       tokenizer: decodes turns, encodes observations.
       members: the leader's `replica.Members` of a replica that spans processes (they make the driver's
         queueing, resumes and finishes with it), or None.
+      schedule: the actor's schedule recorder (`schedule_log.ActorSchedule`): each environment's answer,
+        at the decode call it was applied after, is a decision of timing and of the outside world.
     """
 
-    def __init__(self, cfg: EnvConfig, loop: SamplerLoop, tokenizer, members=None):
+    def __init__(self, cfg: EnvConfig, loop: SamplerLoop, tokenizer, members=None, schedule=None):
         self.cfg, self.loop = cfg, loop
         factory, self.executor = make_env_factory(cfg, tokenizer, _graded_by_the_service)
         driven = _driven_loop(loop, members, evaluation=False)
-        self.driver = EpisodeDriver(driven, cfg, tokenizer, factory, workers=cfg.tool_workers)
+        self.driver = EpisodeDriver(driven, cfg, tokenizer, factory, workers=cfg.tool_workers,
+                                    on_answer=None if schedule is None else schedule.answered)  # fmt: skip
         self._prompts: dict[int, list] = {}  # group id -> [its Prompt, episodes not yet ended]
         self._totals: dict = {"episodes": 0}  # running counters (`stats`)
 

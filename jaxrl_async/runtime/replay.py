@@ -1,7 +1,7 @@
 """Replay: runs a recorded asynchronous run again in one process, following its schedule log
 (runtime/schedule_log.py) instead of the clock (`jaxrl-run --config=... --replay=WORKDIR`).
 
-It walks the actor's recorded decode calls in order, causally. Before call i it trains the learner up to
+It walks each actor's recorded decode calls in order, causally. Before call i it trains the learner up to
 each version the record applied there (every group of those steps was complete in the run by then, so it
 is complete in the replay too), applies it with the recorded update mode, queues the recorded requests
 (the same group ids, so the same sampling streams), and runs the call. Each completion gets the reward
@@ -9,10 +9,15 @@ result the run recorded for it, and its tokens are checked against the run's CRC
 parameters are fingerprinted and compared with the run's: the report names the first version that
 differs, and the first completion whose tokens differ.
 
+Multi-turn episodes (config.env) are replayed with the environments' recorded answers, each applied
+after the decode call the run applied it after (runtime/replay_episodes.py): no tool runs, and each model
+turn is checked against the run's CRC before its answer is applied. Several actors (sampler replicas)
+are replayed side by side, each with an engine of its own (`Replay._walk`).
+
 With the same machine kind, software and config the replay produces the same parameters, bit for bit, at
 every version (the engine is built with the kernels the run's timing chose, recorded in the actor's
-start record). What it covers: one actor (one sampler replica), one segment of the record (a process
-start: the run's, or a resume from a checkpoint, `--replay_from`), no controlled lag.
+start record). What it covers: one segment of the record (a process start: the run's, or a resume from
+a checkpoint, `--replay_from`), no controlled lag.
 docs/reproducibility.md.
 """
 
@@ -48,6 +53,7 @@ from jaxrl_async.runtime.build import (
 from jaxrl_async.runtime.checkpoint import RunCheckpoints
 from jaxrl_async.runtime.learner import TrainerCore
 from jaxrl_async.runtime.messages import Tickets
+from jaxrl_async.runtime.replay_episodes import AnswerMissing, ReplayEpisodes
 from jaxrl_async.runtime.rollout_groups import GroupAssembly
 from jaxrl_async.runtime.schedule_log import fingerprint, read_schedule, schedule_path
 from jaxrl_async.runtime.tickets import TicketBook
@@ -105,6 +111,24 @@ class RecordedRewards:
 
 
 @dataclasses.dataclass
+class _Actor:
+    """One recorded actor in a replay: its events and the sampler that follows them."""
+
+    index: int
+    records: dataclasses.InitVar[list[dict]]  # its records of the replayed segment (a start record first)
+    events: list[dict] = dataclasses.field(init=False)  # its decode calls and environments' answers, in order
+    kernels: dict = dataclasses.field(init=False)  # the decode kernels its engine had
+    loop: Any = None  # its SamplerLoop (`Replay._build`)
+    episodes: Any = None  # its ReplayEpisodes (multi-turn runs)
+    pos: int = 0  # events replayed
+    version: int | None = None  # the version it applied last
+
+    def __post_init__(self, records):
+        self.events = [r for r in records if "c" in r or "o" in r]
+        self.kernels = {k: records[0][k] for k in ("attention", "linear")}
+
+
+@dataclasses.dataclass
 class Report:
     """What a replay found (written as WORKDIR/replay/report.json)."""
 
@@ -144,26 +168,25 @@ class Replay:
         self.recorded, self.to_version, self.from_version = recorded, to_version, from_version
         if self.run.trainer.controlled_lag:
             raise ConfigError("replay: config.trainer.controlled_lag is not replayed")
-        actors = sorted(
-            p.name for p in storage.path(storage.join(recorded, "schedule")).glob("actor-*.jsonl")
-        )
-        if actors != ["actor-0.jsonl"]:
-            raise ConfigError(f"replay: one actor's record is replayed, {recorded}/schedule has {actors}")
+        names = {p.name for p in storage.path(storage.join(recorded, "schedule")).glob("actor-*.jsonl")}
+        if not names or names != {f"actor-{i}.jsonl" for i in range(len(names))}:
+            raise ConfigError(f"replay: {recorded}/schedule holds actors' records {sorted(names)}, not "
+                              "actor-0.jsonl to actor-<n-1>.jsonl")  # fmt: skip
         self.report = Report()
-        actor = read_schedule(schedule_path(recorded, "actor:0"))
-        learner = read_schedule(schedule_path(recorded, "learner"))
-        actor_segs, learner_segs = segments(actor.records), segments(learner.records)
+        learner_segs = segments(read_schedule(schedule_path(recorded, "learner")).records)
+        actor_segs = [segments(read_schedule(schedule_path(recorded, f"actor:{i}")).records)
+                      for i in range(len(names))]  # fmt: skip
         starts = [s[0]["version"] for s in learner_segs]
-        if from_version not in starts or len(actor_segs) != len(learner_segs):
+        if from_version not in starts or any(len(a) != len(learner_segs) for a in actor_segs):
+            counts = [len(a) for a in actor_segs]
             raise ConfigError(f"replay: --replay_from={from_version}: the learner's record starts at "
-                              f"versions {starts} ({len(actor_segs)} actor starts)")  # fmt: skip
+                              f"versions {starts} (the actors' records start {counts} times)")  # fmt: skip
         i = starts.index(from_version)
         self.report.restarts = len(starts) - 1
-        actor_recs, learner_recs = actor_segs[i], learner_segs[i]
+        learner_recs = learner_segs[i]
         self.start, self.steps = learner_recs[0], collections.deque(learner_recs[1:])
-        self.calls = [r for r in actor_recs if "c" in r]
-        self.rewards = RecordedRewards([r for r in actor_recs if "r" in r])
-        self.kernels = {k: actor_recs[0][k] for k in ("attention", "linear")}
+        self.actors = [_Actor(n, a[i]) for n, a in enumerate(actor_segs)]
+        self.rewards = RecordedRewards([r for a in actor_segs for r in a[i] if "r" in r])
 
     # ----- building -----
 
@@ -171,9 +194,12 @@ class Replay:
         run, cluster = self.run, single_process()
         tokenizer = build_tokenizer(run)
         model_cfg = model_config(run, tokenizer)
-        scfg = dataclasses.replace(sampler_config(run, tokenizer), **self.kernels)  # the run's kernels
         s_mesh, t_mesh = sampler_mesh(run, cluster), trainer_mesh(run, cluster)
-        engine = build_engines(run, model_cfg, s_mesh, scfg)[0]
+        for a in self.actors:  # each with the kernels its run's timing chose
+            engine = build_engines(run, model_cfg, s_mesh, dataclasses.replace(sampler_config(run, tokenizer),
+                                                                               **a.kernels))[0]  # fmt: skip
+            a.loop = SamplerLoop(engine)
+            a.episodes = ReplayEpisodes(run.env, a.loop, tokenizer) if run.env.enabled else None
         if run.warm_start.enabled and not self.from_version:
             device = t_mesh.devices.flat[0]
             params = warm_started_params(run, model_cfg, tokenizer, device, show=False)[0]
@@ -186,9 +212,9 @@ class Replay:
             ckpts.close()
         publisher = LocalWeights(WeightSync(model_cfg, s_mesh, dtype=sampler_dtype(model_cfg)))
         self.core = TrainerCore(state, run.trainer, publisher, None)
-        self.loop = SamplerLoop(engine)
         caps = length_cap_fn(run.length_caps) if run.length_caps else None
-        self.tickets = TicketBook(0, run.seed, run.schedule, engine.cfg.num_slots, 1, caps)
+        # (a grant's requests do not depend on the actor: one book serves them all)
+        self.tickets = TicketBook(0, run.seed, run.schedule, engine.cfg.num_slots, len(self.actors), caps)
         self.groups = GroupAssembly(run.schedule.samples_per_prompt, run.reward, engine.cfg.max_new_tokens,
                                     self.rewards, tokenizer)  # fmt: skip
         self.prompt = functools.partial(prompt_at, run.data, tokenizer)
@@ -202,20 +228,47 @@ class Replay:
         self._check(self.core.version, self.start["fp"])
         self.published[self.core.version] = self.core.publish().params
         try:
-            for rec in self.calls:
-                if not self._call(rec):
-                    break
-            else:
-                self._train_to(None)
+            self._walk()
+            self._train_to(None)  # the steps left (none once the walk stopped early: it ran out of them)
         except ScheduleBroken as e:
             self.report.schedule_broken = str(e)
             log.warning("replay stops: %s", e)
+        finally:
+            for a in self.actors:
+                if a.episodes is not None:
+                    a.episodes.close()
         return self.report
+
+    def _walk(self) -> None:
+        """Each actor's events in its own order; between actors, any order that the run's causality
+        allows: an actor goes on once the versions its next call applies can be trained (their groups are
+        complete here). Which allowed order is taken changes nothing: every actor's state depends only on
+        its own events and the versions it applies, and a step only on its recorded groups."""
+        while True:
+            waiting = [a for a in self.actors if a.pos < len(a.events)]
+            if not waiting:
+                return
+            # None runnable: the first is run, and `_train_to` names the groups that are missing.
+            actor = next((a for a in waiting if self._runnable(a.events[a.pos])), waiting[0])
+            rec = actor.events[actor.pos]
+            actor.pos += 1
+            if not (self._call(actor, rec) if "c" in rec else self._answers(actor, rec)):
+                return
+
+    def _runnable(self, rec: dict) -> bool:
+        """Whether the versions that call `rec` applies are trained, or can be with the groups at hand."""
+        want = max((v for v, _, _ in rec.get("apply", ())), default=self.core.version)
+        need = set()
+        for step in self.steps:
+            if step["t"] > want:
+                break
+            need.update(step["g"])
+        return need <= self.ready.keys()
 
     def _done(self) -> bool:
         return self.to_version is not None and self.core.version >= self.to_version
 
-    def _call(self, rec: dict) -> bool:
+    def _call(self, actor: _Actor, rec: dict) -> bool:
         """Replays one recorded decode call; False once the replay is over (every recorded step, or up to
         `to_version`, trained: what the actor decoded after that never reached the learner)."""
         if not self.steps:
@@ -224,28 +277,63 @@ class Replay:
             self._train_to(version)
             if self._done():
                 return False
-            self.loop.update_params(self.published[version], version, mode)
-            for old in [v for v in self.published if v < version]:  # versions are applied oldest first
+            actor.loop.update_params(self.published[version], version, mode)
+            actor.version = version
+            # Each actor applies versions oldest first: one older than every actor's last is not needed.
+            oldest = min(-1 if a.version is None else a.version for a in self.actors)
+            for old in [v for v in self.published if v < oldest]:
                 del self.published[old]
         for gid, key in rec.get("add", ()):
             for request in self.tickets.grant(Tickets([(gid, self.prompt(key))], False)):
-                self.loop.add_request(request)
-        completions = self.loop.step(lambda: None)
+                (actor.loop if actor.episodes is None else actor.episodes).add_request(request)
         self.report.calls += 1
-        graded = []
-        for c in completions:
-            same = self.rewards.check(c)
-            if same is False and self.report.first_differing_completion is None:
-                self.report.first_differing_completion = {"call": rec["c"], "group": int(c.uid),
-                                                          "sample": int(c.sample_index)}  # fmt: skip
-            if same is not None:  # a completion the run never graded forms no group (nor did it there)
-                graded.append(c)
-        self.groups.submit(graded)
+        if actor.episodes is not None:  # turns that end park; episodes end with the recorded answers
+            actor.episodes.step()
+            return True
+        completions = actor.loop.step(lambda: None)
+        at = (actor.index, rec["c"])
+        self._assemble([c for c in completions if self._graded_as_in_the_run(at, c)], [])
+        return True
+
+    def _answers(self, actor: _Actor, rec: dict) -> bool:
+        """Applies the environments' answers recorded after call rec["at"] (multi-turn episodes)."""
+        if not self.steps:
+            return False
+        at = (actor.index, rec["at"])
+        try:
+            ended, differ = actor.episodes.answers(rec["o"])
+        except AnswerMissing as e:
+            self._differs(at, *e.args[1])
+            raise ScheduleBroken(f"actor {at[0]}, after call {at[1]}: {e.args[0]}") from None
+        for key in differ:
+            self._differs(at, *key)
+        answered = [e for e in ended if e[0].finish_reason == "answer"]  # graded by the reward service
+        graded = [e for e in answered if self._graded_as_in_the_run(at, e[0])]
+        self._assemble([], graded + [e for e in ended if e[0].finish_reason != "answer"])
+        return True
+
+    def _graded_as_in_the_run(self, at: tuple[int, int], sample) -> bool:
+        """Takes the run's reward result of `sample` (a completion or an episode); False when the run
+        graded no such sample (it stopped first: the sample forms no group, as it formed none there)."""
+        same = self.rewards.check(sample)
+        if same is False:
+            self._differs(at, int(sample.uid), int(sample.sample_index))
+        return same is not None
+
+    def _differs(self, at: tuple[int, int], group: int, sample: int) -> None:
+        """Notes the first sample whose tokens differ from the run's (`at`: the actor and its call)."""
+        if self.report.first_differing_completion is None:
+            self.report.first_differing_completion = {"actor": at[0], "call": at[1], "group": group,
+                                                      "sample": sample}  # fmt: skip
+
+    def _assemble(self, completions: list, episodes: list) -> None:
+        """Grades (with the recorded results) and groups finished samples, as the run's actor did."""
+        self.groups.submit(completions)
+        self.groups.submit_episodes(episodes)
         for res in self.rewards.poll():
             self.groups.add(res)
         for g in self.groups.take_ready():
             self.ready[int(g[0].group_id)] = g
-        return True
 
     def _train_to(self, version: int | None) -> None:
         """Trains the recorded steps up to `version` (None: every one left, or up to `to_version`)."""

@@ -8,6 +8,10 @@ Given the config, everything else a run does is a function of these decisions:
           versions applied (with their update mode). Admission inside the loop is then deterministic.
           Each reward result that went into a group (a sandbox timeout is not deterministic), with a
           CRC of the completion's tokens so that a replay names the first completion that differs.
+          Multi-turn episodes (config.env): each environment's answer (observation, reward, end), at the
+          decode call after which it was applied (when a parked slot resumes is timing's choice, and a
+          tool's answer may be the outside world's: a clock, a timeout, randomness), with a CRC of the
+          turn it answered. Admission is the requests, as for single-turn runs.
   learner each train step: its groups, in order, the version it produced and a fingerprint of the train
           state's parameters (`fingerprint`, exact: any changed bit changes it).
 
@@ -133,6 +137,26 @@ class ScheduleWriter:
         self._log.close()
 
 
+def token_crc(tokens) -> int:
+    """CRC32 of token ids as int32 words: what the record keeps of a completion or a turn."""
+    return zlib.crc32(np.asarray(tokens, np.int32).tobytes())
+
+
+def last_turn(episode) -> list:
+    """The tokens of an episode's last model turn (after its last observation)."""
+    start = len(episode.model_mask)
+    while start > 0 and episode.model_mask[start - 1]:
+        start -= 1
+    return episode.tokens[start:]
+
+
+def _plain(observation):
+    """An observation as JSON holds it: text, a list of token ids, or None."""
+    if observation is None or isinstance(observation, str):
+        return observation
+    return [int(t) for t in observation]
+
+
 @jax.jit
 def _fingerprint(tree):
     # Integer arithmetic mod 2^32 is exact and associative: the same bits give the same value however the
@@ -168,6 +192,9 @@ class NoSchedule:
     def graded(self, result, completion) -> None:
         pass
 
+    def answered(self, episode, result) -> None:
+        pass
+
     def started(self, version: int, params) -> None:
         pass
 
@@ -196,6 +223,7 @@ class ActorSchedule(NoSchedule):
         self._added: list[list[Any]] = []
         self._applied: list[list[Any]] = []
         self._graded: list[list[Any]] = []
+        self._answers: list[list[Any]] = []  # environments' answers applied during the last call
         writer.write({"start": endpoint, "attention": engine_cfg.attention, "linear": engine_cfg.linear})
 
     def added(self, request) -> None:
@@ -208,6 +236,7 @@ class ActorSchedule(NoSchedule):
     def calling(self, loop) -> None:
         """Before `loop.step`: records the call unless it changes nothing (idle, nothing new), after the
         reward results taken since the last call."""
+        self._write_answers()
         self._write_graded()
         if self._added or self._applied or not loop.idle:
             rec: dict[str, Any] = {"c": self.calls}
@@ -224,11 +253,27 @@ class ActorSchedule(NoSchedule):
         reason only when it is not "ok". Written with the next call (one record for all of them: a
         record per result cost twice the bytes)."""
         gid, sample = result.request_id
-        rec = [int(gid), int(sample), float(result.reward),
-               zlib.crc32(np.asarray(completion.tokens, np.int32).tobytes())]  # fmt: skip
+        if isinstance(completion, tuple):  # a multi-turn episode (with its prompt): the whole episode
+            completion = completion[0]
+        rec = [int(gid), int(sample), float(result.reward), token_crc(completion.tokens)]
         if result.reason != "ok":
             rec.append(result.reason)
         self._graded.append(rec)
+
+    def answered(self, episode, result) -> None:
+        """An environment's answer to an episode's last turn, applied after the last decode call:
+        [group, sample, the turn's CRC, observation, reward(, reason)], the reason when the answer ends
+        the episode. Written with the next call, as one {"o": [...], "at": call} record."""
+        rec = [int(episode.uid), int(episode.sample_index), token_crc(last_turn(episode)),
+               _plain(result.observation), float(result.reward)]  # fmt: skip
+        if result.done:
+            rec.append(str(result.info.get("reason", "done")))
+        self._answers.append(rec)
+
+    def _write_answers(self) -> None:
+        if self._answers:
+            self.writer.write({"o": self._answers, "at": self.calls - 1})
+            self._answers = []
 
     def _write_graded(self) -> None:
         if self._graded:
@@ -236,6 +281,7 @@ class ActorSchedule(NoSchedule):
             self._graded = []
 
     def close(self) -> None:
+        self._write_answers()
         self._write_graded()
         self.writer.close()
 
