@@ -1,9 +1,9 @@
-"""Replay (runtime/replay.py): an asynchronous run (η = 2, in-flight keep_kv updates) and its replay in one
-process end with the same parameters, bit for bit, at every version; a replay with another learning rate
-names the first version that differs. So do a run with two actors in processes of their own, a resumed
-run's second segment (from its checkpoint to a later version), and a multi-turn run whose tool answers
-at random times with random digits (a changed answer in the record is named). Each run is a process of
-its own (launch/run.py, launch/local_cluster.py)."""
+"""Replay (runtime/replay.py): an asynchronous run (η = 2, in-flight keep_kv updates, dynamic sampling) and
+its replay in one process end with the same parameters, bit for bit, at every version; a replay with
+another learning rate names the first version that differs. So do a run with two actors in processes of
+their own, a resumed run's second segment (from its checkpoint to a later version), and a multi-turn run
+whose tool answers at random times with random digits (a changed answer in the record is named). Each
+run is a process of its own (launch/run.py, launch/local_cluster.py)."""
 
 import collections
 import json
@@ -57,7 +57,9 @@ def _report(workdir) -> dict:
 
 
 def test_async_run_and_its_replay_agree_bit_for_bit(tmp_path):
-    run = _run(tmp_path)
+    """With dynamic sampling: the groups it drops are decisions the replay must make again."""
+    dapo = "--config.trainer.dynamic_sampling=True"
+    run = _run(tmp_path, dapo)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     actor = read_schedule(schedule_path(str(tmp_path), "actor:0")).records
     learner = read_schedule(schedule_path(str(tmp_path), "learner")).records
@@ -66,10 +68,12 @@ def test_async_run_and_its_replay_agree_bit_for_bit(tmp_path):
     # The run was asynchronous: versions were applied while sequences were decoding (keep_kv, in flight),
     # and some step trained groups admitted before the previous version existed.
     assert any(mode == "keep_kv" and live > 0 for _, mode, live in applied), applied
+    with open(os.path.join(tmp_path, "summary.json")) as f:
+        assert json.load(f)["filtered_groups"] > 0  # dynamic sampling dropped groups (all rewards equal)
     fps = [r["fp"] for r in learner]
     assert len(set(fps)) == len(fps)  # every step moved the weights: the check below can fail
 
-    same = _run(tmp_path, f"--replay={tmp_path}")
+    same = _run(tmp_path, dapo, f"--replay={tmp_path}")
     assert same.returncode == 0, same.stdout[-3000:] + same.stderr[-3000:]
     report = _report(tmp_path)
     assert report["identical"] and report["steps"] == STEPS, report
@@ -79,7 +83,7 @@ def test_async_run_and_its_replay_agree_bit_for_bit(tmp_path):
     assert report["first_differing_completion"] is None
 
     # Another learning rate: the replay follows the same schedule until the weights part, and says where.
-    other = _run(tmp_path, f"--replay={tmp_path}", "--config.trainer.lr=1e-3", "--replay_to=2")
+    other = _run(tmp_path, dapo, f"--replay={tmp_path}", "--config.trainer.lr=1e-3", "--replay_to=2")
     assert other.returncode == 1, other.stdout[-3000:] + other.stderr[-3000:]
     report = _report(tmp_path)
     assert report["first_divergent_version"] == 1 and not report["identical"], report
