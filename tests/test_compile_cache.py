@@ -5,48 +5,12 @@ other than 0 keeps its own executables (the store), and a second run loads them.
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from jaxrl_async.run_config import ConfigError, validate
 from jaxrl_async.runtime import compile_cache
 from tests.test_orchestrator import _small
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-# One tiny sync run (2 steps) in a fresh process: JAX picks its cache at its first compile.
-_RUN = """
-import json, sys
-from tests.test_orchestrator import _small
-from jaxrl_async.runtime.orchestrator import run_from_config
-cfg = _small(sys.argv[1], mode="sync", total_steps=2, eval_every=0, compile_cache_dir=sys.argv[2])
-s = run_from_config(cfg)
-print("REPORT " + json.dumps(s["compile_cache"]))
-"""
-
-
-def _run(workdir, cache) -> dict:
-    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")  # fmt: skip
-    cmd = [sys.executable, "-c", _RUN, str(workdir), str(cache)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
-    assert res.returncode == 0, res.stderr[-3000:]
-    line = next(x for x in res.stdout.splitlines() if x.startswith("REPORT "))
-    return json.loads(line[len("REPORT ") :])
-
-
-def test_a_second_run_loads_every_program_it_compiled_the_first_time(tmp_path):
-    cache = tmp_path / "xla"
-    first = _run(tmp_path / "a", cache)
-    assert first["dir"] == str(cache) and first["entries_at_start"] == 0
-    assert first["compiles"] > 5 and first["entries_at_end"] > 0  # every compile is kept, however short
-    assert os.stat(cache).st_mode & 0o777 == 0o700  # created private to this user
-    second = _run(tmp_path / "b", cache)
-    assert second["entries_at_start"] == first["entries_at_end"]
-    assert second["loaded"] == second["compiles"] == first["compiles"]
-    assert second["entries_at_end"] == second["entries_at_start"]  # nothing new to write
 
 
 def test_a_directory_others_may_write_is_refused_naming_the_field(tmp_path):
@@ -67,7 +31,6 @@ def test_a_directory_others_may_write_is_refused_naming_the_field(tmp_path):
         run_from_config(_small(tmp_path / "run", compile_cache_dir=str(shared)))
     with pytest.raises(ConfigError, match=r"config\.compile_cache_dir: a directory path"):
         validate(_small(tmp_path / "run", compile_cache_dir=None), None)
-
 
 
 def _sample(store, mesh):
@@ -118,13 +81,17 @@ def test_the_executable_store_loads_what_it_kept_and_rewrites_what_does_not_load
     assert fourth.loaded == 0 and fourth.compiled == kept
 
 
-def test_a_sampler_process_loads_its_own_programs_in_the_next_run(tmp_path):
-    """JAX writes cache entries from process 0 only: the sampler process (1) keeps its engines' executables
-    in the store, and a second run's sampler process loads every one of them."""
+def test_a_second_run_loads_every_program_and_a_sampler_process_its_own(tmp_path):
+    """Two 2-process runs (learner on process 0, sampler on process 1) on one fresh cache directory. The
+    lead uses JAX's cache, as a one-process run does (`compile_cache.enable` is the same call): the first
+    run compiles and keeps every program, the second loads every one of them and adds nothing. JAX writes
+    cache entries from process 0 only: the sampler process keeps its engines' executables in the store,
+    and the second run's sampler process loads every one of them. (One test for both: each claim needs a
+    first and a second run, and these two runs make both.)"""
     from tests.test_multiprocess import _flags, _launch
 
     cache = tmp_path / "xla"
-    lines = []
+    lines, lead = [], []
     for run in ("a", "b"):
         flags = _flags(tmp_path / run, total_steps=2, eval_every=0, compile_cache_dir=str(cache),
                        **{"mesh.sampler_processes": "(1,)", "mesh.trainer_processes": "(0,)"})  # fmt: skip
@@ -136,10 +103,18 @@ def test_a_sampler_process_loads_its_own_programs_in_the_next_run(tmp_path):
         assert lines[-1], text[-3000:]
         with open(tmp_path / run / "summary.json") as f:
             summary = json.load(f)
-        assert summary["compile_cache"]["executables"] is None  # process 0: JAX's cache serves it
+        lead.append(summary["compile_cache"])
+        assert lead[-1]["executables"] is None  # process 0: JAX's cache serves it
         # The learner's summary has what the sampler process's store did, as its log line says.
         own = summary["sampler_executables"]["actor:0"]
         assert (own["loaded"], own["compiled"], own["written"]) == tuple(map(int, lines[-1].groups()))
+    first, second = lead
+    assert first["dir"] == str(cache) and first["entries_at_start"] == 0
+    assert first["compiles"] > 5 and first["entries_at_end"] > 0  # every compile is kept, however short
+    assert os.stat(cache).st_mode & 0o777 == 0o700  # created private to this user
+    assert second["entries_at_start"] == first["entries_at_end"]
+    assert second["loaded"] == second["compiles"] == first["compiles"]
+    assert second["entries_at_end"] == second["entries_at_start"]  # nothing new to write
     loaded, compiled, kept = map(int, lines[0].groups())
     assert compiled >= 4 and kept == compiled
     assert tuple(map(int, lines[1].groups())) == (loaded + compiled, 0, 0)

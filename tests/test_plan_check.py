@@ -76,13 +76,12 @@ def test_train_memory_grows_with_the_micro_batch_and_shrinks_with_sharding():
         TrainConfig(token_budget=256, rows_per_micro=4, minibatches=1), CFG, (2, 1), jax.devices()[:2]
     )
     assert small["argument_size"] > 0 and big["temp_size"] > small["temp_size"]
-    one = train_memory(
-        TrainConfig(token_budget=64, rows_per_micro=4, minibatches=1), CFG, (1, 1), jax.devices()[:1]
-    )
     four = train_memory(
         TrainConfig(token_budget=64, rows_per_micro=4, minibatches=1), CFG, (4, 1), jax.devices()[:4]
     )
-    assert four["argument_size"] < one["argument_size"]  # fsdp shards params and optimizer state
+    # fsdp shards params and optimizer state: 4 devices hold less each than `small`'s 2 (a third compile,
+    # on 1 device, would show the same at its cost).
+    assert four["argument_size"] < small["argument_size"]
 
 
 def test_sampler_bytes_and_full_report():

@@ -51,13 +51,19 @@ def test_both_math_8b_layouts_rehearse_on_localhost(tmp_path):
     The 8-GPU layout as one process of 8 with a local workdir. Every check passes."""
     pytest.importorskip("gcp_storage_emulator", reason="the 'test' extra's GCS emulator")
     procs = {}
+    # The suite's compile cache (tests/conftest.py) as the runs' config.compile_cache_dir: a bucket
+    # rehearsal's processes get no cache through the environment (each has a root of its own), so the
+    # TPU layout's second start (after the kill) compiled every program of both processes again; with it,
+    # that start loads them (process 0 from JAX's cache, the sampler process from its executable store).
+    cache = os.environ.get("JAXRL_TESTS_COMPILE_CACHE_DIR", "")
+    run_flags = ["--", f"--config.compile_cache_dir={cache}"] if cache else []
     # The two rehearsals at once (independent commands, workdirs and buckets; each mostly one compile
     # thread or waiting on its peer): ~75 s one after the other on the loaded 2-core machine.
     for spec, extra in (("configs/math_8b.py", ["--rehearse-kill-step", "1", "--rehearse-steps", "3"]),
                         ("configs/math_8b.py:h100", ["--rehearse-storage", "local"])):  # fmt: skip
         workdir = tmp_path / spec.replace("/", "_").replace(":", "_")
         cmd = [sys.executable, os.path.join(REPO, "launch", "local_cluster.py"), "--rehearse", spec,
-               "--rehearse-steps", "2", "--rehearse-workdir", str(workdir), *extra]  # fmt: skip
+               "--rehearse-steps", "2", "--rehearse-workdir", str(workdir), *extra, *run_flags]  # fmt: skip
         log = tmp_path / f"{workdir.name}.out"
         with open(log, "w") as f, open(tmp_path / f"{workdir.name}.err", "w") as err:
             proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), text=True,
