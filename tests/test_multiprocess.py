@@ -469,7 +469,7 @@ def test_lora_run_over_two_processes_moves_the_base_once_then_only_adapters(tmp_
 
     lora = lora_lib.LoraConfig(enabled=True, rank=4)
     flags = _flags(tmp_path, **{"mesh.sampler": "(1,1)", "mesh.trainer": "(1,1)", "total_steps": 2,
-                                "trainer.lora.enabled": True, "trainer.lora.rank": lora.rank,
+                                "eval_every": 0, "trainer.lora.enabled": True, "trainer.lora.rank": lora.rank,
                                 "mesh.weight_transport": "transfer"})  # fmt: skip
     res = _launch(2, 1, flags)
     assert res.returncode == 0, res.stdout[-4000:]

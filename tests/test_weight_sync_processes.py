@@ -310,7 +310,7 @@ LORA = r"""
 import json, sys
 import jax
 jax.config.update("jax_num_cpu_devices", 1)
-pid, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+pid, port, out, transport = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
 from jax._src.distributed import global_state
 from jaxrl_async.model import abstract_params, init_params, lora as lora_lib, presets
@@ -328,14 +328,16 @@ res = {}
 if pid == 0:
     base = init_params(cfg, jax.random.key(0), t_mesh, TRAINER_RULES)
     sh = tree_shardings(lora_lib.adapter_specs(cfg, lora), t_mesh, TRAINER_RULES)
-    pub = LoraPublisher(cluster, cfg, lora, t_mesh, (1, 1), 1, base, verify=True)
+    pub = LoraPublisher(cluster, cfg, lora, t_mesh, (1, 1), 1, base, verify=True, transport=transport)
     pub.resolve_paths()
     for v in range(2):
         msg = pub.publish(v, lora_lib.init_adapters(cfg, lora, jax.random.key(v + 1), sh))
+        res[f"base_held_{v}"] = bool(pub.base._offered.get(0))  # the base's cut pieces, kept for pulls
         cluster.publish(f"sent/{v}", repr(msg.checksum))
         cluster.barrier(f"got_{v}")
 else:
-    recv = LoraReceiver(cluster, 0, cfg, lora, t_mesh, s_mesh, verify=True, apply="merge")
+    recv = LoraReceiver(cluster, 0, cfg, lora, t_mesh, s_mesh, verify=True, apply="merge",
+                        transport=transport)
     sums = [float(cluster.lookup("sent/0"))]
     got = recv.receive(NewWeights(0, None, sums[0]))
     res["base_bytes"], res["bytes"] = recv.base_bytes, [recv.last_bytes]
@@ -352,21 +354,24 @@ else:
                adapter_bytes=lora_lib.adapter_bytes(cfg, lora, cfg.dtype),
                model_bytes=sum(x.size * x.dtype.itemsize
                                for x in jax.tree.leaves(abstract_params(cfg.compute_copy()))))
-    json.dump(res, open(out, "w"))
+json.dump(res, open(f"{out}.{pid}", "w"))
 cluster.barrier("end")
 """
 
 
-def test_lora_over_shared_memory_moves_the_base_once_then_adapters_checked_against_the_sent_sum(tmp_path):
-    """LoraPublisher -> LoraReceiver between two processes of this host (shared memory, the CPU default):
-    the base arrives once with the first version, each version brings exactly the adapters' bytes, the
-    receiver's checksum of them equals the publisher's, and a version whose sum differs is refused by name
-    (the run test in test_multiprocess.py covers the transfer server)."""
-    out = str(tmp_path / "lora.json")
-    codes = _run_processes(LORA, 2, out, timeout=180)
+@pytest.mark.parametrize("transport", ["auto", "transfer"])
+def test_lora_moves_the_base_once_then_adapters_checked_against_the_sent_sum(tmp_path, transport):
+    """LoraPublisher -> LoraReceiver between two processes of this host, over shared memory (the CPU
+    default) and the transfer server: the base arrives once with the first version, each version brings
+    exactly the adapters' bytes, the receiver's checksum of them equals the publisher's, a version whose
+    sum differs is refused by name, and once the receiver holds the base the publisher lets go of the
+    pieces it cut for it (over the transfer server, a copy of the base on the trainer's devices)."""
+    out = str(tmp_path / "lora")
+    codes = _run_processes(LORA, 2, out, transport, timeout=180)
     assert codes == [0, 0]
-    res = json.load(open(out))
-    assert (res["shm"], res["base_shm"]) == ([0], [0])
+    pub, res = (json.load(open(f"{out}.{pid}")) for pid in (0, 1))
+    assert (res["shm"], res["base_shm"]) == (([0], [0]) if transport == "auto" else ([], []))
+    assert (pub["base_held_0"], pub["base_held_1"]) == (transport == "transfer", False)
     assert res["base_bytes"] == res["model_bytes"] and res["bytes"] == [res["adapter_bytes"]] * 2
     assert res["adapter_bytes"] < res["model_bytes"] / 10
     assert list(res["checked"]) == ["0"] and res["checked"]["0"] == pytest.approx(res["sums"][0], rel=1e-6)

@@ -40,6 +40,7 @@ from jaxrl_async.runtime.weight_sync import (
 
 BASE = Channel("lora_base:", slots=1)  # the frozen base: offered once, so one shared-memory slot
 BASE_CHECKSUM_KEY = "lora_base:checksum"  # the base's checksum (config.verify_weights), in the cluster store
+BASE_TAKEN = "lora_base:taken/"  # + the pull: that receiver holds the base (the offer may be released)
 
 
 class WeightsMismatch(RuntimeError):
@@ -150,7 +151,8 @@ class LoraPublisher:
                  base, verify: bool = False, transport: str = "auto"):  # fmt: skip
         dtype = sampler_dtype(model_cfg)
         args = (cluster, model_cfg, trainer_mesh, sampler_shape, dtype, num_actors, verify)
-        self.cluster, self._base = cluster, base
+        self.cluster, self._base, self.num_actors = cluster, base, num_actors
+        self.base_offered = False  # the base's pieces are held for pulls still to come
         self.base = TransferPublisher(*args, transport=transport, channel=BASE)
         channel = adapters_channel(model_cfg, lora)
         self.adapters = TransferPublisher(*args, transport=transport, channel=channel)
@@ -171,7 +173,12 @@ class LoraPublisher:
             sent = self.base.publish(0, self._base)
             if sent.checksum is not None and self.cluster.is_lead:
                 self.cluster.publish(BASE_CHECKSUM_KEY, repr(sent.checksum))
-            self.base_bytes, self._base = self.base.last_bytes, None
+            self.base_bytes, self._base, self.base_offered = self.base.last_bytes, None, True
+        elif self.base_offered and self.cluster.published_under(BASE_TAKEN) == self.num_actors:
+            # Over the transfer server the cut pieces of the base (a sampler-dtype copy of this process's
+            # shards) would otherwise stay on the trainer's devices for the whole run.
+            self.base.release(0)
+            self.base_offered = False
         message = self.adapters.publish(version, adapters)
         self.last_seconds = time.perf_counter() - t0
         return message
@@ -218,6 +225,7 @@ class LoraReceiver:
                 raise WeightsMismatch(f"the LoRA base: received weights sum to {got}, sent {sent}")
         self._apply.set_base(base)
         self.base_bytes = self.base.last_bytes
+        self.cluster.publish(BASE_TAKEN + str(self.base.actor), "1")
 
     def start(self, message: NewWeights) -> Incoming:
         if self._apply.base is None:

@@ -278,7 +278,7 @@ class TransferPublisher:
         member).
       targets: pull -> (its replica's sampler mesh, the member's process id) for the members of replicas
         that span processes: such a pull takes only the pieces whose block a device of that member holds
-        (`local_pieces`); the other pulls take every piece.
+        (`shard_routes.local_blocks`); the other pulls take every piece.
       channel: what moves (`Channel`; default the model's parameters).
 
     Attributes:
@@ -298,7 +298,8 @@ class TransferPublisher:
         # pull -> per bucket, the positions of the pieces it takes (absent: all of them)
         self._takes: dict[int, list[list[int]]] = {}
         for pull, (mesh, member) in (targets or {}).items():
-            mine = local_pieces(specs, mesh, member, self.plan.shapes)
+            s_sh = jax.tree.leaves(tree_shardings(specs, mesh, SAMPLER_RULES))
+            mine = shard_routes.local_blocks(s_sh, self.plan.shapes, member)
             self._takes[pull] = [
                 [i for i, o in enumerate(bucket) if (o.leaf, o.block) in mine] for bucket in self.buckets
             ]
@@ -374,6 +375,10 @@ class TransferPublisher:
         self.last_seconds = time.perf_counter() - t0
         self.last_bytes = self.plan.nbytes
         return NewWeights(version, None, total)
+
+    def release(self, version: int) -> None:
+        """Drops this side's hold on `version`'s offered pieces (every pull of it is done)."""
+        self._offered.pop(version, None)
 
     def resolve_paths(self, timeout_s: float = 600.0) -> set[int]:
         """The pulls that read this process's shared-memory slots (each receiver says which path it
@@ -586,18 +591,6 @@ class TransferReceiver:
             )
             for leaf, (shape, sh) in enumerate(zip(self.plan.shapes, self.target, strict=True))
         ]
-
-
-def local_pieces(specs: dict, sampler_mesh, pid: int, shapes: list) -> set:
-    """(leaf, block) of every sampler block that a device of process `pid` holds on `sampler_mesh`
-    (`specs`: the ParamSpec tree moved, e.g. `param_specs(model_cfg)`)."""
-    shardings = jax.tree.leaves(tree_shardings(specs, sampler_mesh, SAMPLER_RULES))
-    return {
-        (leaf, block)
-        for leaf, (sh, shape) in enumerate(zip(shardings, shapes, strict=True))
-        for block, devs in shard_routes.distinct_blocks(sh, shape).items()
-        if any(d.process_index == pid for d in devs)
-    }
 
 
 def sampler_dtype(model_cfg: ModelConfig) -> str:
