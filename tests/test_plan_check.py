@@ -242,7 +242,8 @@ def test_the_documented_plan_check_commands_succeed_verbatim():
 
 def test_a_layout_under_the_margin_is_refused_with_the_numbers_and_fields():
     """The command exits 1 and names the role, the figures and the fields (tiny config, a memory fraction
-    so small that nothing fits)."""
+    so small that nothing fits). With --lora-rank the same compile also shows the LoRA override taken: the
+    sync moves the adapters and the trainer holds a frozen base."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = REPO
     cmd = [
@@ -253,6 +254,8 @@ def test_a_layout_under_the_margin_is_refused_with_the_numbers_and_fields():
         "h100",
         "--mem-fraction",
         "1e-6",
+        "--lora-rank",
+        "4",
     ]
     res = subprocess.run(
         cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900
@@ -264,6 +267,8 @@ def test_a_layout_under_the_margin_is_refused_with_the_numbers_and_fields():
         res.stdout,
     )
     assert "config.mesh.trainer" in res.stdout and "config.sampler.num_slots" in res.stdout
+    assert "weight sync: the LoRA adapters" in res.stdout
+    assert re.search(r"declared: LoRA rank 4 adapters \(float32\) .* \+ frozen base", res.stdout)
 
 
 def test_the_balance_and_the_evaluation_cost_come_from_the_measured_points_and_warn_past_the_limit():

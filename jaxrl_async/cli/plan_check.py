@@ -2,6 +2,7 @@
 
   jaxrl-plan-check --config configs/math_8b.py:h100 --preset qwen3-8b --hardware h100
   jaxrl-plan-check --config configs/math_8b.py --preset llama-3.1-8b --hardware tpu-v5p
+  jaxrl-plan-check --config configs/math_8b.py:h100 --preset qwen3-8b --hardware h100 --lora-rank 16
 
 The model shape comes from `--preset` or from `--hf-config DIR` (an HF directory or its config.json; no
 weights are read); its numerics (compute dtype, master-weight dtype, attention) from the config's `model`
@@ -30,6 +31,9 @@ _HF_CONFIG = flags.DEFINE_string("hf-config", "", "an HF directory or its config
 _HARDWARE = flags.DEFINE_string("hardware", "h100", "memory per device from jaxrl_async.perf presets")
 _TOKEN_BUDGET = flags.DEFINE_integer("token-budget", 0, "override trainer.token_budget (row length)")
 _ATTENTION = flags.DEFINE_string("attention", "", "override model.attention (e.g. reference, to compare)")
+_LORA_RANK = flags.DEFINE_integer(
+    "lora-rank", 0, "override config.trainer.lora: LoRA of rank N on its targets, alpha 2N (0: the config's)"
+)
 _OUT = flags.DEFINE_string("out", "", "also write the JSON report here")
 _MEDIAN_LEN = flags.DEFINE_float("median-len", 512, "paged KV plan: median response length")
 _P99_LEN = flags.DEFINE_float("p99-len", 4096, "paged KV plan: 99th percentile length")
@@ -89,6 +93,11 @@ def main(argv) -> int:
         model_cfg = presets.get(_PRESET.value or m.preset, **numerics)
     if _TOKEN_BUDGET.value:
         config.trainer.token_budget = _TOKEN_BUDGET.value
+    if _LORA_RANK.value:  # docs/lora.md: the trainer then holds a frozen base, a version moves the adapters
+        if _LORA_RANK.value < 0:
+            raise app.UsageError(f"--lora-rank={_LORA_RANK.value}: must be >= 0")
+        lora = config.trainer.lora  # its targets: the config's (every projection by default)
+        lora.enabled, lora.rank, lora.alpha = True, _LORA_RANK.value, 2.0 * _LORA_RANK.value
     sections = memory_sections(config.to_dict())  # no data or reward section: a plan check reads no data
     train_cfg, sampler_cfg = sections["trainer"], sections["sampler"]
     hw = get_hardware(_HARDWARE.value)
