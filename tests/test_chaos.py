@@ -31,7 +31,7 @@ def _command(scenario: str, workdir) -> list[str]:
     # programs too.
     cache = os.environ.get("JAXRL_TESTS_COMPILE_CACHE_DIR", "")
     return [sys.executable, "-m", "benchmarks.chaos", f"--scenario={scenario}",
-            f"--workdir={workdir}", f"--out={out}", "--timeout-s=400", "--restart-steps=12",
+            f"--workdir={workdir}", f"--out={out}", "--timeout-s=400", "--restart-steps=8",
             *([f"--compile-cache-dir={cache}"] if cache else [])]  # fmt: skip
 
 

@@ -458,3 +458,32 @@ def test_a_killed_replica_member_ends_the_run(tmp_path):
     named = (r"process 2 \(sampler 0 member 1\) (stopped|failed)|process 2 \(member:2\) is unreachable"
              r"|stopped sending heartbeats\):\s*(\[p\d\] )?2\s")  # fmt: skip
     assert re.search(named, text), text[-4000:]
+
+
+def test_lora_run_over_two_processes_moves_the_base_once_then_only_adapters(tmp_path):
+    """config.trainer.lora with the sampler in a process of its own, over the transfer server (the path
+    between hosts): the base reaches the sampler once; every version brings exactly the adapters' bytes
+    (the receiver's count, and the learner's perf/weight_sync_bytes), and the receiver's checksum of
+    what it got equals the trainer's of what it sent, at every version."""
+    from jaxrl_async.model import lora as lora_lib
+
+    lora = lora_lib.LoraConfig(enabled=True, rank=4)
+    flags = _flags(tmp_path, **{"mesh.sampler": "(1,1)", "mesh.trainer": "(1,1)", "total_steps": 2,
+                                "eval_every": 0, "trainer.lora.enabled": True, "trainer.lora.rank": lora.rank,
+                                "mesh.weight_transport": "transfer"})  # fmt: skip
+    res = _launch(2, 1, flags)
+    assert res.returncode == 0, res.stdout[-4000:]
+    with open(tmp_path / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["steps"] == 2
+    _checksums_equal(summary)  # the sampler's sums are of the adapters it received (lora_sync._Apply)
+    with open(tmp_path / "checkpoints" / "model.json") as f:
+        model_cfg = ModelConfig(**json.load(f)["model"])
+    adapter_bytes = lora_lib.adapter_bytes(model_cfg, lora, model_cfg.dtype)  # from the shapes
+    base = jax.tree.leaves(abstract_params(model_cfg.compute_copy()))  # the sampler's dtype
+    model_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in base)
+    got = summary["weight_bytes"]["actor:0"]
+    assert got["base"] == model_bytes  # once
+    assert got["versions"] == {str(v): adapter_bytes for v in range(3)}
+    synced = read_scalars(str(tmp_path / "tb"))["perf/weight_sync_bytes"]
+    assert synced == [(1, adapter_bytes), (2, adapter_bytes)] and adapter_bytes < model_bytes / 10

@@ -260,34 +260,14 @@ def get_config():
 """
 
 
-def test_a_two_process_run_with_tools_trains(tmp_path):
-    """The learner on process 0, the actor (and its tools) on process 1: episodes, their masks and the
-    actor's env counters cross the wire."""
-    import json
-
-    path = tmp_path / "config.py"
-    path.write_text(TWO_PROCESS_CONFIG.format(tests=TESTS, repo=REPO))
-    cmd = [sys.executable, os.path.join(REPO, "launch", "local_cluster.py"), "--num-processes", "2",
-           "--devices-per-process", "1", "--heartbeat-timeout-s", "10", "--", f"--config={path}",
-           f"--config.workdir={tmp_path}"]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{TESTS}")
-    res = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
-    with open(tmp_path / "summary.json") as f:
-        summary = json.load(f)
-    assert summary["processes"] == 2 and summary["steps"] == 2
-    assert "process 1 of 2: sampler 0" in res.stdout
-    tags = read_scalars(str(tmp_path / "tb"))
-    assert tags["env/turns_per_episode"][-1][1] == 2.0 and tags["env/observation_token_fraction"][-1][1] > 0.2
-    assert tags["env/tool_calls"][-1][1] >= 2 * 4 * 4
-
-
 def test_a_replica_that_spans_processes_runs_episodes_as_one_process(tmp_path):
     """A (2, 2) sampler replica over processes 1 and 2 (2 CPU devices each) and a trainer process, sync and
     greedy, evaluating versions 0 and 2 while it samples: the member makes the leader's queueing, resumes
     (`Engine.extend` on the mesh) and finishes of both loops at the same points (`replica.MirroredLoop`),
     so it decodes what the leader does, and the episodes, their evaluations and the losses are those of
-    the same meshes in one process."""
+    the same meshes in one process. It is also the multi-process run with tools: the learner on process 0,
+    the actor and its tools on processes 1-2, episodes, their masks and the actor's env counters crossing
+    the wire."""
     import json
 
     from tests.test_multiprocess import _beside_one_process, _launch, _texts
@@ -321,6 +301,8 @@ def test_a_replica_that_spans_processes_runs_episodes_as_one_process(tmp_path):
     assert sorted(texts["multi"]) == [1, 2] and texts["multi"] == texts["single"]
     assert all("<result>" in t for ts in texts["multi"].values() for t in ts)  # whole episodes
     scalars = {k: read_scalars(str(tmp_path / k / "tb")) for k in ("multi", "single")}
-    assert scalars["multi"]["env/tool_calls"][-1][1] >= 2 * 4 * 4
+    tags = scalars["multi"]
+    assert tags["env/tool_calls"][-1][1] >= 2 * 4 * 4
+    assert tags["env/turns_per_episode"][-1][1] == 2.0 and tags["env/observation_token_fraction"][-1][1] > 0.2
     loss = {k: [v for _, v in s["loss/policy"]] for k, s in scalars.items()}
     assert loss["multi"] == pytest.approx(loss["single"], abs=1e-5)

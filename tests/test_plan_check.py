@@ -241,7 +241,8 @@ def test_the_documented_plan_check_commands_succeed_verbatim():
 
 def test_a_layout_under_the_margin_is_refused_with_the_numbers_and_fields():
     """The command exits 1 and names the role, the figures and the fields (tiny config, a memory fraction
-    so small that nothing fits)."""
+    so small that nothing fits). With --lora-rank the same compile also shows the LoRA override taken: the
+    sync moves the adapters and the trainer holds a frozen base."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = REPO
     cmd = [
@@ -252,6 +253,8 @@ def test_a_layout_under_the_margin_is_refused_with_the_numbers_and_fields():
         "h100",
         "--mem-fraction",
         "1e-6",
+        "--lora-rank",
+        "4",
     ]
     res = subprocess.run(
         cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900
@@ -263,6 +266,8 @@ def test_a_layout_under_the_margin_is_refused_with_the_numbers_and_fields():
         res.stdout,
     )
     assert "config.mesh.trainer" in res.stdout and "config.sampler.num_slots" in res.stdout
+    assert "weight sync: the LoRA adapters" in res.stdout
+    assert re.search(r"declared: LoRA rank 4 adapters \(float32\) .* \+ frozen base", res.stdout)
 
 
 def test_the_balance_and_the_evaluation_cost_come_from_the_measured_points_and_warn_past_the_limit():
@@ -294,3 +299,64 @@ def test_the_balance_and_the_evaluation_cost_come_from_the_measured_points_and_w
     assert "warning: one evaluation may cost" in warn and "config.eval_prompts" in warn
     assert "warning" not in balance.report_lines(slow, max_eval_steps=slow.eval_train_steps * 1.1)
     assert "sampler-bound by" in warn and "first evaluation:" in warn
+
+
+def test_lora_moves_adapter_bytes_and_holds_a_frozen_base_with_float32_adapter_state():
+    """config.trainer.lora in the plan check and the perf model: the sync term moves the adapters' bytes
+    instead of the model's, and the trainer holds the base in the compute dtype beside float32 adapters
+    with AdamW's two moments, instead of float32 masters and moments of the whole model. The adapter sizes
+    are counted here from the projections' shapes; the declared state agrees with the traced train step."""
+    import math
+
+    from jaxrl_async.model.lora import LoraConfig
+    from jaxrl_async.perf.shapes import shape_from_model_config
+    from jaxrl_async.perf.weight_sync import link_for
+    from jaxrl_async.run_config import MeshConfig
+    from jaxrl_async.runtime.plan_check import trainer_state_bytes, weight_sync_plan
+    from jaxrl_async.trainer.train_step import trace_abstract
+
+    model = CFG.replace(dtype="bfloat16", param_dtype="float32")
+    lora = LoraConfig(enabled=True, rank=4)
+    layer = param_specs(model)["layers"]
+    adapter_numbers = 0
+    for t in lora.targets:  # A: [L, *in, r], B: [L, r, *out]; o's input is its two leading dims (heads, dim)
+        shape = layer[t].shape
+        c = 2 if t == "o" else 1
+        adapter_numbers += shape[0] * lora.rank * (math.prod(shape[1 : 1 + c]) + math.prod(shape[1 + c :]))
+    model_numbers = sum(math.prod(s.shape) for s in jax.tree.leaves(param_specs(model), is_leaf=_is_spec))
+
+    full_cfg = TrainConfig(token_budget=64, rows_per_micro=2, minibatches=1)
+    lora_cfg = dataclasses.replace(full_cfg, lora=lora)
+    full, low = (trainer_state_bytes(c, model, (1, 1)) for c in (full_cfg, lora_cfg))
+    assert (full["params"], full["optimizer_state"]) == (4 * model_numbers, 8 * model_numbers)
+    assert full["frozen"] == 0
+    assert (low["params"], low["optimizer_state"]) == (4 * adapter_numbers, 8 * adapter_numbers)
+    assert low["frozen"] == 2 * model_numbers  # bf16
+    assert full["gradients"] == full["params"] and low["gradients"] == low["params"]
+    assert full["total"] == 16 * model_numbers and low["total"] == 2 * model_numbers + 16 * adapter_numbers
+
+    mesh = MeshConfig(sampler=(1, 1), trainer=(2, 1))
+    ws_full, ws_lora = (weight_sync_plan(model, x, mesh, "h100") for x in (None, lora))
+    assert (ws_full["bytes"], ws_lora["bytes"]) == (2 * model_numbers, 2 * adapter_numbers)
+    latency = link_for("h100").latency_s  # the rest of a version's seconds scale with its bytes
+    ratio = (ws_full["seconds"] - latency) / (ws_lora["seconds"] - latency)
+    assert ratio == pytest.approx(model_numbers / adapter_numbers, rel=1e-9) and ratio > 10
+
+    shape = shape_from_model_config(model, lora=lora)  # the perf model's System takes sync_bytes
+    assert shape.sync_bytes == 2 * adapter_numbers
+    assert shape.train_state_bytes(16) == 2 * shape.params + 16 * adapter_numbers
+
+    # Sharded (fsdp 2), against what the train step is traced with.
+    traced = trace_abstract(lora_cfg, model, make_mesh((2, 1), ("fsdp", "tensor"), jax.devices()[:2]))
+    state = traced["state"]
+    per_device = lambda tree: sum(  # noqa: E731
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+    )
+    declared = trainer_state_bytes(lora_cfg, model, (2, 1))
+    assert declared["params"] == per_device(state.params) and declared["frozen"] == per_device(state.frozen)
+    assert 0 <= traced["optimizer_state_bytes"] - declared["optimizer_state"] <= 64  # + AdamW's step counters
+    assert declared["frozen"] < low["frozen"]  # the base is sharded too
+
+
+def _is_spec(x) -> bool:
+    return hasattr(x, "logical_axes")

@@ -304,3 +304,75 @@ def test_trainer_processes_that_offer_no_piece_do_not_wait_for_receivers(tmp_pat
     assert [r["slots"] for r in res[:3]] == [True, False, False]  # shared memory only where pieces are
     assert len({r["checksum"] for r in res[:3]}) == 1 and res[0]["checksum"] == res[0]["after"]
     assert res[3] == {"equal": True, "shm": [0], "transfer": []}
+
+
+LORA = r"""
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 1)
+pid, port, out, transport = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+from jax._src.distributed import global_state
+from jaxrl_async.model import abstract_params, init_params, lora as lora_lib, presets
+from jaxrl_async.runtime.cluster import Cluster, Roles
+from jaxrl_async.runtime.lora_sync import LoraPublisher, LoraReceiver, WeightsMismatch
+from jaxrl_async.runtime.messages import NewWeights
+from jaxrl_async.sharding import TRAINER_RULES, make_mesh, tree_shardings
+
+cluster = Cluster(Roles(2, (1,), (0,)), pid, global_state.client)
+cfg = presets.tiny(vocab_size=64, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, ffw_size=128)
+lora = lora_lib.LoraConfig(enabled=True, rank=4, init="normal")
+t_mesh = make_mesh((1, 1), ("fsdp", "tensor"), [d for d in jax.devices() if d.process_index == 0])
+s_mesh = make_mesh((1, 1), ("data", "tensor"), [d for d in jax.devices() if d.process_index == 1])
+res = {}
+if pid == 0:
+    base = init_params(cfg, jax.random.key(0), t_mesh, TRAINER_RULES)
+    sh = tree_shardings(lora_lib.adapter_specs(cfg, lora), t_mesh, TRAINER_RULES)
+    pub = LoraPublisher(cluster, cfg, lora, t_mesh, (1, 1), 1, base, verify=True, transport=transport)
+    pub.resolve_paths()
+    for v in range(2):
+        msg = pub.publish(v, lora_lib.init_adapters(cfg, lora, jax.random.key(v + 1), sh))
+        res[f"base_held_{v}"] = bool(pub.base._offered.get(0))  # the base's cut pieces, kept for pulls
+        cluster.publish(f"sent/{v}", repr(msg.checksum))
+        cluster.barrier(f"got_{v}")
+else:
+    recv = LoraReceiver(cluster, 0, cfg, lora, t_mesh, s_mesh, verify=True, apply="merge",
+                        transport=transport)
+    sums = [float(cluster.lookup("sent/0"))]
+    got = recv.receive(NewWeights(0, None, sums[0]))
+    res["base_bytes"], res["bytes"] = recv.base_bytes, [recv.last_bytes]
+    cluster.barrier("got_0")
+    sums.append(float(cluster.lookup("sent/1")))
+    try:  # version 1 with a checksum that is not what was sent
+        recv.receive(NewWeights(1, None, sums[1] + 1.0))
+    except WeightsMismatch as e:
+        res["mismatch"] = str(e)
+    res["bytes"].append(recv.last_bytes)
+    cluster.barrier("got_1")
+    res.update(checked={str(k): v for k, v in recv.checked.items()}, sums=sums,
+               shm=sorted(recv.adapters.readers), base_shm=sorted(recv.base.readers),
+               adapter_bytes=lora_lib.adapter_bytes(cfg, lora, cfg.dtype),
+               model_bytes=sum(x.size * x.dtype.itemsize
+                               for x in jax.tree.leaves(abstract_params(cfg.compute_copy()))))
+json.dump(res, open(f"{out}.{pid}", "w"))
+cluster.barrier("end")
+"""
+
+
+@pytest.mark.parametrize("transport", ["auto", "transfer"])
+def test_lora_moves_the_base_once_then_adapters_checked_against_the_sent_sum(tmp_path, transport):
+    """LoraPublisher -> LoraReceiver between two processes of this host, over shared memory (the CPU
+    default) and the transfer server: the base arrives once with the first version, each version brings
+    exactly the adapters' bytes, the receiver's checksum of them equals the publisher's, a version whose
+    sum differs is refused by name, and once the receiver holds the base the publisher lets go of the
+    pieces it cut for it (over the transfer server, a copy of the base on the trainer's devices)."""
+    out = str(tmp_path / "lora")
+    codes = _run_processes(LORA, 2, out, transport, timeout=180)
+    assert codes == [0, 0]
+    pub, res = (json.load(open(f"{out}.{pid}")) for pid in (0, 1))
+    assert (res["shm"], res["base_shm"]) == (([0], [0]) if transport == "auto" else ([], []))
+    assert (pub["base_held_0"], pub["base_held_1"]) == (transport == "transfer", False)
+    assert res["base_bytes"] == res["model_bytes"] and res["bytes"] == [res["adapter_bytes"]] * 2
+    assert res["adapter_bytes"] < res["model_bytes"] / 10
+    assert list(res["checked"]) == ["0"] and res["checked"]["0"] == pytest.approx(res["sums"][0], rel=1e-6)
+    assert res["mismatch"].startswith("version 1: received adapters sum to")

@@ -2,6 +2,7 @@
 
   jaxrl-plan-check --config configs/math_8b.py:h100 --preset qwen3-8b --hardware h100
   jaxrl-plan-check --config configs/math_8b.py --preset llama-3.1-8b --hardware tpu-v5p
+  jaxrl-plan-check --config configs/math_8b.py:h100 --preset qwen3-8b --hardware h100 --lora-rank 16
 
 The model shape comes from `--preset` or from `--hf-config DIR` (an HF directory or its config.json; no
 weights are read); its numerics (compute dtype, master-weight dtype, attention) from the config's `model`
@@ -30,6 +31,9 @@ _HF_CONFIG = flags.DEFINE_string("hf-config", "", "an HF directory or its config
 _HARDWARE = flags.DEFINE_string("hardware", "h100", "memory per device from jaxrl_async.perf presets")
 _TOKEN_BUDGET = flags.DEFINE_integer("token-budget", 0, "override trainer.token_budget (row length)")
 _ATTENTION = flags.DEFINE_string("attention", "", "override model.attention (e.g. reference, to compare)")
+_LORA_RANK = flags.DEFINE_integer(
+    "lora-rank", 0, "override config.trainer.lora: LoRA of rank N on its targets, alpha 2N (0: the config's)"
+)
 _OUT = flags.DEFINE_string("out", "", "also write the JSON report here")
 _MEDIAN_LEN = flags.DEFINE_float("median-len", 512, "paged KV plan: median response length")
 _P99_LEN = flags.DEFINE_float("p99-len", 4096, "paged KV plan: 99th percentile length")
@@ -77,6 +81,7 @@ def main(argv) -> int:
         plan_check,
         sharding_fallbacks,
         target_platform,
+        weight_sync_plan,
     )
 
     m = config.model
@@ -88,6 +93,11 @@ def main(argv) -> int:
         model_cfg = presets.get(_PRESET.value or m.preset, **numerics)
     if _TOKEN_BUDGET.value:
         config.trainer.token_budget = _TOKEN_BUDGET.value
+    if _LORA_RANK.value:  # docs/lora.md: the trainer then holds a frozen base, a version moves the adapters
+        if _LORA_RANK.value < 0:
+            raise app.UsageError(f"--lora-rank={_LORA_RANK.value}: must be >= 0")
+        lora = config.trainer.lora  # its targets: the config's (every projection by default)
+        lora.enabled, lora.rank, lora.alpha = True, _LORA_RANK.value, 2.0 * _LORA_RANK.value
     sections = memory_sections(config.to_dict())  # no data or reward section: a plan check reads no data
     train_cfg, sampler_cfg = sections["trainer"], sections["sampler"]
     hw = get_hardware(_HARDWARE.value)
@@ -111,7 +121,7 @@ def main(argv) -> int:
     sa = report["sampler"]
     not_kv = sa["peak"] - sa["decode_state"]  # weights, the eval cache, decode temporaries
     group = int(config.get("samples_per_prompt", 1))
-    report["weight_sync"] = weight_sync_plan(model_cfg, config, hw.name)
+    report["weight_sync"] = weight_sync_plan(model_cfg, train_cfg.lora, config.mesh, hw.name)
     report["paged_kv"] = paged_kv_plan(
         model_cfg, sampler_cfg, tuple(config.mesh.sampler), hw.mem_bytes * fraction - not_kv,
         _MEDIAN_LEN.value, _P99_LEN.value, group, _PROMPT_LEN.value,
@@ -144,7 +154,8 @@ def main(argv) -> int:
     for role in ("trainer", "sampler"):
         print(fallback_line(role, report["sharding_fallbacks"][role]))
     ws = report["weight_sync"]
-    print(f"  weight sync: {ws['bytes'] / 2**30:.2f} GiB per version to {ws['replicas']} replica(s), "
+    what = "the LoRA adapters, " if ws["lora"] else ""
+    print(f"  weight sync: {what}{ws['bytes'] / 2**30:.3f} GiB per version to {ws['replicas']} replica(s), "
           f"predicted {ws['seconds']:.3f} s over {ws['link']} ({ws['link_source']}); other links: "
           + ", ".join(f"{k} {v:.3g} s" for k, v in ws["by_link"].items()))  # fmt: skip
     hr = report["headroom"]
@@ -165,33 +176,6 @@ def main(argv) -> int:
     return 0
 
 
-def weight_sync_plan(model_cfg, config, hardware: str) -> dict:
-    """Predicted seconds per version to move the weights (in the sampler's dtype) from the trainer to every
-    sampler replica (jaxrl_async.perf.weight_sync: one rate per link, measured or from spec sheets)."""
-    import jax.numpy as jnp
-
-    from jaxrl_async.perf import weight_sync
-    from jaxrl_async.runtime.plan_check import sampler_weight_bytes
-
-    itemsize = jnp.dtype(model_cfg.compute_copy().dtype).itemsize
-    nbytes = sampler_weight_bytes(model_cfg, (1, 1), itemsize)  # the whole model, one device's view
-    lora = config.trainer.get("lora")
-    if lora is not None and lora.enabled:  # LoRA: a version moves only the adapters (docs/lora.md)
-        from jaxrl_async.model import lora as lora_lib
-
-        lora_cfg = lora_lib.LoraConfig(**lora.to_dict())
-        nbytes = lora_lib.adapter_bytes(model_cfg, lora_cfg, model_cfg.compute_copy().dtype)
-    mesh = config.mesh
-    replicas = max(int(mesh.get("sampler_replicas", 0) or 0), len(mesh.sampler_processes) or 1)
-    nt, ns = mesh.trainer[0] * mesh.trainer[1], mesh.sampler[0] * mesh.sampler[1]
-    link = weight_sync.link_for(hardware)
-    return {
-        "bytes": nbytes, "replicas": replicas, "link": link.name, "link_source": link.source,
-        "seconds": weight_sync.sync_seconds(nbytes * replicas, link, nt, ns),
-        "by_link": weight_sync.sync_report(nbytes, nt, ns, replicas),
-    }  # fmt: skip
-
-
 def summary(report: dict, config, train_cfg, sampler_cfg) -> str:
     """The human-readable verdict printed after the JSON."""
     gib = 2**30
@@ -199,6 +183,9 @@ def summary(report: dict, config, train_cfg, sampler_cfg) -> str:
     tr, sa, hw, ok = report["trainer"], report["sampler"], report["hardware"], report["fits"]
     verdict = lambda fits: "fits" if fits else "DOES NOT FIT"
     att = tr["attention"]
+    st = tr["state"]
+    lora = train_cfg.lora
+    trained = f"LoRA rank {lora.rank} adapters (float32)" if lora.enabled else "master weights"
     an = sa["analytic"]
     lines = [
         f"\nper device, {hw['name']} has {hw['mem_bytes'] / gib:.1f} GiB, JAX may use "
@@ -216,6 +203,11 @@ def summary(report: dict, config, train_cfg, sampler_cfg) -> str:
         f"temps {g(tr['temp_size'])}{' + workspace' if att['workspace_bytes'] else ''}; update: temps "
         f"{g(tr['apply']['temp_size'])}",
         f"    peak ~{g(tr['peak_estimate'])} -> {verdict(ok['trainer'])}",
+        f"    declared: {trained} {g(st['params'])} + gradients {g(st['gradients'])} + AdamW "
+        f"{g(st['optimizer_state'])}"
+        + (f" + frozen base {g(st['frozen'])}" if st["frozen"] else "")
+        + (f" + KL reference {g(st['reference'])}" if st["reference"] else "")
+        + f" = {g(st['total'])}",
         f"  sampler {tuple(config.mesh.sampler)}: weights {sa['dtypes']} {g(sa['weights'])} x "
         f"{sa['weight_copies']} (config.eval_weights), "
         f"KV cache + state {g(sa['decode_state'])} ({sampler_cfg.num_slots} slots x {sampler_cfg.slot_len}), "

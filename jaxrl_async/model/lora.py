@@ -160,8 +160,11 @@ def merge(base: dict, adapters: dict, lora: LoraConfig) -> dict:
     return {**base, "layers": layers}
 
 
+def adapter_params(cfg: ModelConfig, lora: LoraConfig) -> int:
+    """How many numbers the adapters hold (every layer, every target)."""
+    return sum(math.prod(s.shape) for s in jax.tree.leaves(adapter_specs(cfg, lora), is_leaf=_is_spec))
+
+
 def adapter_bytes(cfg: ModelConfig, lora: LoraConfig, dtype: str | None = None) -> int:
     """Bytes of one copy of the adapters (in `dtype`, default their float32 masters)."""
-    size = jnp.dtype(dtype or ADAPTER_DTYPE).itemsize
-    specs = jax.tree.leaves(adapter_specs(cfg, lora), is_leaf=_is_spec)
-    return sum(math.prod(s.shape) * size for s in specs)
+    return adapter_params(cfg, lora) * jnp.dtype(dtype or ADAPTER_DTYPE).itemsize

@@ -21,6 +21,9 @@ class ModelShape:
       active_params: parameters touched per token (MoE: shared + top-k experts); defaults to `params`.
       param_bytes: bytes per stored weight (2 for bf16/fp16).
       kv_bytes: bytes per cached K or V element.
+      trainable_params: parameters the trainer updates: a LoRA run's adapters (config.trainer.lora,
+        `model.lora.adapter_params`); None: all of them (full fine-tuning). With it a version moves only
+        those (`sync_bytes`) and the trainer holds the rest frozen (`train_state_bytes`).
     """
 
     params: float
@@ -33,6 +36,7 @@ class ModelShape:
     active_params: float | None = None
     param_bytes: int = 2
     kv_bytes: int = 2
+    trainable_params: float | None = None
 
     def __post_init__(self):
         for name in ("params", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim"):
@@ -42,6 +46,8 @@ class ModelShape:
             raise ValueError(f"ModelShape.active_params={self.active_params} must be in (0, params]")
         if self.param_bytes <= 0 or self.kv_bytes <= 0:
             raise ValueError("ModelShape.param_bytes and kv_bytes must be > 0")
+        if self.trainable_params is not None and not 0 < self.trainable_params <= self.params:
+            raise ValueError(f"ModelShape.trainable_params={self.trainable_params} must be in (0, params]")
 
     @property
     def n_active(self) -> float:
@@ -52,6 +58,20 @@ class ModelShape:
     def weight_bytes(self) -> float:
         """Bytes of all weights (what one decode step streams from memory at small batch)."""
         return self.params * self.param_bytes
+
+    @property
+    def sync_bytes(self) -> float:
+        """Bytes one policy version moves to a sampler replica: the trained parameters (LoRA: the
+        adapters; the frozen base moved once, at start), in the sampler's dtype."""
+        trained = self.params if self.trainable_params is None else self.trainable_params
+        return trained * self.param_bytes
+
+    def train_state_bytes(self, bytes_per_trained_param: float) -> float:
+        """Trainer memory for the weights and optimizer: `bytes_per_trained_param` (master copy, gradient,
+        AdamW moments) for every trained parameter, plus, with LoRA, the frozen base at param_bytes."""
+        if self.trainable_params is None:
+            return self.params * bytes_per_trained_param
+        return self.params * self.param_bytes + self.trainable_params * bytes_per_trained_param
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -89,9 +109,16 @@ def shape_from_dict(d: dict[str, Any]) -> ModelShape:
     return ModelShape(**d)
 
 
-def shape_from_model_config(cfg: Any, param_bytes: int = 2, kv_bytes: int = 2) -> ModelShape:
-    """ModelShape from a `jaxrl_async.model.config.ModelConfig`."""
+def shape_from_model_config(cfg: Any, param_bytes: int = 2, kv_bytes: int = 2, lora: Any = None
+                            ) -> ModelShape:  # fmt: skip
+    """ModelShape from a `jaxrl_async.model.config.ModelConfig`; `lora` (a model.lora.LoraConfig, enabled)
+    makes the adapters the trained parameters."""
     params = cfg.num_params  # the model's own count (embeddings once when tied; biases and norms included)
+    trainable = None
+    if lora is not None and lora.enabled:
+        from jaxrl_async.model.lora import adapter_params
+
+        trainable = float(adapter_params(cfg, lora))
     return ModelShape(
         params=float(params),
         n_layers=cfg.n_layers,
@@ -102,4 +129,5 @@ def shape_from_model_config(cfg: Any, param_bytes: int = 2, kv_bytes: int = 2) -
         vocab_size=cfg.vocab_size,
         param_bytes=param_bytes,
         kv_bytes=kv_bytes,
+        trainable_params=trainable,
     )

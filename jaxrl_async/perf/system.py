@@ -209,7 +209,8 @@ def build_system(
       share_prefix: the G samples of a prompt share one prefill (prefix cache / cloned pages).
       train_mfu: model FLOPs utilisation of the trainer when there is no train bench.
       train_extra_forwards: extra forward passes per trained token (e.g. recomputed proximal log-probs).
-      train_bytes_per_param: trainer memory per parameter (weights, grads, Adam moments, master copy).
+      train_bytes_per_param: trainer memory per trained parameter (weights, grads, Adam moments, master
+        copy); a LoRA shape (`ModelShape.trainable_params`) adds its frozen base at param_bytes.
       train_overhead_s: fixed seconds per train step (optimizer, weight publish).
       update_s: sampler stall per weight update.
       static_batch: decode steps cost t(max batch) whatever the busy slots (see `Sampler`).
@@ -256,8 +257,8 @@ def build_system(
         )
         tps = train_mfu * hw.peak_flops / flops
     min_dev = max(
-        1, math.ceil(shape.params * train_bytes_per_param / (hw.mem_bytes * (1 - mem_reserve_frac)))
+        1, math.ceil(shape.train_state_bytes(train_bytes_per_param) / (hw.mem_bytes * (1 - mem_reserve_frac)))
     )
     trainer = Trainer(tps, min_dev, train_overhead_s)
     link = None if sync_link == "none" else link_for(hw.name) if sync_link == "auto" else get_link(sync_link)
-    return System(total_devices, sampler, trainer, workload, max_staleness, link, shape.weight_bytes)
+    return System(total_devices, sampler, trainer, workload, max_staleness, link, shape.sync_bytes)

@@ -11,12 +11,13 @@ The libraries below it (`model/`, `data/`, `sampler/`, `rewards/`, `trainer/`, `
 
 Layers, top to bottom (no module imports one above it):
   orchestrator, calibration, plan_check   a process's event loop; role timing; compile-before-you-pay
-  build                                   puts the roles of one process together from a RunConfig
+  build, weight_roles                     puts the roles of one process together from a RunConfig (and
+                                          which weight publisher and receiver each process gets)
   actor, replica, learner, coordinator    the roles: each a non-blocking `poll()`
   eval_schedule, tickets, rollout_groups, the roles' parts: actor 0's evaluations, prompt grants, groups
   arrivals, learner_log                   being graded, versions in transit; the learner's bookkeeping
-  weight_sync, checkpoint, metrics,       what the roles use
-  evaluation
+  lora_sync, weight_sync, checkpoint,     what the roles use (lora_sync: a LoRA run's base once, then
+  metrics, evaluation                     adapters, over weight_sync's channels)
   transport                               messages between roles: in memory, or ZeroMQ between processes
   codec, messages                         the wire format, the message types
   cluster                                 `jax.distributed` start-up, roles of processes, failure reports

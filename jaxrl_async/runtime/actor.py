@@ -262,6 +262,7 @@ class Actor:
 
     def _final_stats(self) -> ActorStats:
         final = self.stats(final=True)
+        final.weight_bytes = self.arrivals.bytes_report()
         if self.members is not None:  # a replica that spans processes: what each member did
             pulled = int(getattr(self.arrivals.weights, "last_bytes", 0))
             final.replica = self.members.report(self.loop.stats.tokens_generated, pulled)

@@ -23,6 +23,7 @@ class Arrivals:
         self._on_the_way: list[tuple[Incoming, bool]] = []  # (incoming version, whether it is due)
         self.seconds = 0.0  # time spent receiving weights
         self.checksums: dict[int, float] = {}  # version -> checksum (with `verify`)
+        self.pulled: dict[int, int] = {}  # version -> bytes it brought (receivers that count them)
 
     def __bool__(self) -> bool:
         return bool(self._on_the_way)
@@ -43,9 +44,23 @@ class Arrivals:
         if block and not n and self._on_the_way:
             n = 1
         taken, self._on_the_way = self._on_the_way[:n], self._on_the_way[n:]
-        arrived = [(incoming.message, self.weights.finish(incoming), due) for incoming, due in taken]
+        arrived = []
+        for incoming, due in taken:
+            arrived.append((incoming.message, self.weights.finish(incoming), due))
+            if (n := getattr(self.weights, "last_bytes", None)) is not None:
+                self.pulled[incoming.message.version] = int(n)
         self.seconds += time.perf_counter() - t0
         if self.verify:
+            # A LoRA receiver (runtime/lora_sync.py) checked the adapters it received, which is what was
+            # sent and summed by the trainer; other receivers' versions are summed here.
+            checked = getattr(self.weights, "checked", {})
             for m, params, _ in arrived:
-                self.checksums[m.version] = checksum(params)
+                got = checked.pop(m.version, None)
+                self.checksums[m.version] = checksum(params) if got is None else got
         return arrived
+
+    def bytes_report(self) -> dict:
+        """What the weights brought to this sampler process: per version and, a LoRA run's, its base once
+        (the summary's `weight_bytes`)."""
+        base = getattr(self.weights, "base_bytes", None)
+        return {"versions": dict(self.pulled), **({"base": int(base)} if base is not None else {})}

@@ -42,19 +42,12 @@ from jaxrl_async.runtime.evaluation import eval_sampler_config, evaluate_accurac
 from jaxrl_async.runtime.lag import lagged
 from jaxrl_async.runtime.learner import Follower, Learner, LearnerConfig, TrainerCore
 from jaxrl_async.runtime.lora_checkpoint import save_base
-from jaxrl_async.runtime.lora_sync import LoraWeights
 from jaxrl_async.runtime.messages import Hello, WarmStartParams
 from jaxrl_async.runtime.metrics import MetricsWriter
 from jaxrl_async.runtime.replica import Members, ReplicaMember
 from jaxrl_async.runtime.schedule_log import ActorSchedule, LearnerSchedule, ScheduleWriter, schedule_path
 from jaxrl_async.runtime.transport import LocalTransport, ZmqTransport
-from jaxrl_async.runtime.weight_sync import (
-    LocalWeights,
-    TransferPublisher,
-    TransferReceiver,
-    WeightSync,
-    sampler_dtype,
-)
+from jaxrl_async.runtime.weight_roles import sampler_receiver, trainer_publisher
 from jaxrl_async.sampler import Engine, SamplerConfig
 from jaxrl_async.sharding import TRAINER_RULES, make_mesh
 from jaxrl_async.tokenizer import Tokenizer, load_tokenizer
@@ -78,6 +71,13 @@ def validate_for(config, cluster) -> RunConfig:
         check_placement(run.mesh, cluster.roles, devices_per_process(jax.devices()))
     except ClusterError as e:
         raise ConfigError(str(e)) from None
+    spanning = [r for r in cluster.roles.replicas if len(r) > 1]
+    if run.trainer.lora.enabled and spanning:  # lora_sync.LoraReceiver: members would need to mirror it
+        raise ConfigError(
+            f"config.trainer.lora.enabled: LoRA runs do not sync to a sampler replica that spans processes "
+            f"(processes {list(spanning[0])} hold one config.mesh.sampler={run.mesh.sampler}) yet; give each "
+            "replica the devices of one process"
+        )
     return run
 
 
@@ -428,9 +428,6 @@ def _pull_targets(run, cluster) -> dict:
 
 def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
     roles, lead = cluster.roles, cluster.is_lead
-    if roles.multi and run.trainer.lora.enabled:
-        raise ConfigError("config.trainer.lora.enabled: LoRA runs in one process for now (adapter-only sync "
-                          "over the transfer server and shared memory is not wired yet)")  # fmt: skip
     if lead and (note := clip_note(run)):
         log.warning(note)
     if run.warm_start.enabled:
@@ -449,34 +446,25 @@ def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
     proc.closers.append(ckpts.close)
     if run.trainer.lora.enabled:  # the frozen base, once beside the steps (which hold the adapters)
         source = run.model.checkpoint or ("warm start" if run.warm_start.enabled else f"init seed {run.seed}")
-        save_base(ckpts.directory, run.trainer.lora, state.frozen, source)
+        save_base(ckpts.directory, run.trainer.lora, state.frozen, source,
+                  roles.trainers if roles.multi else None)  # fmt: skip
     coordinator_state = None
     restored = ckpts.restore_latest(state)
     if restored is not None:
         state, version, coordinator_state = restored
         log.info("resumed from %s at version %d", ckpts.directory, version)
-    if run.trainer.lora.enabled:  # the base moves once, now; each version moves only the adapters
-        s_mesh = sampler_mesh(run, cluster)
-        publisher = local_weights = LoraWeights(model_cfg, run.trainer.lora, s_mesh, state.frozen,
-                                                run.verify_weights, run.sampler.lora_apply)  # fmt: skip
-    elif roles.multi:
-        publisher = TransferPublisher(
-            cluster, model_cfg, t_mesh, tuple(run.mesh.sampler), sampler_dtype(model_cfg),
-            sum(map(len, roles.replicas)), run.verify_weights, targets=_pull_targets(run, cluster),
-            transport=run.mesh.weight_transport,
-        )  # fmt: skip
+    s_mesh = None if roles.multi else sampler_mesh(run, cluster)
+    targets = _pull_targets(run, cluster) if roles.multi else {}
+    publisher, local_weights = trainer_publisher(run, cluster, model_cfg, t_mesh, s_mesh, state.frozen,
+                                                 targets)  # fmt: skip
+    if roles.multi:
         proc.closers.append(publisher.close)
-        local_weights = None
         # The first publish waits for every receiver to say how it takes the pieces; the train step and the
         # checksum are collectives over the trainer processes, whose rendezvous gives up after 30 s. So
         # every trainer process learns the paths first, and they meet (a coordination-service barrier,
         # not a collective) before any of them publishes or trains.
         publisher.resolve_paths()
         cluster.barrier("trainers_ready", roles.trainers)
-    else:
-        s_mesh = sampler_mesh(run, cluster)
-        sync = WeightSync(model_cfg, s_mesh, dtype=sampler_dtype(model_cfg))
-        publisher = local_weights = LocalWeights(sync, run.verify_weights)
     # samplers get v - k; at the end the due versions they skipped are evaluated (runtime/lag.py)
     last = run.schedule.total_steps
     publisher = lagged(publisher, run.trainer.controlled_lag, last, due=lambda v: run.eval.due(v, last))
@@ -550,9 +538,7 @@ def _build_actor(proc, run, cluster, transport, tokenizer, model_cfg, scfg, t_me
     if local_weights is not None:
         weights = local_weights
     else:
-        pull = _pull_index(roles, pid)
-        weights = TransferReceiver(cluster, pull, model_cfg, t_mesh, s_mesh, sampler_dtype(model_cfg),
-                                   transport=run.mesh.weight_transport)  # fmt: skip
+        weights = sampler_receiver(run, cluster, model_cfg, t_mesh, s_mesh, _pull_index(roles, pid))
     acfg = ActorConfig(index=index, run=run, roles=roles)
     eval_prompts = held_out_prompts(run.data, tokenizer, run.eval.prompts) if index == 0 else []
     caps = length_cap_fn(run.length_caps) if run.length_caps else None
@@ -579,9 +565,7 @@ def _build_member(proc, run, cluster, tokenizer, model_cfg, scfg, t_mesh):
     index = next(i for i, r in enumerate(roles.replicas) if pid in r)
     s_mesh = sampler_mesh(run, cluster)
     engine, eval_engine = build_engines(run, model_cfg, s_mesh, scfg)
-    pull = _pull_index(roles, pid)
-    weights = TransferReceiver(cluster, pull, model_cfg, t_mesh, s_mesh, sampler_dtype(model_cfg),
-                               transport=run.mesh.weight_transport)  # fmt: skip
+    weights = sampler_receiver(run, cluster, model_cfg, t_mesh, s_mesh, _pull_index(roles, pid))
     eval_prompts = held_out_prompts(run.data, tokenizer, run.eval.prompts) if index == 0 else []
     proc.member = ReplicaMember(cluster, index, engine, eval_engine, eval_prompts, weights,
                                 run.verify_weights, proc.key, episodes=run.env.enabled)  # fmt: skip

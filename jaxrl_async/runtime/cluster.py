@@ -289,6 +289,12 @@ class Cluster:
         if self.client is not None:
             self.client.key_value_set(f"jaxrl/{key}", value)
 
+    def published_under(self, prefix: str) -> int:
+        """How many keys have been `publish`ed under `prefix` so far (does not wait)."""
+        if self.client is None:
+            return 0
+        return len(self.client.key_value_dir_get(f"jaxrl/{prefix}"))
+
     def lookup(self, key: str, timeout_s: float = 3600.0) -> str:
         """Waits up to `timeout_s` for another process to `publish` `key` (checking for failed peers)."""
         if self.client is None:

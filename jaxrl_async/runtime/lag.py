@@ -47,6 +47,10 @@ class LaggedPublisher:
     def last_seconds(self) -> float:
         return self.inner.last_seconds
 
+    @property
+    def last_bytes(self) -> int | None:  # perf/weight_sync_bytes
+        return getattr(self.inner, "last_bytes", None)
+
     def publish_all(self, version: int, params) -> Iterator:
         """The messages for `version`, in order. A generator on purpose: the caller sends each before
         the next is made, because a shared-memory writer (`shm_weights.SlotWriter`) waits for a free slot

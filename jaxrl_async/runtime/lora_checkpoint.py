@@ -12,6 +12,7 @@ import dataclasses
 import json
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxrl_async import storage
@@ -28,14 +29,25 @@ def is_lora(directory: str) -> bool:
     return storage.exists(storage.join(directory, LORA_FILE))
 
 
-def save_base(directory: str, lora: lora_lib.LoraConfig, frozen, source: str) -> None:
+def save_base(directory: str, lora: lora_lib.LoraConfig, frozen, source: str, processes=None) -> None:
     """Writes the frozen base once (a resumed run finds it there) and lora.json; `source` says where the
-    base came from (an HF checkpoint, the warm start or the seeded init), for people."""
+    base came from (an HF checkpoint, the warm start or the seeded init), for people. `processes`: the
+    trainer processes of a multi-process run, the only ones that take part (None: every process)."""
     base_dir = storage.join(directory, BASE_DIR)
     if not storage.exists(base_dir):
-        ocp.PyTreeCheckpointer().save(base_dir, frozen)
-    info = {"lora": dataclasses.asdict(lora), "base": BASE_DIR, "base_source": source}
-    storage.write_text(storage.join(directory, LORA_FILE), json.dumps(info, indent=1))
+        mp = ocp.options.MultiprocessingOptions(
+            primary_host=0,
+            active_processes=None if processes is None else set(processes),
+            barrier_sync_key_prefix=None if processes is None else "trainers_lora_base",
+        )
+        handler = ocp.PyTreeCheckpointHandler(multiprocessing_options=mp)
+        # orbax refuses arrays one process holds whole in a multi-process run (checkpoint._host_local)
+        host_local = lambda x: jax.process_count() > 1 and x.is_fully_addressable  # noqa: E731
+        frozen = jax.tree.map(lambda x: np.asarray(x) if host_local(x) else x, frozen)
+        ocp.Checkpointer(handler, multiprocessing_options=mp).save(base_dir, frozen)
+    if processes is None or jax.process_index() == min(processes):
+        info = {"lora": dataclasses.asdict(lora), "base": BASE_DIR, "base_source": source}
+        storage.write_text(storage.join(directory, LORA_FILE), json.dumps(info, indent=1))
 
 
 def load_lora_policy(directory: str, model_cfg, mesh, rules, step: int):

@@ -67,6 +67,8 @@ class ActorStats:
     # Multi-turn runs (config.env): running counters of episodes and tool calls since the start
     # (`episodes.EpisodeRunner.stats`; the learner logs them as env/ tags), None for single-turn runs.
     env: dict | None = None
+    # What the weights brought to this sampler process (in `Stopped` only; `Arrivals.bytes_report`).
+    weight_bytes: dict | None = None
 
     @classmethod
     def empty(cls) -> ActorStats:

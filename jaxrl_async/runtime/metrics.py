@@ -53,8 +53,9 @@ ENV_TAGS = (
 )
 # Written only when their feature is on: train/kl_ref (trainer.kl_coef > 0), dynamic_sampling/yield and
 # dynamic_sampling/filtered_groups (trainer.dynamic_sampling), eval/expected_reward and its _stderr (an
-# exact-match task sampled without top-k/top-p, runtime/expected_reward.py), train/adapter_norm and
-# perf/weight_sync_bytes (trainer.lora).
+# exact-match task sampled without top-k/top-p, runtime/expected_reward.py), train/adapter_norm
+# (trainer.lora), perf/weight_sync_bytes (a publisher that counts its bytes: each of runtime/weight_sync.py's
+# and runtime/lora_sync.py's does).
 
 
 class MetricsWriter:

@@ -152,6 +152,8 @@ def _summary(proc: Process, wall: float, cache: compile_cache.CacheUse | None) -
         "trainer_during_eval": trainer_idle_during(actor0 and actor0.eval_spans, learner.step_spans),
         # replicas that span processes: when each member applied each version, the tokens it decoded
         "replicas": {f"actor:{i}": s.replica for i, s in learner.reports.final.items() if s.replica},
+        # what each sampler process received: bytes per version (and a LoRA run's base, once)
+        "weight_bytes": {f"actor:{i}": s.weight_bytes for i, s in learner.reports.final.items()},
     }
     storage.write_text(storage.join(run.workdir, "summary.json"), json.dumps(summary, indent=2, default=str))
     return summary

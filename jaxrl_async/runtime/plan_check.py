@@ -7,7 +7,11 @@ caller creates enough before JAX starts), so a user learns before launch whether
 
 Trainer: the train step's own jitted programs (`trainer.train_step.compile_abstract`): a micro-batch's
 forward/backward into the gradient accumulator, and the optimizer update. The peak is the larger phase,
-counting the optimizer state, which is live while micro-batches run.
+counting the optimizer state, which is live while micro-batches run. `trainer_state_bytes` counts what the
+trainer's weights and optimizer from the declarations alone (no compile): masters, gradients and AdamW
+moments of the trained tree, and with config.trainer.lora a frozen base in the compute dtype beside
+adapters that alone have float32 masters, gradients and moments. `weight_sync_plan`: the predicted
+seconds a version takes to reach the samplers (a LoRA run's: the adapters' bytes).
 
 Attention on the target: the memory-efficient kernels cannot be compiled for a GPU or TPU here, so the
 trainer is compiled with the splash kernel's own code in Pallas interpret mode, a flash-attention stand-in
@@ -45,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_async.model import ModelConfig, attention, param_specs
+from jaxrl_async.model import lora as lora_lib
 from jaxrl_async.runtime.compile_cache import program_key
 from jaxrl_async.runtime.evaluation import eval_sampler_config
 from jaxrl_async.sampler import Engine
@@ -176,10 +181,62 @@ def train_memory(
         "apply": apply,
         "prox_logprobs": prox,
         "optimizer_state_bytes": opt,
+        "state": trainer_state_bytes(cfg, model_cfg, trainer_shape),  # analytic, beside the compiled
         "attention": att,
         "dtypes": {"params": _dtypes(state.params), "optimizer_state": _dtypes(state.opt_state)},
         "peak_estimate": max(phases),
     }
+
+
+def trainer_state_bytes(cfg: TrainConfig, model_cfg: ModelConfig, trainer_shape: tuple[int, int]) -> dict:
+    """Per-device bytes of the trainer's weights and optimizer, from the declarations under TRAINER_RULES
+    (nothing compiles): `params`, the trained tree's masters (the whole model in model.param_dtype, or
+    with config.trainer.lora the adapters in float32); `gradients`, the step's gradient accumulator (same
+    dtype and layout; live while a step runs); `optimizer_state`, AdamW's two moments (same again; its step
+    counters left out); `frozen`, a LoRA run's base in the compute dtype (a full run's is 0); `reference`,
+    a full run's KL reference copy (trainer.kl_coef > 0; LoRA's is the base). Activations are not counted:
+    `train_memory` compiles those."""
+    sizes = TRAINER_RULES.mesh_sizes(trainer_shape)
+    compute = cfg.compute_dtype or model_cfg.dtype
+
+    def per_device(specs, dtype=None) -> int:
+        leaves = jax.tree.leaves(specs, is_leaf=lambda x: hasattr(x, "logical_axes"))
+        blocks = [(TRAINER_RULES.local_shape(s.logical_axes, s.shape, sizes), s.dtype) for s in leaves]
+        return sum(int(np.prod(b)) * jnp.dtype(dtype or dt).itemsize for b, dt in blocks)
+
+    base = param_specs(model_cfg)
+    if cfg.lora.enabled:
+        adapters = lora_lib.adapter_specs(model_cfg, cfg.lora)
+        params, frozen, ref = per_device(adapters), per_device(base, compute), 0
+    else:
+        params, frozen = per_device(base, model_cfg.param_dtype), 0
+        ref = per_device(base, compute) if cfg.kl_coef > 0 else 0
+    out = {"params": params, "gradients": params, "optimizer_state": 2 * params, "frozen": frozen,
+           "reference": ref}  # fmt: skip
+    return {**out, "total": sum(out.values())}
+
+
+def weight_sync_plan(model_cfg: ModelConfig, lora, mesh, hardware: str) -> dict:
+    """Predicted seconds per version to move the weights (in the sampler's dtype) from the trainer to every
+    sampler replica (jaxrl_async.perf.weight_sync: one rate per link, measured or from spec sheets). With
+    `lora` (config.trainer.lora, enabled) a version moves only the adapters (the base moved once, at start).
+    `mesh`: config.mesh."""
+    from jaxrl_async.perf import weight_sync
+
+    dtype = model_cfg.compute_copy().dtype
+    if lora is not None and lora.enabled:
+        nbytes = lora_lib.adapter_bytes(model_cfg, lora, dtype)
+    else:
+        nbytes = sampler_weight_bytes(model_cfg, (1, 1), jnp.dtype(dtype).itemsize)  # the whole model
+    replicas = max(int(getattr(mesh, "sampler_replicas", 0) or 0), len(mesh.sampler_processes) or 1)
+    nt, ns = mesh.trainer[0] * mesh.trainer[1], mesh.sampler[0] * mesh.sampler[1]
+    link = weight_sync.link_for(hardware)
+    return {
+        "bytes": nbytes, "lora": bool(lora is not None and lora.enabled), "replicas": replicas,
+        "link": link.name, "link_source": link.source,
+        "seconds": weight_sync.sync_seconds(nbytes * replicas, link, nt, ns),
+        "by_link": weight_sync.sync_report(nbytes, nt, ns, replicas),
+    }  # fmt: skip
 
 
 def compiled_memory(compiled) -> dict[str, int]:

@@ -242,3 +242,14 @@ def overlap(a: Block, b: Block) -> Block | None:
 def local_slices(block: Block, within: Block) -> tuple[slice, ...]:
     """`block` as slices of the array that holds `within`."""
     return _local(block, within)
+
+
+def local_blocks(shardings: list, shapes: list, pid: int) -> set:
+    """(leaf, block) of every distinct block of `shardings` (one per leaf, of the leaf's shape in
+    `shapes`) that a device of process `pid` holds."""
+    return {
+        (leaf, block)
+        for leaf, (sh, shape) in enumerate(zip(shardings, shapes, strict=True))
+        for block, devs in distinct_blocks(sh, shape).items()
+        if any(d.process_index == pid for d in devs)
+    }

@@ -33,8 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from jaxrl_async.model import ModelConfig, abstract_params, param_shardings
+from jaxrl_async.model import ModelConfig, param_shardings, param_specs
 from jaxrl_async.model.config import DTYPES
+from jaxrl_async.model.params import ParamSpec
 from jaxrl_async.runtime import shard_routes, shm_weights
 from jaxrl_async.runtime.cluster import PeerFailure
 from jaxrl_async.runtime.messages import NewWeights
@@ -55,6 +56,23 @@ _TRANSPORTS = {"auto": True, "transfer": False}
 def _shared_memory_ok() -> bool:
     """Shared-memory slots serve CPU devices only: on an accelerator a host hop would add two copies."""
     return os.path.isdir(shm_weights.SHM_ROOT) and jax.local_devices()[0].platform == "cpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class Channel:
+    """What a `TransferPublisher` / `TransferReceiver` pair moves. The default: the model's parameters,
+    every version. A LoRA run (runtime/lora_sync.py) opens two instead: its frozen base, once, and its
+    adapters, every version; each channel has cluster keys and shared-memory slots of its own."""
+
+    name: str = ""  # prefix of the channel's cluster keys ("": the model's parameters)
+    specs: dict | None = None  # the ParamSpec tree moved; None: the model's (model.param_specs)
+    slots: int = shm_weights.MAX_SLOTS  # shared-memory slots (versions held at once); 1 for a one-off
+
+    def key(self, *parts) -> str:  # e.g. "lora:transfer/0"
+        return self.name + "/".join(map(str, parts))
+
+    def specs_of(self, model_cfg: ModelConfig) -> dict:
+        return param_specs(model_cfg) if self.specs is None else self.specs
 
 
 def _uuid(version: int, actor: int, bucket: int) -> int:
@@ -158,6 +176,7 @@ class LocalWeights:
 
     def __init__(self, sync: WeightSync, verify: bool = False):
         self.sync, self.verify = sync, verify
+        self.last_bytes = 0  # what the last version moved (perf/weight_sync_bytes)
 
     @property
     def last_seconds(self) -> float:
@@ -165,6 +184,7 @@ class LocalWeights:
 
     def publish(self, version: int, params) -> NewWeights:
         out = self.sync(params, wait=False)
+        self.last_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(out))
         return NewWeights(version, out, checksum(out) if self.verify else None)
 
     def start(self, message: NewWeights) -> Incoming:
@@ -202,15 +222,16 @@ class _PiecePlan:
     of its own blocks, straight from the trainer shards that hold them.
     """
 
-    def __init__(self, model_cfg: ModelConfig, trainer_mesh, sampler_shape: tuple, dtype):
-        specs = abstract_params(model_cfg)
-        leaves, self.treedef = jax.tree.flatten(specs)
+    def __init__(self, specs: dict, trainer_mesh, sampler_shape: tuple, dtype):
+        leaves, self.treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
         self.shapes = [tuple(x.shape) for x in leaves]
         self.dtype = jnp.dtype(dtype)
-        t_sh = jax.tree.leaves(param_shardings(model_cfg, trainer_mesh, TRAINER_RULES))
+        # what a version moves to one sampler replica (the pieces partition every leaf)
+        self.nbytes = sum(int(np.prod(s)) for s in self.shapes) * self.dtype.itemsize
+        t_sh = jax.tree.leaves(tree_shardings(specs, trainer_mesh, TRAINER_RULES))
         n = int(np.prod(sampler_shape))
         geometry = make_mesh(tuple(sampler_shape), ("data", "tensor"), jax.devices()[:n])  # indices only
-        s_sh = jax.tree.leaves(param_shardings(model_cfg, geometry, SAMPLER_RULES))
+        s_sh = jax.tree.leaves(tree_shardings(specs, geometry, SAMPLER_RULES))
         self.trainer_shardings = t_sh
         self.pieces: list[_Offer] = []
         for leaf, shape in enumerate(self.shapes):
@@ -257,29 +278,35 @@ class TransferPublisher:
         member).
       targets: pull -> (its replica's sampler mesh, the member's process id) for the members of replicas
         that span processes: such a pull takes only the pieces whose block a device of that member holds
-        (`local_pieces`); the other pulls take every piece.
+        (`shard_routes.local_blocks`); the other pulls take every piece.
+      channel: what moves (`Channel`; default the model's parameters).
+
+    Attributes:
+      last_bytes: what a version moves to each sampler replica (perf/weight_sync_bytes).
     """
 
     def __init__(self, cluster, model_cfg: ModelConfig, trainer_mesh, sampler_shape, dtype, num_actors: int,
                  verify=False, bucket_bytes: int = BUCKET_BYTES, targets: dict | None = None,
-                 transport: str = "auto"):  # fmt: skip
+                 transport: str = "auto", channel: Channel = Channel()):  # fmt: skip
         from jax.experimental import transfer
 
         self.pid, self.num_actors, self.verify = cluster.process_id, num_actors, verify
-        self.cluster = cluster
-        self.plan = _PiecePlan(model_cfg, trainer_mesh, sampler_shape, dtype)
+        self.cluster, self.channel = cluster, channel
+        specs = channel.specs_of(model_cfg)
+        self.plan = _PiecePlan(specs, trainer_mesh, sampler_shape, dtype)
         self.buckets = self.plan.buckets(self.pid, bucket_bytes)
         # pull -> per bucket, the positions of the pieces it takes (absent: all of them)
         self._takes: dict[int, list[list[int]]] = {}
         for pull, (mesh, member) in (targets or {}).items():
-            mine = local_pieces(model_cfg, mesh, member, self.plan.shapes)
+            s_sh = jax.tree.leaves(tree_shardings(specs, mesh, SAMPLER_RULES))
+            mine = shard_routes.local_blocks(s_sh, self.plan.shapes, member)
             self._takes[pull] = [
                 [i for i, o in enumerate(bucket) if (o.leaf, o.block) in mine] for bucket in self.buckets
             ]
         self.server = transfer.start_transfer_server(
             jax.local_devices()[0].client, f"{cluster.host}:0", [f"{cluster.host}:0"]
         )
-        cluster.publish(f"transfer/{self.pid}", self.server.address())
+        cluster.publish(channel.key("transfer", self.pid), self.server.address())
         # Readers on this host take the versions from shared memory (config.mesh.weight_transport="auto").
         # A process that offers no piece (its shards are all replicas of blocks another process cuts, e.g.
         # a dimension the fsdp axis does not divide) has no slots: no receiver reads from it (both sides
@@ -287,10 +314,11 @@ class TransferPublisher:
         self.writer = None
         if _TRANSPORTS[transport] and _shared_memory_ok() and self.pid in self.plan.processes:
             shapes = [o.shape for o in self.plan.offered_by(self.pid)]
-            self.writer = shm_weights.SlotWriter(shapes, self.plan.dtype, num_actors, [],
-                                                 check=cluster.check_peers)  # fmt: skip
+            self.writer = shm_weights.SlotWriter(
+                shapes, self.plan.dtype, num_actors, [], max_slots=channel.slots, check=cluster.check_peers
+            )
         where = f"{shm_weights.host_key()}|{self.writer.directory}" if self.writer else ""
-        cluster.publish(f"weights_shm/{self.pid}", where)
+        cluster.publish(channel.key("weights_shm", self.pid), where)
         self._shm_pulls: list[int] | None = None  # the pulls that read the slots (`resolve_paths`)
         # Per bucket, one jitted cut + cast per local trainer device: the cast happens once, on the trainer,
         # only the pieces' bytes are written, and a bucket can be pulled as soon as its own cut is done.
@@ -313,6 +341,7 @@ class TransferPublisher:
             out_shardings=shardings)  # fmt: skip
         self._offered: dict[int, list] = {}  # version -> the arrays offered (kept until two versions on)
         self.last_seconds = 0.0
+        self.last_bytes = 0
 
     def publish(self, version: int, params) -> NewWeights:
         """Offers `params` (trainer layout) as `version`; returns the message for the actors."""
@@ -344,7 +373,12 @@ class TransferPublisher:
         self._offered.pop(version - 2, None)
         total = checksum(self._cast(params)) if self.verify else None
         self.last_seconds = time.perf_counter() - t0
+        self.last_bytes = self.plan.nbytes
         return NewWeights(version, None, total)
+
+    def release(self, version: int) -> None:
+        """Drops this side's hold on `version`'s offered pieces (every pull of it is done)."""
+        self._offered.pop(version, None)
 
     def resolve_paths(self, timeout_s: float = 600.0) -> set[int]:
         """The pulls that read this process's shared-memory slots (each receiver says which path it
@@ -362,7 +396,7 @@ class TransferPublisher:
                 deadline = time.monotonic() + timeout_s
                 said = []
                 for a in range(self.num_actors):
-                    key = f"weights_path/{self.pid}/{a}"
+                    key = self.channel.key("weights_path", self.pid, a)
                     try:
                         said.append(self.cluster.lookup(key, max(deadline - time.monotonic(), 0.0)))
                     except PeerFailure as e:
@@ -405,17 +439,18 @@ class TransferReceiver:
 
     A member of a replica that spans processes (`actor` is then its pull, `TransferPublisher`'s `targets`)
     pulls only the pieces of the blocks its own devices hold, onto the first of them: no process of the
-    replica receives the whole model."""
+    replica receives the whole model. `channel`: what moves (`Channel`)."""
 
     def __init__(self, cluster, actor: int, model_cfg: ModelConfig, trainer_mesh, sampler_mesh, dtype,
                  timeout_s: float = 300.0, bucket_bytes: int = BUCKET_BYTES,
-                 transport: str = "auto"):  # fmt: skip
+                 transport: str = "auto", channel: Channel = Channel()):  # fmt: skip
         from jax.experimental import transfer
 
-        self.actor, self.timeout_s = actor, timeout_s
+        self.actor, self.timeout_s, self.channel = actor, timeout_s, channel
         pid = cluster.process_id
-        self.plan = _PiecePlan(model_cfg, trainer_mesh, tuple(sampler_mesh.devices.shape), dtype)
-        self.target = jax.tree.leaves(param_shardings(model_cfg, sampler_mesh, SAMPLER_RULES))
+        specs = channel.specs_of(model_cfg)
+        self.plan = _PiecePlan(specs, trainer_mesh, tuple(sampler_mesh.devices.shape), dtype)
+        self.target = jax.tree.leaves(tree_shardings(specs, sampler_mesh, SAMPLER_RULES))
         # per leaf: block -> the devices of this process that hold it (none: another member's block)
         self.holders = [
             {b: [d for d in devs if d.process_index == pid] for b, devs in
@@ -436,17 +471,17 @@ class TransferReceiver:
             if reader is not None:
                 self.readers[p] = (reader, wanted)
             elif any(buckets):
-                self.conns[p] = self.server.connect(cluster.lookup(f"transfer/{p}"))
+                self.conns[p] = self.server.connect(cluster.lookup(channel.key("transfer", p)))
             path = "shm" if reader is not None else "transfer"
-            cluster.publish(f"weights_path/{p}/{actor}", path)
-            log.info("pull %d: weights from trainer process %d through %s", actor, p,
+            cluster.publish(channel.key("weights_path", p, actor), path)
+            log.info("pull %d: %sweights from trainer process %d through %s", actor, channel.name, p,
                      f"shared memory ({reader.directory})" if reader else "the transfer server")  # fmt: skip
         self._place: dict = {}
         self.last_seconds, self.last_bytes = 0.0, 0
 
     def _reader(self, cluster, p: int, pid: int, dtype):
         """A reader of process `p`'s slots if they are on this host and this process is on the CPU."""
-        where = cluster.lookup(f"weights_shm/{p}")
+        where = cluster.lookup(self.channel.key("weights_shm", p))
         host, _, directory = where.partition("|")
         if not where or host != shm_weights.host_key() or not _shared_memory_ok():
             return None
@@ -456,7 +491,8 @@ class TransferReceiver:
             return None  # the writer's process is not visible from here: its death could not be seen
         shapes = [o.shape for o in self.plan.offered_by(p)]
         return shm_weights.SlotReader(directory, shapes, self.plan.dtype, self.actor,
-                                      timeout_s=self.timeout_s, check=cluster.check_peers)  # fmt: skip
+                                      timeout_s=self.timeout_s, max_slots=self.channel.slots,
+                                      check=cluster.check_peers)  # fmt: skip
 
     def receive(self, message: NewWeights):
         """The sampler-layout params of `message.version` (blocks until every piece has arrived)."""
@@ -555,17 +591,6 @@ class TransferReceiver:
             )
             for leaf, (shape, sh) in enumerate(zip(self.plan.shapes, self.target, strict=True))
         ]
-
-
-def local_pieces(model_cfg: ModelConfig, sampler_mesh, pid: int, shapes: list) -> set:
-    """(leaf, block) of every sampler block that a device of process `pid` holds on `sampler_mesh`."""
-    shardings = jax.tree.leaves(param_shardings(model_cfg, sampler_mesh, SAMPLER_RULES))
-    return {
-        (leaf, block)
-        for leaf, (sh, shape) in enumerate(zip(shardings, shapes, strict=True))
-        for block, devs in shard_routes.distinct_blocks(sh, shape).items()
-        if any(d.process_index == pid for d in devs)
-    }
 
 
 def sampler_dtype(model_cfg: ModelConfig) -> str:
