@@ -347,3 +347,26 @@ def test_sweep_plot_marks_the_chosen_split_and_the_sync_value(tmp_path):
     assert "sync, all devices: 800" in labels
     assert "chosen: 4 sampler / 4 trainer, 1600 (2.00x sync)" in labels
     assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_lora_step_costs_its_frozen_base_no_weight_gradients():
+    """Full fine-tuning: forward + twice the forward back. LoRA: the base's matmuls once more back (no
+    weight gradients), attention twice, and 6 FLOPs an adapter parameter: about 2/3 of full when matmuls
+    dominate; an extra forward (the proximal pass) costs one forward either way."""
+    from jaxrl_async.model import presets
+    from jaxrl_async.model.lora import LoraConfig
+    from jaxrl_async.perf.shapes import shape_from_model_config
+
+    cfg = presets.get("qwen3-8b")
+    full = shape_from_model_config(cfg)
+    lora = shape_from_model_config(cfg, lora=LoraConfig(enabled=True, rank=16))
+    assert lora.trainable_params < 0.01 * lora.params
+    for seq in (1.0, 8192.0, 32768.0):
+        f, lo = full.train_flops_per_token(seq), lora.train_flops_per_token(seq)
+        fwd = full.decode_flops_per_token(seq / 2.0)
+        assert f == pytest.approx(3 * fwd)
+        attn = full.attn_flops_per_token(seq / 2.0)
+        assert lo == pytest.approx(fwd + 2.0 * full.n_active + 2 * attn + 6 * lora.trainable_params)
+    assert 0.66 < lora.train_flops_per_token(1.0) / full.train_flops_per_token(1.0) < 0.68
+    assert lora.train_flops_per_token(32768.0, 1) - lora.train_flops_per_token(32768.0) == pytest.approx(
+        full.decode_flops_per_token(16384.0))

@@ -87,13 +87,19 @@ class ModelShape:
         return 2.0 * self.n_active + self.attn_flops_per_token(context)
 
     def train_flops_per_token(self, seq_len: float, extra_forwards: int = 0) -> float:
-        """FLOPs per trained token: forward + backward (3x forward) + `extra_forwards` forward passes.
+        """FLOPs per trained token: forward + backward + `extra_forwards` forward passes.
 
         Causal attention sees seq_len/2 keys on average. `extra_forwards` counts e.g. the recomputed
-        proximal log-probs of decoupled PPO or a reference model.
+        proximal log-probs of decoupled PPO or a reference model. The backward of a full fine-tune is
+        twice the forward (gradients of the activations and of the weights). A LoRA run's frozen base has
+        no weight gradients: its matmuls' backward is one forward's worth, attention's still two, and the
+        adapters cost 2 FLOPs a parameter forward and 4 backward.
         """
-        fwd = 2.0 * self.n_active + self.attn_flops_per_token(seq_len / 2.0)
-        return (3 + extra_forwards) * fwd
+        matmuls, attn = 2.0 * self.n_active, self.attn_flops_per_token(seq_len / 2.0)
+        fwd = matmuls + attn
+        if self.trainable_params is None:
+            return (3 + extra_forwards) * fwd
+        return (1 + extra_forwards) * fwd + matmuls + 2.0 * attn + 6.0 * self.trainable_params
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (inverse of `shape_from_dict`)."""
