@@ -333,3 +333,24 @@ def test_a_resume_that_waits_for_pages_nothing_will_free_is_an_error_not_a_hang(
     loop.finish("a", 0)
     table = loop.planner.table
     assert table.num_free(0) == table.capacity
+
+
+def test_a_stuck_environment_step_does_not_keep_the_process_from_exiting():
+    """The driver's threads are daemons: a ThreadPoolExecutor's are joined at interpreter exit, so one
+    step that never returns would hang the actor's process at the end of the run."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import threading\n"
+        "from jaxrl_async.envs.driver import _Workers\n"
+        "workers = _Workers(2)\n"
+        "stuck = workers.submit(threading.Event().wait)\n"
+        "assert workers.submit(sum, [1, 2]).result(timeout=60) == 3 and stuck.running()\n"
+        "workers.shutdown(cancel=True)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", code], env=env, timeout=120, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
