@@ -96,7 +96,8 @@ class EpisodeDriver:
       loop: the sampler loop (its engine decides the caches and limits).
       cfg: the episode bounds (turns, observation tokens, episode tokens).
       tokenizer: decodes turns for the environments, encodes their text observations.
-      make_env: row -> environment (one per sample: a GRPO group's samples get one each).
+      make_env: row -> environment (one per sample: a GRPO group's samples get one each), called on the
+        driver's threads when the episode's first turn ends (bounded by cfg.step_timeout_s like a step).
       workers: threads that run environment steps (stuck ones are replaced, up to `workers` of them).
       max_turn_tokens: tokens one turn may generate (None: the engine's max_new_tokens).
       on_answer: called with (episode, StepResult) as each environment's answer is applied, before the
