@@ -252,6 +252,12 @@ def test_env_config_names_the_bad_field():
         EnvConfig(on_tool_error="ignore")
     with pytest.raises(ValueError, match="config.env.max_observation_tokens"):
         EnvConfig(max_observation_tokens=100, max_episode_tokens=50)
+    # A step runs a tool call: a step deadline at or under the tool's would end the episode where the
+    # tool's time-out is meant to be an observation.
+    for bad in (5.0, 1.0, 0.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="config.env.step_timeout_s"):
+            EnvConfig(tool_timeout_s=5.0, step_timeout_s=bad)
+    assert EnvConfig(tool_timeout_s=0.1, step_timeout_s=0.5).step_timeout_s == 0.5
 
 
 def test_run_episode_records_model_and_observation_tokens_apart():

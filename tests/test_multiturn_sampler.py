@@ -3,6 +3,8 @@ prefill on top of it (`Engine.extend`), and what the slot then samples equals a 
 context, on the slotted and the paged caches; other slots decode meanwhile; a recompute_kv update that
 lands mid-episode rebuilds the observation's keys and values too."""
 
+import threading
+
 import numpy as np
 import pytest
 from test_sampler import MESH1, TINY, _by_uid, _params, _prompts
@@ -204,6 +206,105 @@ def test_an_environment_whose_grading_raises_ends_its_episode_with_reward_0(para
     assert loop.idle and not loop.parked and loop.free_slots == 4
 
 
+class _Hangs:
+    """Row 0 answers on its second turn (reward 1); row 1's step hangs on its second turn; row 2's
+    factory hangs; row 3's factory raises. What hangs waits on `release` (set at the test's end)."""
+
+    release = threading.Event()
+
+    def __init__(self, row):
+        self.row, self.turns = row["row"], 0
+        if self.row == 2:
+            _Hangs.release.wait()
+        if self.row == 3:
+            raise RuntimeError("the environment cannot start")
+
+    def step(self, turn):
+        from jaxrl_async.envs import StepResult
+
+        self.turns += 1
+        if self.turns == 1:
+            return StepResult([5, 6, 7], reward=0.0, done=False)
+        if self.row == 1:
+            _Hangs.release.wait()
+        return StepResult(None, reward=1.0, done=True, info={"reason": "answer"})
+
+
+def _hang_driver(params, on_answer=None, workers=4):
+    from jaxrl_async.envs import EnvConfig
+    from jaxrl_async.envs.driver import EpisodeDriver
+
+    cfg = EnvConfig(max_turns=3, max_episode_tokens=64, tool_timeout_s=0.1, step_timeout_s=0.5)
+    return EpisodeDriver(SamplerLoop(_engine(params, "xla")), cfg, tokenizer=_Ids(), make_env=_Hangs,
+                         workers=workers, max_turn_tokens=3, on_answer=on_answer)  # fmt: skip
+
+
+def test_an_environment_that_hangs_or_cannot_start_ends_its_episode_and_the_others_go_on(params):
+    """Past config.env.step_timeout_s a hung step or factory ends its episode ("env_timeout", reward 0,
+    counted with the env errors), a factory that raises ends it as "env_error"; the stuck workers are
+    replaced, so row 0's episodes, queued behind them, still answer; every slot is freed."""
+    _Hangs.release.clear()
+    driver = _hang_driver(params)
+    try:
+        for i, p in enumerate(_prompts(4, seed=19, lo=3, hi=6)):
+            driver.add(i, {"row": i}, p, n_samples=2, seed=i)
+        ended = {(e.uid, e.sample_index): e for e in driver.run()}
+        assert sorted(ended) == [(r, s) for r in range(4) for s in range(2)]
+        want = {0: ("answer", 1.0, 2), 1: ("env_timeout", 0.0, 2), 2: ("env_timeout", 0.0, 1),
+                3: ("env_error", 0.0, 1)}  # fmt: skip
+        assert {k: (e.finish_reason, e.reward, e.turns) for k, e in ended.items()} == {
+            k: want[k[0]] for k in ended
+        }
+        assert (driver.env_errors, driver.env_timeouts, driver.stuck) == (6, 4, 4)
+        loop = driver.loop
+        assert loop.idle and not loop.parked and loop.free_slots == 4
+    finally:
+        _Hangs.release.set()
+        driver.close()
+
+
+def test_an_environment_timeout_is_recorded_and_replayed_as_the_runs_answer(params):
+    """The time-out is an answer of timing: it goes through `on_answer` (the schedule recorder), and a
+    replay that applies the record ends the same episode the same way, without asking the environment."""
+    from jaxrl_async.runtime.replay_episodes import RecordedAnswers
+    from jaxrl_async.runtime.schedule_log import ActorSchedule
+
+    class Records:
+        def __init__(self):
+            self.recs = []
+
+        def write(self, rec):
+            self.recs.append(rec)
+
+        def close(self):
+            pass
+
+    writer = Records()
+    schedule = ActorSchedule(writer, "actor:0", SamplerConfig(attention="xla", linear="xla"))
+    _Hangs.release.clear()
+    driver = _hang_driver(params, on_answer=schedule.answered)
+    prompt = _prompts(1, seed=23, lo=3, hi=6)[0]
+    try:
+        driver.add(0, {"row": 2}, prompt, seed=4)
+        (run,) = driver.run()
+    finally:
+        _Hangs.release.set()
+        driver.close()
+    schedule.close()
+    (rec,) = [a for r in writer.recs if "o" in r for a in r["o"]]
+    assert rec[3:] == [None, 0.0, "env_timeout"]
+
+    replay = RecordedAnswers(SamplerLoop(_engine(params, "xla")), driver.cfg, _Ids())
+    replay.max_turn_tokens = driver.max_turn_tokens  # the run's bound (a run's actor leaves the default)
+    replay.add(0, {"row": 2}, prompt, seed=4)
+    while not replay.waiting:
+        replay.step()
+    episode, same, done = replay.answer(rec)
+    assert same and done and (episode.finish_reason, episode.reward) == ("env_timeout", 0.0)
+    assert episode.tokens == run.tokens and len(run.tokens) == 3
+    replay.close()
+
+
 class _Ids:
     """A tokenizer over raw ids (the scripted environment reads nothing)."""
 
@@ -232,3 +333,24 @@ def test_a_resume_that_waits_for_pages_nothing_will_free_is_an_error_not_a_hang(
     loop.finish("a", 0)
     table = loop.planner.table
     assert table.num_free(0) == table.capacity
+
+
+def test_a_stuck_environment_step_does_not_keep_the_process_from_exiting():
+    """The driver's threads are daemons: a ThreadPoolExecutor's are joined at interpreter exit, so one
+    step that never returns would hang the actor's process at the end of the run."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import threading\n"
+        "from jaxrl_async.envs.driver import _Workers\n"
+        "workers = _Workers(2)\n"
+        "stuck = workers.submit(threading.Event().wait)\n"
+        "assert workers.submit(sum, [1, 2]).result(timeout=60) == 3 and stuck.running()\n"
+        "workers.shutdown(cancel=True)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", code], env=env, timeout=120, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

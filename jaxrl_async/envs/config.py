@@ -37,6 +37,11 @@ class EnvConfig:
       tool_timeout_s: wall-clock limit of one tool call; past it the call is answered with a time-out
         error (the tool's thread is abandoned; sandboxed tools are killed by their own limits).
       tool_workers: threads that run tool calls (off the decode loop).
+      step_timeout_s: wall-clock limit of one environment answer (its `step`, and for the first answer
+        also the making of the environment), from the end of the turn it answers; past it the episode
+        ends as `env_timeout` with reward 0 (counted in the driver's env errors, its thread abandoned).
+        Bounds a user environment that hangs itself (grades with a slow service, loops); it must exceed
+        tool_timeout_s, since a `ToolEnv` step runs one tool call, whose own time-out is an observation.
       on_tool_error: "observe" (the error is the observation and the episode goes on) or "end" (the
         episode ends with reward 0 at the first tool error).
     """
@@ -51,6 +56,7 @@ class EnvConfig:
     max_episode_tokens: int = 512
     tool_timeout_s: float = 5.0
     tool_workers: int = 4
+    step_timeout_s: float = 60.0
     on_tool_error: str = "observe"
 
     def __post_init__(self):
@@ -69,6 +75,12 @@ class EnvConfig:
             )
         if not self.tool_timeout_s > 0:
             raise ValueError(f"config.env.tool_timeout_s must be > 0, got {self.tool_timeout_s!r}")
+        if not self.step_timeout_s > self.tool_timeout_s or self.step_timeout_s == float("inf"):
+            raise ValueError(
+                f"config.env.step_timeout_s={self.step_timeout_s!r} must be finite and exceed "
+                f"config.env.tool_timeout_s={self.tool_timeout_s!r} (a step runs a tool call, whose own "
+                "time-out is an error observation, not the episode's end)"
+            )
         if not isinstance(self.enabled, bool):
             raise ValueError(f"config.env.enabled must be True or False, got {self.enabled!r}")
         if not isinstance(self.environment, str) or (self.environment and ":" not in self.environment):

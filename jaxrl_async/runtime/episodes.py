@@ -170,6 +170,8 @@ class EpisodeRunner:
         self._totals = add_tool_window(self._totals, self.executor.stats.take())
         return self._totals | {
             "env_errors": self.driver.env_errors,
+            # a gauge, like the executor's: tool calls and environment steps still running past deadline
+            "tool_threads_abandoned": self._totals.get("tool_threads_abandoned", 0) + self.driver.stuck,
             "parked_slot_fraction": float(self.loop.stats.parked_fraction),
         }
 
