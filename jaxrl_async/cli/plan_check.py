@@ -213,7 +213,9 @@ def summary(report: dict, config, train_cfg, sampler_cfg) -> str:
         f"KV cache + state {g(sa['decode_state'])} ({sampler_cfg.num_slots} slots x {sampler_cfg.slot_len}), "
         f"eval engine {g(sa['eval_decode_state'])} ({sa['eval_slots']} slots)",
         f"    analytic: {sa['weight_copies']} x weights {g(an['weights'])} + KV {g(an['kv_cache'])} + "
-        f"eval KV {g(an['eval_kv_cache'])} = {g(an['total'])}; compiled held {g(sa['held'])}",
+        f"eval KV {g(an['eval_kv_cache'])}"
+        + (f" + received LoRA base {g(an['received_base'])}" if an["received_base"] else "")
+        + f" = {g(an['total'])}; compiled held {g(sa['held'])}",
         f"    temps {g(sa['temp_size_accelerator'])} (XLA:CPU {g(sa['generate']['temp_size'])}), weight "
         f"update +{g(sa['update_transient'])}; peak ~{g(sa['peak'])} -> {verdict(ok['sampler'])}",
     ]
