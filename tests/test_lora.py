@@ -153,21 +153,3 @@ def test_unmerged_receiver_hands_the_same_base_arrays_every_version(params):
     first, second = (weights.receive(weights.publish(v, state.params)) for v in (1, 2))
     assert first["layers"]["q"] is second["layers"]["q"] is weights.base["layers"]["q"]
     assert "q_lora_a" in second["layers"]  # what an unmerged engine (Engine(lora=...)) takes
-
-
-def test_a_sampler_replica_that_spans_processes_refuses_lora_naming_the_field(tmp_path):
-    """Every process refuses it before anything compiles (runtime/build.validate_for): the members of a
-    spanning replica would each need the LoRA receiver (docs/lora.md)."""
-    import types
-
-    from configs import tiny_arith_lora
-    from jaxrl_async.runtime.build import validate_for
-    from jaxrl_async.runtime.cluster import Roles
-
-    c = tiny_arith_lora.get_config()
-    c.workdir, c.warm_start.enabled = str(tmp_path), False
-    c.mesh.sampler, c.mesh.trainer = (1, 1), (1, 1)
-    cluster = types.SimpleNamespace(roles=Roles(3, (1,), (0,), replicas=((1, 2),)))
-    want = r"config\.trainer\.lora\.enabled: .*spans processes \(processes \[1, 2\]"
-    with pytest.raises(ConfigError, match=want):
-        validate_for(c, cluster)

@@ -460,30 +460,40 @@ def test_a_killed_replica_member_ends_the_run(tmp_path):
     assert re.search(named, text), text[-4000:]
 
 
-def test_lora_run_over_two_processes_moves_the_base_once_then_only_adapters(tmp_path):
-    """config.trainer.lora with the sampler in a process of its own, over the transfer server (the path
-    between hosts): the base reaches the sampler once; every version brings exactly the adapters' bytes
-    (the receiver's count, and the learner's perf/weight_sync_bytes), and the receiver's checksum of
-    what it got equals the trainer's of what it sent, at every version."""
+def test_lora_run_with_a_replica_over_two_processes_moves_the_base_once_then_only_adapters(tmp_path):
+    """config.trainer.lora with a trainer process and one (1, 4) sampler replica over processes 1 and 2,
+    over the transfer server (the path between hosts): the base reaches each member once; every version
+    brings each member only its devices' blocks of the adapters (the receiver's count) and the learner
+    logs the adapters' bytes; both members apply every version before the same decode step, and each
+    one's checksum of the adapters it got equals the trainer's of what it sent."""
     from jaxrl_async.model import lora as lora_lib
 
     lora = lora_lib.LoraConfig(enabled=True, rank=4)
-    flags = _flags(tmp_path, **{"mesh.sampler": "(1,1)", "mesh.trainer": "(1,1)", "total_steps": 2,
-                                "eval_every": 0, "trainer.lora.enabled": True, "trainer.lora.rank": lora.rank,
-                                "mesh.weight_transport": "transfer"})  # fmt: skip
-    res = _launch(2, 1, flags)
+    # (1, 4): the tensor axis spans the two processes, so each member holds (and pulls) other blocks.
+    flags = _flags(tmp_path, **{**REPLICA, "mesh.sampler": "(1,4)"},
+                   **{"total_steps": 2, "eval_every": 0, "trainer.lora.enabled": True,
+                      "trainer.lora.rank": lora.rank, "mesh.weight_transport": "transfer"})  # fmt: skip
+    res = _launch(3, 2, flags)
     assert res.returncode == 0, res.stdout[-4000:]
     with open(tmp_path / "summary.json") as f:
         summary = json.load(f)
     assert summary["steps"] == 2
-    _checksums_equal(summary)  # the sampler's sums are of the adapters it received (lora_sync._Apply)
+    _checksums_equal(summary)  # the leader's sums are of the adapters it received (lora_sync._Apply)
+    rec = _members_agree(summary)  # and the member's, checked against the sent sum (MemberReceive)
     with open(tmp_path / "checkpoints" / "model.json") as f:
         model_cfg = ModelConfig(**json.load(f)["model"])
     adapter_bytes = lora_lib.adapter_bytes(model_cfg, lora, model_cfg.dtype)  # from the shapes
     base = jax.tree.leaves(abstract_params(model_cfg.compute_copy()))  # the sampler's dtype
     model_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in base)
     got = summary["weight_bytes"]["actor:0"]
-    assert got["base"] == model_bytes  # once
-    assert got["versions"] == {str(v): adapter_bytes for v in range(3)}
+    assert model_bytes / 2 <= got["base"] < model_bytes  # once: its devices' blocks
+    leader = got["versions"]
+    assert sorted(leader) == ["0", "1", "2"] and len(set(leader.values())) == 1
+    (member,) = rec["members"].values()
+    # Each member pulls its own devices' blocks of the adapters (those split over tensor: half each; the
+    # ones replicated: whole), never the whole set.
+    assert rec["pulled_bytes"] == leader["2"] and member["pulled_bytes"] < adapter_bytes
+    assert adapter_bytes / 2 <= rec["pulled_bytes"] < adapter_bytes
+    assert rec["pulled_bytes"] + member["pulled_bytes"] >= adapter_bytes
     synced = read_scalars(str(tmp_path / "tb"))["perf/weight_sync_bytes"]
     assert synced == [(1, adapter_bytes), (2, adapter_bytes)] and adapter_bytes < model_bytes / 10

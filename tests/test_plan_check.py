@@ -242,7 +242,7 @@ def test_the_documented_plan_check_commands_succeed_verbatim():
 def test_a_layout_under_the_margin_is_refused_with_the_numbers_and_fields():
     """The command exits 1 and names the role, the figures and the fields (tiny config, a memory fraction
     so small that nothing fits). With --lora-rank the same compile also shows the LoRA override taken: the
-    sync moves the adapters and the trainer holds a frozen base."""
+    sync moves the adapters, the trainer holds a frozen base and the sampler keeps the base it received."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = REPO
     cmd = [
@@ -256,9 +256,7 @@ def test_a_layout_under_the_margin_is_refused_with_the_numbers_and_fields():
         "--lora-rank",
         "4",
     ]
-    res = subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900
-    )
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
     assert "plan check refuses this layout" in res.stdout
     assert re.search(
@@ -268,6 +266,7 @@ def test_a_layout_under_the_margin_is_refused_with_the_numbers_and_fields():
     assert "config.mesh.trainer" in res.stdout and "config.sampler.num_slots" in res.stdout
     assert "weight sync: the LoRA adapters" in res.stdout
     assert re.search(r"declared: LoRA rank 4 adapters \(float32\) .* \+ frozen base", res.stdout)
+    assert re.search(r"LoRA \(config.sampler.lora_apply='unmerged'\): the base received .* kept", res.stdout)
 
 
 def test_the_balance_and_the_evaluation_cost_come_from_the_measured_points_and_warn_past_the_limit():
@@ -360,3 +359,42 @@ def test_lora_moves_adapter_bytes_and_holds_a_frozen_base_with_float32_adapter_s
 
 def _is_spec(x) -> bool:
     return hasattr(x, "logical_axes")
+
+
+def test_a_lora_samplers_memory_and_update_follow_what_it_holds_and_receives_in_each_apply_mode():
+    """The sampler side of a LoRA run (one device, float32, so every figure is 4 bytes a number counted
+    from the shapes): it keeps the base it received at start beside its decode layout and receives only
+    the adapters per version; "unmerged" carries them in each engine's decode layout and an update lays
+    out only them, "merge" decodes a plain layout but writes a whole merged copy per version."""
+    import math
+
+    from jaxrl_async.model.lora import LoraConfig
+    from jaxrl_async.runtime.plan_check import sampler_memory
+
+    lora = LoraConfig(enabled=True, rank=4)
+    layer = param_specs(CFG)["layers"]
+    adapters = 0
+    for t in lora.targets:  # A: [L, *in, r], B: [L, r, *out]; o's input is its two leading dims (heads, dim)
+        shape, c = layer[t].shape, 3 if t == "o" else 2
+        adapters += 4 * shape[0] * lora.rank * (math.prod(shape[1:c]) + math.prod(shape[c:]))
+    base = 4 * sum(math.prod(s.shape) for s in jax.tree.leaves(param_specs(CFG), is_leaf=_is_spec))
+    s = SamplerConfig(num_slots=4, max_prompt_len=8, max_new_tokens=8)
+    devices = jax.devices()[:1]
+    full = sampler_memory(CFG, s, (1, 1), devices, eval_slots=4)
+    unmerged = sampler_memory(CFG, s, (1, 1), devices, eval_slots=4, lora=lora)
+    merge = sampler_memory(CFG, dataclasses.replace(s, lora_apply="merge"), (1, 1), devices, 4, lora=lora)
+    assert full["weight_copies"] == 2  # config.eval_weights="own": the eval engine's layout too
+
+    assert (full["received_per_version"], full["received_base"]) == (base, 0)
+    assert full["update_transient"] == full["weights"]
+    for lo in (unmerged, merge):
+        assert (lo["received_per_version"], lo["received_base"]) == (adapters, base)
+    assert unmerged["weights"] - full["weights"] == adapters  # each layout carries the adapters
+    assert unmerged["held"] - full["held"] == 2 * adapters + base
+    assert unmerged["update_transient"] == 2 * adapters  # incoming + their new layout
+    assert merge["weights"] == full["weights"] and merge["held"] - full["held"] == base
+    assert merge["update_transient"] == base + adapters  # the merged copy beside the incoming adapters
+    for lo in (full, unmerged, merge):  # the analytic count agrees with the compiled one
+        an = lo["analytic"]
+        slots = s.num_slots + lo["eval_slots"]
+        assert an["total"] <= lo["held"] <= an["total"] + slots * 64

@@ -213,9 +213,21 @@ def summary(report: dict, config, train_cfg, sampler_cfg) -> str:
         f"KV cache + state {g(sa['decode_state'])} ({sampler_cfg.num_slots} slots x {sampler_cfg.slot_len}), "
         f"eval engine {g(sa['eval_decode_state'])} ({sa['eval_slots']} slots)",
         f"    analytic: {sa['weight_copies']} x weights {g(an['weights'])} + KV {g(an['kv_cache'])} + "
-        f"eval KV {g(an['eval_kv_cache'])} = {g(an['total'])}; compiled held {g(sa['held'])}",
+        f"eval KV {g(an['eval_kv_cache'])}"
+        + (f" + received LoRA base {g(an['received_base'])}" if an["received_base"] else "")
+        + f" = {g(an['total'])}; compiled held {g(sa['held'])}",
         f"    temps {g(sa['temp_size_accelerator'])} (XLA:CPU {g(sa['generate']['temp_size'])}), weight "
         f"update +{g(sa['update_transient'])}; peak ~{g(sa['peak'])} -> {verdict(ok['sampler'])}",
+    ]
+    if sa["lora_apply"]:  # docs/lora.md: the received base stays; a version brings only the adapters
+        lines.append(
+            f"    LoRA (config.sampler.lora_apply={sa['lora_apply']!r}): the base received at start "
+            f"{g(sa['received_base'])} kept beside the decode layout"
+            + (", which carries the adapters" if sa["lora_apply"] == "unmerged" else "")
+            + f"; a version brings the adapters, {g(sa['received_per_version'])}"
+            + (", and writes a merged copy" if sa["lora_apply"] == "merge" else "")
+        )
+    lines += [
         f"    executable store key (a sampler process other than 0 hashes each program's StableHLO at "
         f"start): generate's is {sa['generate']['stablehlo_bytes'] / 2**20:.2f} MiB, printed and hashed in "
         f"{sa['generate']['stablehlo_key_s']:.3f} s",

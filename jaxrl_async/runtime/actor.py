@@ -152,10 +152,11 @@ class Actor:
             return True
         for m in new:  # every published version must be taken, oldest first; each lands while we decode
             due = self.cfg.index == 0 and (self.version is None or self.eval_schedule.due(m.version))
-            self._tell(MemberReceive(m.version, hold=due and not self.cfg.run.eval.shares_weights))
+            self._tell(MemberReceive(m.version, due and not self.cfg.run.eval.shares_weights, m.checksum))
             self.arrivals.start(m, due)
-        if self.arrivals:
-            self._take_arrived(block=self.version is None)  # nothing to sample with yet: wait for it
+        if self.arrivals:  # no version yet: wait for it. A spanning replica's members pull and check each
+            # version when told (MemberReceive), a collective over its devices: the leader takes them then.
+            self._take_arrived(block=self.version is None, every=self.members is not None)
         if self.version is None:
             return bool(new)
         self._ask()
@@ -191,10 +192,10 @@ class Actor:
         if want:
             self.transport.send("coordinator", TicketRequest(self.cfg.index, want))
 
-    def _take_arrived(self, block: bool) -> None:
+    def _take_arrived(self, block: bool, every: bool = False) -> None:
         """Swaps in the versions that have fully arrived, in order, between two decode calls: the newest
         of them is sampled with, and actor 0 evaluates those due (`Arrivals.take` for `block`)."""
-        arrived = self.arrivals.take(block)
+        arrived = self.arrivals.take(block, every)
         for i, (m, params, due) in enumerate(arrived):
             if due or i == len(arrived) - 1:
                 mode = None if self.version is None else self.engine.cfg.update_mode  # sampler.update_mode

@@ -34,15 +34,18 @@ class Arrivals:
         self._on_the_way.append((self.weights.start(message), due))
         self.seconds += time.perf_counter() - t0
 
-    def take(self, block: bool) -> list[tuple[NewWeights, dict, bool]]:
+    def take(self, block: bool, every: bool = False) -> list[tuple[NewWeights, dict, bool]]:
         """(message, params, due) of the versions that have fully landed, oldest first; with `block`
-        (nothing else to do) it waits for the oldest one still on its way if none has."""
+        (nothing else to do) it waits for the oldest one still on its way if none has; with `every`, for
+        all of them (the leader of a replica that spans processes: see `Actor`)."""
         t0 = time.perf_counter()
         n = 0
         while n < len(self._on_the_way) and self.weights.ready(self._on_the_way[n][0]):
             n += 1
         if block and not n and self._on_the_way:
             n = 1
+        if every:
+            n = len(self._on_the_way)
         taken, self._on_the_way = self._on_the_way[:n], self._on_the_way[n:]
         arrived = []
         for incoming, due in taken:

@@ -71,13 +71,6 @@ def validate_for(config, cluster) -> RunConfig:
         check_placement(run.mesh, cluster.roles, devices_per_process(jax.devices()))
     except ClusterError as e:
         raise ConfigError(str(e)) from None
-    spanning = [r for r in cluster.roles.replicas if len(r) > 1]
-    if run.trainer.lora.enabled and spanning:  # lora_sync.LoraReceiver: members would need to mirror it
-        raise ConfigError(
-            f"config.trainer.lora.enabled: LoRA runs do not sync to a sampler replica that spans processes "
-            f"(processes {list(spanning[0])} hold one config.mesh.sampler={run.mesh.sampler}) yet; give each "
-            "replica the devices of one process"
-        )
     return run
 
 

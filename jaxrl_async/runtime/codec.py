@@ -235,7 +235,7 @@ SCHEMAS: dict[type, dict[str, _Spec]] = {
     m.MemberEvalRequest: {"request": _Object(m.MemberRequest)},
     m.MemberEvalStep: {},
     m.MemberStep: {"call": INT, "requests": _Seq("l", _Object(m.MemberRequest)), "evaluate": BOOL},
-    m.MemberReceive: {"version": INT, "hold": BOOL},
+    m.MemberReceive: {"version": INT, "hold": BOOL, "checksum": _Optional(FLOAT)},
     m.MemberApply: {"version": INT, "mode": _Optional(STR)},
     m.MemberEvaluate: {"version": INT, "own_weights": BOOL},
     m.MemberPing: {},

@@ -140,7 +140,7 @@ class LoraWeights:
 class LoraPublisher:
     """Trainer side across processes (every trainer process, every version, in step order, like
     `TransferPublisher`): the first `publish` offers the frozen base once, then every publish offers only
-    the adapters.
+    the adapters. `targets`: `TransferPublisher`'s (the members of replicas that span processes).
 
     Attributes:
       base_bytes: what the base moved to each sampler replica, once.
@@ -148,14 +148,16 @@ class LoraPublisher:
     """
 
     def __init__(self, cluster, model_cfg: ModelConfig, lora, trainer_mesh, sampler_shape, num_actors: int,
-                 base, verify: bool = False, transport: str = "auto"):  # fmt: skip
+                 base, verify: bool = False, transport: str = "auto",
+                 targets: dict | None = None):  # fmt: skip
         dtype = sampler_dtype(model_cfg)
         args = (cluster, model_cfg, trainer_mesh, sampler_shape, dtype, num_actors, verify)
         self.cluster, self._base, self.num_actors = cluster, base, num_actors
         self.base_offered = False  # the base's pieces are held for pulls still to come
-        self.base = TransferPublisher(*args, transport=transport, channel=BASE)
+        # targets: the members of spanning replicas, each offered only its devices' pieces of either tree
+        self.base = TransferPublisher(*args, targets=targets, transport=transport, channel=BASE)
         channel = adapters_channel(model_cfg, lora)
-        self.adapters = TransferPublisher(*args, transport=transport, channel=channel)
+        self.adapters = TransferPublisher(*args, targets=targets, transport=transport, channel=channel)
         self.base_bytes, self.last_seconds = 0, 0.0
 
     @property
@@ -191,7 +193,8 @@ class LoraPublisher:
 class LoraReceiver:
     """Sampler side across processes: the base once (with the first version, checked against the
     publisher's checksum with config.verify_weights), then each version's adapters, checked and applied
-    (`_Apply`).
+    (`_Apply`). A member of a replica that spans processes has its own, pulling its devices' pieces of
+    each and checking them (the leader passes the sent checksum on, `MemberReceive.checksum`).
 
     Attributes:
       base_bytes: what the base brought, once; last_bytes: what the last version brought (the adapters).

@@ -233,10 +233,13 @@ class MemberEvalStep:
 @dataclasses.dataclass
 class MemberReceive:
     """Pull this member's pieces of policy `version` (every published version, as the leader does); `hold`
-    them for an evaluation the leader will start later (its eval engine keeps weights of its own)."""
+    them for an evaluation the leader will start later (its eval engine keeps weights of its own).
+    `checksum`: the version's `NewWeights.checksum` (config.verify_weights), which a LoRA receiver checks
+    the adapters it got against, as the leader's does (`lora_sync._Apply`)."""
 
     version: int
     hold: bool = False
+    checksum: float | None = None
 
 
 @dataclasses.dataclass

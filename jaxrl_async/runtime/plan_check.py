@@ -29,7 +29,10 @@ compiled, as `runtime.build.build_engines` builds them: with config.eval_weights
 holds weights of its own (an evaluation runs beside sampling, with the version it evaluates), so the
 weights count twice ("shared": once), plus each engine's decode state (KV cache and per-slot scalars).
 A weight update briefly holds one more weight copy (the incoming sampler-layout copy while the decode
-layout is built; the old layout is released first). An analytic count (weights + slots x slot length x
+layout is built; the old layout is released first). A LoRA run's sampler (config.trainer.lora) also keeps
+the base it received at start, receives only the adapters per version, and per config.sampler.lora_apply
+carries them in its decode layout ("unmerged") or writes a merged copy per version ("merge"); see
+`sampler_memory`. An analytic count (weights + slots x slot length x
 layers x 2 x KV heads x head dim) is reported beside the compiled one as a cross-check.
 `paged_kv_plan` sizes the paged KV cache an accelerator sampler uses (SamplerConfig.attention "auto" /
 "paged_kernel") in the memory the compiled program leaves free: pages per device and the sequences that
@@ -266,10 +269,14 @@ def kv_cache_bytes(
     return -(-num_slots // data) * per_slot
 
 
-def sampler_weight_bytes(model_cfg: ModelConfig, sampler_shape: tuple[int, int], dtype_bytes: int = 2) -> int:
-    """Per-device sampler weight bytes under SAMPLER_RULES (replicated over data, split over tensor)."""
+def sampler_weight_bytes(
+    model_cfg: ModelConfig, sampler_shape: tuple[int, int], dtype_bytes: int = 2, specs=None
+) -> int:
+    """Per-device sampler weight bytes under SAMPLER_RULES (replicated over data, split over tensor): of the
+    model, or of `specs` (a ParamSpec tree, e.g. a LoRA's adapters)."""
     mesh_sizes = SAMPLER_RULES.mesh_sizes(sampler_shape)
-    leaves = jax.tree.leaves(param_specs(model_cfg), is_leaf=lambda x: hasattr(x, "logical_axes"))
+    specs = param_specs(model_cfg) if specs is None else specs
+    leaves = jax.tree.leaves(specs, is_leaf=lambda x: hasattr(x, "logical_axes"))
     blocks = (SAMPLER_RULES.local_shape(s.logical_axes, s.shape, mesh_sizes) for s in leaves)
     return sum(int(np.prod(b)) for b in blocks) * dtype_bytes
 
@@ -322,7 +329,7 @@ def _keyed(lowered, key: dict[str, float]):
     return lowered.compile()
 
 
-def _generate_memory(model_cfg: ModelConfig, sampler_cfg: Any, mesh):
+def _generate_memory(model_cfg: ModelConfig, sampler_cfg: Any, mesh, lora=None):
     """(engine, compiled `generate` memory with accelerator temporaries) on `mesh`.
 
     XLA:CPU has no bfloat16 matmul: it converts bf16 operands (weights, KV cache) to f32 copies, which show
@@ -331,12 +338,14 @@ def _generate_memory(model_cfg: ModelConfig, sampler_cfg: Any, mesh):
     `temp_size_accelerator`; `peak_accelerator` = arguments + outputs - aliased + those temporaries.
     """
     key: dict[str, float] = {}
-    engine = Engine(model_cfg, None, mesh, sampler_cfg, compile_fn=lambda lowered: _keyed(lowered, key))
+    keyed = lambda lowered: _keyed(lowered, key)  # noqa: E731
+    engine = Engine(model_cfg, None, mesh, sampler_cfg, compile_fn=keyed, lora=lora)
     out = {**compiled_memory(engine.compile_generate()), **key}
     temps = out["temp_size"]
     if jnp.dtype(model_cfg.dtype) == jnp.bfloat16 or jnp.dtype(model_cfg.param_dtype) == jnp.bfloat16:
         f32 = dataclasses.replace(model_cfg, dtype="float32", param_dtype="float32")
-        temps = compiled_memory(Engine(f32, None, mesh, sampler_cfg).compile_generate())["temp_size"]
+        f32_engine = Engine(f32, None, mesh, sampler_cfg, lora=lora)
+        temps = compiled_memory(f32_engine.compile_generate())["temp_size"]
     out["temp_size_accelerator"] = temps
     out["peak_accelerator"] = out["argument_size"] + out["output_size"] - out["alias_size"] + temps
     return engine, out
@@ -355,43 +364,73 @@ def sampler_memory(
     devices,
     eval_slots: int = 64,
     eval_weights: str = "own",
+    lora=None,
 ) -> dict:
     """Every buffer one sampler device holds (see the module doc), compiled and analytic.
 
     `model_cfg` is the sampler's: weights in the compute dtype (`ModelConfig.compute_copy`); `eval_slots`
-    and `eval_weights` the run's config.eval_slots and config.eval_weights ("shared": one weight copy).
+    and `eval_weights` the run's config.eval_weights ("shared": one weight copy); `lora`: the run's
+    config.trainer.lora when enabled (None otherwise), applied as `sampler_cfg.lora_apply` says.
+
+    A LoRA run's receiver keeps the base it received at start in the sampler layout for the whole run
+    (`lora_sync._Apply.base`: every version is applied to it), beside the engines' decode layouts. Per
+    version it receives only the adapters (`received_per_version`); then with lora_apply="unmerged" the
+    engines' layouts carry the adapters beside the base (compiled into `weights`) and an update lays out
+    only them (transient: the incoming adapters + their new layout), and with "merge" the merged copy
+    W + BA is written in the sampler layout before the engines lay it out (transient: a whole copy + the
+    incoming adapters; the old layout is released first, as in a full run).
     """
     mesh = make_mesh(sampler_shape, ("data", "tensor"), devices)
-    main, gen = _generate_memory(model_cfg, sampler_cfg, mesh)
+    unmerged = lora if lora is not None and sampler_cfg.lora_apply == "unmerged" else None
+    main, gen = _generate_memory(model_cfg, sampler_cfg, mesh, unmerged)
     eval_cfg = eval_sampler_config(sampler_cfg, sampler_shape[0], eval_slots)
-    _, ev = _generate_memory(model_cfg, eval_cfg, mesh)
+    _, ev = _generate_memory(model_cfg, eval_cfg, mesh, unmerged)
     weights = main.weight_bytes_per_device()
     state, eval_state = gen["argument_size"] - weights, ev["argument_size"] - weights
     copies = 1 if eval_weights == "shared" else 2  # "own": the eval engine's copy of the weights
-    held = copies * weights + state + eval_state
+    weight_itemsize = jnp.dtype(model_cfg.param_dtype).itemsize
+    an_w = sampler_weight_bytes(model_cfg, sampler_shape, weight_itemsize)  # the base, sampler layout
+    if lora is None:
+        kept, received, transient, an_adapters = 0, an_w, weights, 0
+    else:
+        an_adapters = sampler_weight_bytes(
+            model_cfg, sampler_shape, weight_itemsize, lora_lib.adapter_specs(model_cfg, lora)
+        )
+        kept, received = an_w, an_adapters  # the received base, held all run; a version's adapters
+        if unmerged is not None:  # the adapters' new decode layout (the compiled weights less the base's)
+            base_layout = Engine(model_cfg, None, mesh, sampler_cfg).weight_bytes_per_device()
+            transient = received + weights - base_layout
+        else:
+            transient = an_w + received  # the merged copy, beside the incoming adapters
+    held = copies * weights + kept + state + eval_state
     temps = max(gen["temp_size_accelerator"], ev["temp_size_accelerator"])
     dtype_bytes = jnp.dtype(model_cfg.dtype).itemsize
-    an_w = sampler_weight_bytes(model_cfg, sampler_shape, jnp.dtype(model_cfg.param_dtype).itemsize)
     an_kv = kv_cache_bytes(model_cfg, sampler_cfg.num_slots, sampler_cfg.slot_len, sampler_shape, dtype_bytes)
     an_ev = kv_cache_bytes(model_cfg, eval_cfg.num_slots, eval_cfg.slot_len, sampler_shape, dtype_bytes)
+    an_layout = an_w + (an_adapters if unmerged is not None else 0)  # one engine's decode-layout weights
     return {
         "weights": weights,
         "weight_copies": copies,
+        "lora_apply": None if lora is None else sampler_cfg.lora_apply,
+        "received_base": kept,
+        "received_per_version": received,
         "decode_state": state,
         "eval_decode_state": eval_state,
         "held": held,
         "temp_size_accelerator": temps,
-        "update_transient": weights,
-        "peak": held + max(temps, weights),
+        "update_transient": transient,
+        "peak": held + max(temps, transient),
         "eval_slots": eval_cfg.num_slots,
         "generate": gen,
         "eval_generate": ev,
         "dtypes": _dtypes(main.expected_params),
         "analytic": {
-            "weights": an_w,
+            "weights": an_layout,
+            "adapters": an_adapters,
+            "received_base": kept,
             "kv_cache": an_kv,
             "eval_kv_cache": an_ev,
-            "total": copies * an_w + an_kv + an_ev,
+            "total": copies * an_layout + kept + an_kv + an_ev,
         },
     }
 
@@ -474,7 +513,9 @@ def plan_check(
     if ns + nt > len(devices):
         raise ValueError(f"plan check needs {ns + nt} devices, {len(devices)} present")
     train = train_memory(train_cfg, model_cfg, tuple(mesh.trainer), devices[ns : ns + nt], platform)
+    lora = train_cfg.lora if train_cfg.lora.enabled else None
+    s_devices = devices[:ns]
     sampler_mem = sampler_memory(
-        model_cfg.compute_copy(), sampler, tuple(mesh.sampler), devices[:ns], eval_slots, eval_weights
+        model_cfg.compute_copy(), sampler, tuple(mesh.sampler), s_devices, eval_slots, eval_weights, lora
     )
     return {"trainer": train, "sampler": sampler_mem}

@@ -221,7 +221,8 @@ class ReplicaMember:
       replica: the replica's index (its leader is `cluster.roles.replicas[replica][0]`).
       engine, eval_engine: the sampling and greedy engines on the replica's mesh (as the leader's).
       eval_prompts: the held-out prompts (replica 0 evaluates), as the leader has them.
-      weights: this member's `TransferReceiver`.
+      weights: this member's receiver (`TransferReceiver`, or a LoRA run's `lora_sync.LoraReceiver`: the
+        base once, then the adapters, each checked against the leader's `MemberReceive.checksum`).
       verify: checksum every received version (config.verify_weights; the leader does the same).
       key: the run's secret (`secret.load()`, which takes it out of the environment: load it once).
       episodes: multi-turn episodes (config.env.enabled): an evaluation's requests come from the leader
@@ -262,9 +263,12 @@ class ReplicaMember:
         if isinstance(c, MemberStep):
             self._step(c)
         elif isinstance(c, MemberReceive):
-            params = self.weights.receive(NewWeights(c.version))
+            params = self.weights.receive(NewWeights(c.version, None, c.checksum))
             if self.verify:
-                self.checksums[c.version] = checksum(params)
+                # A LoRA receiver checked the adapters against the sent sum (what the leader's does, the
+                # same SPMD program); a full version's whole tree is summed here, as on the leader.
+                got = getattr(self.weights, "checked", {}).pop(c.version, None)
+                self.checksums[c.version] = checksum(params) if got is None else got
             self.received = (c.version, params)
             if c.hold:
                 self.held[c.version] = params

@@ -28,9 +28,9 @@ def trainer_publisher(run, cluster, model_cfg, t_mesh, s_mesh, frozen, targets: 
         return weights, weights
     pulls, shape = sum(map(len, roles.replicas)), tuple(run.mesh.sampler)
     transport = run.mesh.weight_transport
-    if lora:  # the base with the first version, once; then only the adapters (no spanning replica: build.py)
+    if lora:  # the base with the first version, once; then only the adapters
         return LoraPublisher(cluster, model_cfg, lora, t_mesh, shape, pulls, frozen, run.verify_weights,
-                             transport), None  # fmt: skip
+                             transport, targets), None  # fmt: skip
     publisher = TransferPublisher(cluster, model_cfg, t_mesh, shape, sampler_dtype(model_cfg), pulls,
                                   run.verify_weights, targets=targets, transport=transport)  # fmt: skip
     return publisher, None
