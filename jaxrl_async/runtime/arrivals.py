@@ -50,8 +50,8 @@ class Arrivals:
         arrived = []
         for incoming, due in taken:
             arrived.append((incoming.message, self.weights.finish(incoming), due))
-            if (n := getattr(self.weights, "last_bytes", None)) is not None:
-                self.pulled[incoming.message.version] = int(n)
+            if (pulled := getattr(self.weights, "last_bytes", None)) is not None:
+                self.pulled[incoming.message.version] = int(pulled)
         self.seconds += time.perf_counter() - t0
         if self.verify:
             # A LoRA receiver (runtime/lora_sync.py) checked the adapters it received, which is what was
