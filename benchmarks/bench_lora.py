@@ -240,16 +240,10 @@ def sync_main() -> None:
 
 def plan_main() -> None:
     """The plan check's predictions for Qwen3-8B (configs/math_8b.py), full vs LoRA (no compile)."""
-    import importlib.util
-
+    from configs import math_8b as module  # python -m from the repository root, as every benchmark
     from jaxrl_async.run_config import memory_sections
     from jaxrl_async.runtime.plan_check import trainer_state_bytes, weight_sync_plan
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, repo)  # configs/ imports its siblings
-    spec = importlib.util.spec_from_file_location("math_8b", os.path.join(repo, "configs", "math_8b.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     rank = _RANK.value
     res = {"mode": "plan", "model": "qwen3-8b", "rank": rank, "layouts": {}}
     for layout, hardware in (("v5p", "tpu-v5p"), ("h100", "h100")):
