@@ -26,7 +26,7 @@ def get_config():
 
     c.trainer.minibatches = 4
     # the synchronous optimum of the old study (0.603 at 1e-4 vs 0.521 at 3e-4); the lag-8 study ran here
-    # (docs/results.md, "The lag-8 study": 4 of 12 seeds: naive PPO worse, decoupled unresolved)
+    # (docs/results.md, "The lag-8 study": 5 of 12 seeds: naive PPO worse, decoupled unresolved)
     c.trainer.lr = 1e-4
     c.trainer.total_steps = 1000  # the demo's schedule: the cells are its first total_steps steps
     c.sampler.num_slots = 256  # a whole batch decodes at once
