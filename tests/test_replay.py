@@ -95,8 +95,13 @@ def test_a_three_process_run_with_two_actors_replays_in_one_process(tmp_path):
     """The learner lead (process 0) and two actors (processes 1 and 2, a sampler replica each) each record
     their own decisions; the replay, in one process, runs both actors' calls side by side and ends with
     the same parameters at every version."""
+    # One epoch of exactly STEPS batches: every group admitted trains (which actor decodes which group is
+    # timing's decision; that all of them train is not), so both actors' groups are in the record.
+    epoch = CONFIG.replace("c.data.num_train, c.data.num_epochs = 48, 1",
+                           f"c.data.num_train, c.data.num_epochs = {STEPS * 4}, 1")
+    assert epoch != CONFIG
     with open(tmp_path / "config.py", "w") as f:
-        f.write(CONFIG)
+        f.write(epoch)
     flags = [f"--config={tmp_path / 'config.py'}", f"--config.workdir={tmp_path}",
              "--config.mesh.sampler_processes=(1, 2)", "--config.mesh.trainer_processes=(0,)"]  # fmt: skip
     cmd = [sys.executable, os.path.join(REPO, "launch", "local_cluster.py"), "--num-processes", "3",
@@ -107,11 +112,11 @@ def test_a_three_process_run_with_two_actors_replays_in_one_process(tmp_path):
     assert "process 1 of 3: sampler 0" in run.stdout and "process 2 of 3: sampler 1" in run.stdout
     learner = read_schedule(schedule_path(str(tmp_path), "learner")).records
     assert [r["t"] for r in learner if "t" in r] == list(range(1, STEPS + 1))
-    # Both actors decoded groups that trained (so the replay has to interleave them).
+    # Both actors decoded groups, and every admitted group trained (so the replay has to interleave them).
     admitted = [{gid for r in read_schedule(schedule_path(str(tmp_path), f"actor:{i}")).records
                  for gid, _ in r.get("add", ())} for i in (0, 1)]  # fmt: skip
     trained = {g for r in learner if "t" in r for g in r["g"]}
-    assert trained & admitted[0] and trained & admitted[1], (admitted, trained)
+    assert admitted[0] and admitted[1] and trained == admitted[0] | admitted[1], (admitted, trained)
     replay = _run(tmp_path, f"--replay={tmp_path}")
     assert replay.returncode == 0, replay.stdout[-3000:] + replay.stderr[-3000:]
     report = _report(tmp_path)
