@@ -335,20 +335,29 @@ def test_a_resume_that_waits_for_pages_nothing_will_free_is_an_error_not_a_hang(
     assert table.num_free(0) == table.capacity
 
 
-def test_a_stuck_environment_step_does_not_keep_the_process_from_exiting():
-    """The driver's threads are daemons: a ThreadPoolExecutor's are joined at interpreter exit, so one
-    step that never returns would hang the actor's process at the end of the run."""
+def test_a_stuck_environment_step_or_tool_does_not_keep_the_process_from_exiting():
+    """The driver's and the tool executor's threads are daemons: a ThreadPoolExecutor's are joined at
+    interpreter exit, so one step or tool call that never returns would hang the actor's process at the
+    end of the run. The tool's caller gets its time-out answer and the process still ends."""
     import os
     import subprocess
     import sys
 
     code = (
         "import threading\n"
-        "from jaxrl_async.envs.driver import _Workers\n"
-        "workers = _Workers(2)\n"
+        "from jaxrl_async.envs.calls import ToolCall\n"
+        "from jaxrl_async.envs.executor import ToolExecutor\n"
+        "from jaxrl_async.envs.tools import register_tool\n"
+        "from jaxrl_async.envs.workers import DaemonPool\n"
+        "workers = DaemonPool(2)\n"
         "stuck = workers.submit(threading.Event().wait)\n"
         "assert workers.submit(sum, [1, 2]).result(timeout=60) == 3 and stuck.running()\n"
         "workers.shutdown(cancel=True)\n"
+        "register_tool('never_returns')(lambda arg='': threading.Event().wait())\n"
+        "tools = ToolExecutor(['never_returns'], timeout_s=0.2, workers=1, max_chars=100)\n"
+        "out = tools.run(ToolCall('never_returns', ('x',), ()))\n"
+        "assert out.error == 'timeout' and tools.stats.abandoned == 1, (out, tools.stats.abandoned)\n"
+        "tools.close()\n"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")

@@ -16,7 +16,7 @@ stuck workers do not starve the other episodes, the pool is replaced at each one
 are stuck: a fresh pool takes new steps and those still queued (each with a fresh deadline: it has not
 run), and the old pool's threads exit once they return. Past that nothing more is replaced (the threads
 stay bounded, about twice `workers`): steps queue behind the stuck ones and end at their own deadlines,
-so every episode still ends. The threads are daemons (`_Workers`): a stuck one does not hold the
+so every episode still ends. The threads are daemons (`DaemonPool`): a stuck one does not hold the
 process at exit.
 """
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -35,48 +34,8 @@ import numpy as np
 from jaxrl_async.envs.config import EnvConfig
 from jaxrl_async.envs.env import Encoder, StepResult
 from jaxrl_async.envs.episode import Episode, observe
+from jaxrl_async.envs.workers import DaemonPool
 from jaxrl_async.sampler.loop import Request, SamplerLoop
-
-
-class _Workers:
-    """Up to `n` daemon threads running submitted calls in order (a ThreadPoolExecutor's threads are
-    joined when the interpreter exits: one stuck step would keep the actor's process from exiting)."""
-
-    def __init__(self, n: int):
-        self._n, self._started = n, 0
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-
-    def submit(self, fn, *args) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((future, fn, args))
-        if self._started < self._n:  # a thread per call until there are n (idle ones wait on the queue)
-            self._started += 1
-            threading.Thread(target=self._work, name=f"env-{self._started}", daemon=True).start()
-        return future
-
-    def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
-            future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue  # cancelled while queued
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:  # the caller reads it from the future
-                future.set_exception(e)
-
-    def shutdown(self, cancel: bool = False) -> None:
-        """Its threads exit once the queue ahead of them is done (`cancel`: calls not started are
-        cancelled); a stuck one exits when its call returns."""
-        if cancel:
-            while True:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not None:
-                    item[0].cancel()
-        for _ in range(self._started):
-            self._queue.put(None)
 
 
 @dataclasses.dataclass
@@ -165,8 +124,8 @@ class EpisodeDriver:
             run.env = self.make_env(run.row)
         return run.env.step(turn)
 
-    def _new_pool(self) -> _Workers:
-        return _Workers(self.workers)
+    def _new_pool(self) -> DaemonPool:
+        return DaemonPool(self.workers)
 
     def _time_out(self, key: tuple, run: _Running) -> bool:
         """Ends an episode whose environment did not answer by its deadline (`env_timeout`, reward 0)."""

@@ -11,7 +11,8 @@ A Python thread cannot be killed: a tool that hangs keeps its worker until it re
 the time-out answer at the deadline whatever happens, and later calls queued behind hung workers time
 out at their own deadlines, so the caller never waits longer than `tool_timeout_s` per call; the
 sandboxed "python" tool is killed by its own limits (`tools.py`). `ToolStats.abandoned` counts calls
-still running past their deadline.
+still running past their deadline. The workers are daemon threads (`workers.DaemonPool`), so a tool that
+never returns does not keep the process from exiting after the run.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 
 from jaxrl_async.envs.calls import ToolCall
 from jaxrl_async.envs.tools import ToolError, get_tool
+from jaxrl_async.envs.workers import DaemonPool
 
 # Characters a tool's output may hold besides printable ones; other control characters are removed
 # (a terminal escape or a NUL is never part of an answer a model should learn from).
@@ -170,7 +172,7 @@ class ToolExecutor:
         self.tools = {name: get_tool(name) for name in tools}
         self.timeout_s, self.max_chars = float(timeout_s), int(max_chars)
         self.stats = stats or ToolStats()
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tool")
+        self._pool = DaemonPool(workers, name="tool")  # a hung tool must not hold the process at exit
 
     def abandon(self, future) -> None:
         """A call ran past its deadline: counted until its thread returns."""
@@ -209,5 +211,5 @@ class ToolExecutor:
         return self.submit(call).outcome()
 
     def close(self) -> None:
-        """Stops taking calls; does not wait for hung tools."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stops taking calls (those not started are cancelled); does not wait for hung tools."""
+        self._pool.shutdown(cancel=True)
