@@ -155,3 +155,41 @@ def test_a_tpu_page_table_over_the_scalar_memory_budget_is_refused_naming_the_fi
     big = SamplerConfig(num_slots=128, max_prompt_len=1024, max_new_tokens=27648, attention="paged_kernel")
     with pytest.raises(ValueError, match=re.escape("SamplerConfig.num_slots=128")):
         Engine(model, None, mesh, big)
+
+
+def test_the_ragged_tpu_kernel_lowers_at_math_8b_and_writes_the_pools_in_place():
+    """math_8b's v5p replica (tensor 4: 2 KV heads a shard, 64 slots of 28,672 positions) decoding with
+    paged_tpu_kernel="ragged": generate lowers for tpu with one ragged kernel a layer, split over the two
+    cores by KV head. Each call declares its pool operands (7 and 8) aliased to its pool outputs, those
+    operands come straight from the program's arguments, which are donated, and the program holds no
+    scatter (the JAX kernel's path scatters each layer's new K/V into both pools), so nothing copies a pool
+    before XLA's own buffer assignment, which only a TPU compile can show. Its scalar-prefetched arrays fit
+    the budget."""
+    c = math_8b.get_config()
+    c.sampler.megacore, c.sampler.paged_tpu_kernel = "kv_head", "ragged"
+    m = c.model
+    model = presets.get("qwen3-8b", dtype=m.dtype, param_dtype=m.param_dtype, attention=m.attention)
+    model = model.replace(platform="tpu")
+    data, tensor = c.mesh.sampler
+    mesh = make_mesh((data, tensor), ("data", "tensor"), jax.devices()[: data * tensor])
+    eng = Engine(model.compute_copy(), None, mesh, memory_sections(c.to_dict())["sampler"])
+    lay = eng.spec.cache.layout
+    assert (lay.tpu_kernel, lay.megacore) == ("ragged", "kv_head")
+    assert lowering.paged_table_smem_bytes(eng) <= paged.SMEM_TABLE_SHARE * paged.TPU_SMEM_BYTES
+    lowered = eng.lower_for(("tpu",))["generate"]
+    text, kernels = lowered.as_text(), lowering.mosaic_grids(lowered)
+    assert len(kernels) == model.n_layers, kernels[:2]
+    assert all(name == "ragged_paged_attention" and grid == (2, 1, 64) for name, grid in kernels), kernels[:2]
+    calls = re.findall(r"custom_call @tpu_custom_call\(([^)]*)\)(.*)", text)
+    assert len(calls) == model.n_layers
+    for operands, attrs in calls:
+        pools = [a.strip() for a in operands.split(",")][7:9]
+        assert all(re.fullmatch(r"%arg\d+", p) for p in pools), pools
+        for out, operand in ((1, 7), (2, 8)):
+            alias = f"output_tuple_indices = [{out}], operand_index = {operand},"
+            assert alias in attrs, attrs[:400]
+    assert "stablehlo.scatter" not in text
+    signature = text.split("func.func public @main(", 1)[1].split(") -> (", 1)[0]
+    pool_type = "tensor<{}xbf16>".format("x".join(map(str, lay.pool_shape)))
+    pool_args = [a for a in signature.split("%arg")[1:] if a.split(": ", 1)[1].startswith(pool_type)]
+    assert len(pool_args) == 2 * model.n_layers and all("tf.aliasing_output" in a for a in pool_args)

@@ -77,10 +77,11 @@ def mosaic_grids(lowered) -> list[tuple[str, tuple[int, ...]]]:
 
 def paged_table_smem_bytes(engine: Engine) -> int:
     """Scalar-memory bytes of the page table (and lengths) one paged-kernel call holds on a device: its data
-    shard's slots x (table width + 1), int32 (`sampler.paged.table_smem_bytes`; the engine refuses a
-    TPU layout over `paged.SMEM_TABLE_SHARE` of `paged.TPU_SMEM_BYTES`)."""
+    shard's slots x (table width + 1), int32, plus the ragged kernel's query offsets and write destinations
+    (`sampler.paged.table_smem_bytes`; the engine refuses a TPU layout over `paged.SMEM_TABLE_SHARE` of
+    `paged.TPU_SMEM_BYTES`)."""
     lay = engine.spec.cache.layout
-    return paged.table_smem_bytes(engine.cfg.num_slots // lay.data, lay.width)
+    return paged.table_smem_bytes(engine.cfg.num_slots // lay.data, lay.width, lay.tpu_kernel)
 
 
 def lower_programs(

@@ -141,7 +141,8 @@ class PagedCache:
         lay, c = self.layout, self.cfg
         usable, per_seq = lay.pages_per_shard - 1, pages_for(self.capacity, c.page_size)
         splits, per_block = lay.blocks
-        kernel = f"{lay.impl} kernel" + (", interpreted" if lay.interpret else "")
+        name = f"{lay.impl} {lay.tpu_kernel}" if lay.impl == "tpu" else lay.impl
+        kernel = f"{name} kernel" + (", interpreted" if lay.interpret else "")
         kernel += f", megacore over {lay.megacore}" if lay.megacore else ""
         return (
             f"paged, {lay.data} data shard(s) of {usable} pages of {c.page_size} positions and a scratch "

@@ -8,6 +8,7 @@ ATTENTION = ("auto", "xla", "paged_kernel", "cpu_kernel")  # values of SamplerCo
 LINEAR = ("auto", "xla", "cpu_kernel")  # values of SamplerConfig.linear
 UPDATE_MODES = ("keep_kv", "recompute_kv", "finish")
 MEGACORE = ("auto", "kv_head", "batch", "off")  # values of SamplerConfig.megacore (sampler/paged.py)
+PAGED_TPU_KERNELS = ("paged", "ragged")  # values of SamplerConfig.paged_tpu_kernel (sampler/paged.py)
 LORA_APPLY = ("merge", "unmerged")  # values of SamplerConfig.lora_apply
 
 
@@ -65,6 +66,12 @@ class SamplerConfig:
       megacore: how the TPU paged kernel uses a megacore chip's two TensorCores (v4, v5p): "auto" (split
         over KV heads where a shard's are even, else over slots; one core on other chips), "kv_head",
         "batch" or "off" (one core). Read by the TPU kernel only (`paged.megacore_mode`).
+      paged_tpu_kernel: the TPU decode kernel of the paged cache: "paged" (JAX's `paged_attention`, the new
+        K/V written first by an XLA scatter into the donated pools) or "ragged" (`sampler/ragged_paged.py`,
+        this repository's Pallas kernel: writes the new K/V into the pools in place by DMA, then attends; K/V
+        read in their own dtype; megacore over KV heads only). "paged" stays the default until a TPU times
+        both: "ragged" is tested in interpret mode and lowered for tpu here, never run on a TPU. Refused off
+        TPU and with a slotted cache.
       lora_apply: how a LoRA run's (config.trainer.lora) sampler applies each version's adapters:
         "merge" writes W + (alpha/r)·A·B into its copy of the base once per version; "unmerged" keeps the
         base's decode layout and adds (x·A)·B in every matmul, so a version lays out only the adapters.
@@ -90,6 +97,7 @@ class SamplerConfig:
     linear: str = "auto"
     page_size: int = 16
     megacore: str = "auto"
+    paged_tpu_kernel: str = "paged"
     lora_apply: str = "unmerged"
 
     def __post_init__(self):
@@ -134,6 +142,10 @@ class SamplerConfig:
                 raise ValueError(f"SamplerConfig.{name}={getattr(self, name)!r} not in {allowed}")
         if self.megacore not in MEGACORE:
             raise ValueError(f"SamplerConfig.megacore={self.megacore!r} not in {MEGACORE}")
+        if self.paged_tpu_kernel not in PAGED_TPU_KERNELS:
+            raise ValueError(
+                f"SamplerConfig.paged_tpu_kernel={self.paged_tpu_kernel!r} not in {PAGED_TPU_KERNELS}"
+            )
         if self.lora_apply not in LORA_APPLY:
             raise ValueError(f"SamplerConfig.lora_apply={self.lora_apply!r} not in {LORA_APPLY}")
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
@@ -156,7 +168,7 @@ class SamplerConfig:
             )
         if self.top_p == 1.0 and self.top_p_candidates != default["top_p_candidates"]:
             raise ValueError("SamplerConfig.top_p_candidates has no effect with top_p=1.0 (no nucleus)")
-        for name in ("page_size", "megacore"):
+        for name in ("page_size", "megacore", "paged_tpu_kernel"):
             if self.attention in ("xla", "cpu_kernel") and getattr(self, name) != default[name]:
                 raise ValueError(
                     f"SamplerConfig.{name} has no effect with attention={self.attention!r} (a slotted cache)"

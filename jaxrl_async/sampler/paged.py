@@ -1,21 +1,24 @@
 """Device side of the paged KV cache (SamplerConfig.attention="paged_kernel"): pool layout and shardings, page
-writes, and decode attention through the JAX Pallas paged-attention kernels.
+writes, and decode attention through Pallas paged-attention kernels (JAX's, or `ragged_paged` on TPU).
 
 Per layer one K and one V pool [G, data * pages_per_shard, page_size, K]: KV heads over "tensor" (when they
 divide), pages over "data" (each data shard owns a contiguous range of pages and the slots that use them,
 as the slotted cache splits its slots). Page tables hold shard-local page ids (`page_table.PageTable`), so
 every function here runs inside `shard_map` on local blocks.
 
-Kernels (`jax.experimental.pallas.ops`), both reading the [G, pages, page_size, K] pools directly:
+Kernels, all reading the [G, pages, page_size, K] pools directly (the first three from `pallas.ops`):
   - TPU: `tpu.paged_attention.paged_attention`. It reads K/V as bfloat16 whatever their dtype (its
     `MultiPageAsyncCopyDescriptor` casts them), so a float32 model on TPU decodes with rounded K/V.
   - GPU: `gpu.paged_attention.paged_attention` (Triton), in float32 when the cache is float32.
   - CPU: the GPU kernel in Pallas interpret mode (slow; tests and correctness checks only). The TPU
     kernel also runs in interpret mode (`pltpu.force_tpu_interpret_mode`), with its bfloat16 rounding.
-    `tpu.ragged_paged_attention` does not run in interpret mode in jax 0.10.2 (head_dim below 128 fails a
-    block-shape assertion; head_dim 128 fails in the interpreter: "'ReshapeTransform' object has no
-    attribute 'indices'"), and its combined K|V page layout differs, so it is not used.
-Neither kernel scales the scores: queries are multiplied by head_dim ** -0.5 first.
+  - TPU with SamplerConfig.paged_tpu_kernel="ragged": this repository's kernel (`ragged_paged`), which
+    also writes each step's new K/V into the pools in place (DMA, pools aliased), where the default path
+    scatters them with XLA first. Tested in interpret mode and lowered for tpu here, never run on a TPU.
+    JAX's `tpu.ragged_paged_attention` does not run in interpret mode in jax 0.10.2 or 0.11.2 (head_dim
+    below 128 fails a block-shape assertion; head_dim 128 fails in the interpreter: "'ReshapeTransform'
+    object has no attribute 'indices'"), and its combined K|V page layout differs, so it is not used.
+No kernel scales the scores: queries are multiplied by head_dim ** -0.5 first.
 
 Static (recompiles): the layout (mesh, page_size, pages per shard, table width, kernel). Dynamic: page
 tables, positions, pool contents.
@@ -30,12 +33,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxrl_async.sampler import ragged_paged
 from jaxrl_async.sampler.config import MEGACORE
 from jaxrl_async.sampler.layout import POOL_AXES
 from jaxrl_async.sampler.page_table import SCRATCH, pages_for
 from jaxrl_async.sharding import SAMPLER_RULES
 
 IMPLS = ("tpu", "gpu")
+TPU_KERNELS = ("paged", "ragged")  # values of SamplerConfig.paged_tpu_kernel
 # Device kinds of the chips whose two TensorCores JAX presents as one device (jax's Pallas TPU chip table:
 # v4 and v5p). The TPU kernel splits its grid over the two cores only when told, and its documentation
 # warns that it may hang when told so on a chip without megacore.
@@ -65,6 +70,8 @@ class PagedLayout:
       interpret: run the kernel in Pallas interpret mode (CPU).
       megacore: how the TPU kernel splits its grid over a megacore chip's two TensorCores: "kv_head",
         "batch" or None (one core; `megacore_mode`).
+      tpu_kernel: "paged" (JAX's `paged_attention` after an XLA scatter of the new K/V) or "ragged"
+        (`ragged_paged`: our kernel, which writes the new K/V in place); TPU only.
     """
 
     mesh: Mesh
@@ -76,10 +83,15 @@ class PagedLayout:
     impl: str
     interpret: bool
     megacore: str | None = None
+    tpu_kernel: str = "paged"
 
     def __post_init__(self):
         if self.impl not in IMPLS:
             raise ValueError(f"paged kernel {self.impl!r} not in {IMPLS}")
+        if self.tpu_kernel not in TPU_KERNELS or (self.tpu_kernel != "paged" and self.impl != "tpu"):
+            raise ValueError(f"tpu_kernel={self.tpu_kernel!r} is a TPU kernel (one of {TPU_KERNELS})")
+        if self.tpu_kernel == "ragged" and self.megacore == "batch":
+            raise ValueError("the ragged TPU kernel splits over KV heads only, not megacore='batch'")
         if self.megacore is not None and self.impl != "tpu":
             raise ValueError(f"megacore={self.megacore!r} is a TPU kernel setting, not {self.impl!r}'s")
 
@@ -167,9 +179,12 @@ def _device_kind(mesh: Mesh) -> str:
     return dev.device_kind
 
 
-def table_smem_bytes(slots_per_shard: int, width: int) -> int:
+def table_smem_bytes(slots_per_shard: int, width: int, tpu_kernel: str = "paged") -> int:
     """Scalar-memory bytes of one TPU paged-kernel call's page table and lengths (int32): one data shard's
-    slots x (table width + 1)."""
+    slots x (table width + 1); the ragged kernel's also hold the query offsets and a decode step's write
+    destinations (`ragged_paged.smem_bytes`)."""
+    if tpu_kernel == "ragged":
+        return ragged_paged.smem_bytes(slots_per_shard, width, slots_per_shard)
     return slots_per_shard * (width + 1) * 4
 
 
@@ -225,8 +240,11 @@ def engine_layout(mesh: Mesh, model_cfg, cfg) -> PagedLayout:
             f"positions per data shard ({data} shards); one sequence of max_prompt_len + "
             f"max_new_tokens = {cfg.max_seq_len} needs {pages_per_seq}"
         )
+    if impl != "tpu" and cfg.paged_tpu_kernel != "paged":
+        kernel = cfg.paged_tpu_kernel
+        raise ValueError(f"SamplerConfig.paged_tpu_kernel={kernel!r}: a TPU kernel, not {impl}'s")
     width = table_width(pages_per_seq, cfg.page_size, impl, interpret)
-    smem = table_smem_bytes(cfg.num_slots // data, width)
+    smem = table_smem_bytes(cfg.num_slots // data, width, cfg.paged_tpu_kernel)
     if impl == "tpu" and not interpret and smem > SMEM_TABLE_SHARE * TPU_SMEM_BYTES:
         raise ValueError(
             f"SamplerConfig.num_slots={cfg.num_slots} over {data} data shard(s) x {width} page-table columns "
@@ -235,14 +253,22 @@ def engine_layout(mesh: Mesh, model_cfg, cfg) -> PagedLayout:
             f"{TPU_SMEM_BYTES // 2**10} KiB of scalar memory; use fewer slots per data shard or larger pages"
         )
     layout = PagedLayout(
-        mesh, model_cfg.n_kv_heads, model_cfg.head_dim, cfg.page_size, usable + 1, width, impl, interpret
-    )
+        mesh, model_cfg.n_kv_heads, model_cfg.head_dim, cfg.page_size, usable + 1, width, impl, interpret,
+        tpu_kernel=cfg.paged_tpu_kernel,
+    )  # fmt: skip
     if impl != "tpu":
         if cfg.megacore not in ("auto", "off"):
             raise ValueError(f"SamplerConfig.megacore={cfg.megacore!r}: a TPU kernel setting, not {impl}")
         return layout
     heads = layout.n_kv_heads // (mesh.shape[layout.heads] if layout.heads else 1)
     megacore = megacore_mode(cfg.megacore, _device_kind(mesh), heads, cfg.num_slots // data)
+    if megacore == "batch" and layout.tpu_kernel == "ragged":
+        if cfg.megacore == "batch":
+            raise ValueError(
+                "SamplerConfig.megacore='batch': the ragged TPU kernel (paged_tpu_kernel='ragged') splits "
+                'over KV heads only; use "kv_head", "auto" or "off"'
+            )
+        megacore = None  # "auto" with odd heads a shard: one core, as "auto" does where nothing divides
     return dataclasses.replace(layout, megacore=megacore)
 
 
@@ -290,6 +316,14 @@ def write_and_attend(layout: PagedLayout, q_BxHxK, k_BxGxK, v_BxGxK, kpool, vpoo
     def body(q, k, v, kp, vp, table, pos, done):
         page_B = jnp.take_along_axis(table, (pos // ps)[:, None], axis=1)[:, 0]
         page_B = jnp.where(done, SCRATCH, page_B)
+        if layout.tpu_kernel == "ragged":  # one query token a row; the kernel writes the row in place
+            scaled = q.astype(jnp.float32) * layout.head_dim**-0.5
+            cu_q = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
+            out, kp, vp = ragged_paged.ragged_paged_attention(
+                scaled, k, v, kp, vp, cu_q, pos + 1, table, page_B * ps + pos % ps,
+                pages_per_block=layout.blocks[1], megacore=layout.megacore, interpret=layout.interpret,
+            )  # fmt: skip
+            return out.astype(q.dtype), kp, vp
         kp = kp.at[:, page_B, pos % ps].set(k.transpose(1, 0, 2).astype(kp.dtype))
         vp = vp.at[:, page_B, pos % ps].set(v.transpose(1, 0, 2).astype(vp.dtype))
         out = _attend_local(layout, q, kp, vp, pos + 1, table)
