@@ -305,26 +305,30 @@ def test_trainer_steps_while_an_evaluation_is_in_progress(tmp_path, eval_weights
 
 def test_warm_start_trains_once_then_loads_from_its_cache(tmp_path):
     """config.warm_start with a cache: the first run trains it and writes the cache; a second run of the
-    same config (another workdir) loads it, trains nothing, and starts RL from the same weights."""
+    same config (another workdir) loads it, trains nothing, and starts RL from the same weights. The first
+    is a LoRA run: the warm start trains (and evaluates) the whole model before the adapters exist, and a
+    full fine-tuning run shares its cache."""
     # The task's own reward (arithmetic): "format" would score the untrained model 1.0, and nothing trains.
     ws = {"warm_start.enabled": True, "warm_start.max_steps": 3, "warm_start.batch": 8,
           "warm_start.eval_every": 3, "warm_start.target_accuracy": 1.0,
           "warm_start.cache_dir": str(tmp_path / "cache"),
           "reward.reward": ""}  # fmt: skip
+    lora = {"trainer.lora.enabled": True, "sampler.lora_apply": "unmerged"}
     runs = [
         run_from_config(_small(tmp_path / name, mode="sync", total_steps=1, eval_every=0, verify_weights=True,
-                               **ws))  # fmt: skip
-        for name in ("first", "second")
+                               **ws, **extra))  # fmt: skip
+        for name, extra in (("first", lora), ("second", {}))
     ]
     first, second = (r["warm_start"] for r in runs)
     assert first["cached"] is False and first["steps"] == 3
     assert second["cached"] is True and second["steps"] == 0 and second["accuracy"] == first["accuracy"]
     (key,) = os.listdir(tmp_path / "cache")  # one warm start, one entry
     model_cfg, cached = load_hf(str(tmp_path / "cache" / key))
-    # Both runs started from the cached weights (version 0), which the warm start moved from the init.
-    start = [r["weight_checksums"]["learner"][0] for r in runs]
-    assert start[0] == start[1] == pytest.approx(checksum(cached), rel=1e-6)
-    assert checksum(init_params(model_cfg, jax.random.key(0))) != pytest.approx(start[0], rel=1e-6)
+    # The second run started from the cached weights (version 0), which the warm start moved from the init
+    # (the LoRA run's learner checksums are its adapters').
+    start = runs[1]["weight_checksums"]["learner"][0]
+    assert start == pytest.approx(checksum(cached), rel=1e-6)
+    assert checksum(init_params(model_cfg, jax.random.key(0))) != pytest.approx(start, rel=1e-6)
 
 
 def test_a_second_sigint_aborts_and_a_first_signal_asks_to_stop():

@@ -264,8 +264,10 @@ class _WarmStartEval:
 
         if self.engine is None:
             mesh = make_mesh((1, 1), ("data", "tensor"), [self.device])
+            # The warm start trains the whole model, before any adapter exists: its engine decodes the
+            # plain tree, also in a LoRA run (lora_apply="merge" builds engines without adapter slots).
             scfg = dataclasses.replace(
-                sampler_config(self.run, self.tokenizer), attention="xla", linear="xla"
+                sampler_config(self.run, self.tokenizer), attention="xla", linear="xla", lora_apply="merge"
             )
             self.engine = build_engines(self.run, self.model_cfg, mesh, scfg)[1]
             self.sync = WeightSync(self.model_cfg, mesh)
