@@ -28,7 +28,7 @@ def overrides(c: dict, workdir: str, steps: int, eval_every: int | None) -> dict
     """The config overrides of a cell: sync mode (no staleness to tell the methods apart), paired seeds."""
     values = {"workdir": workdir, "seed": c["seed"], "data.seed": c["seed"], "mode": "sync",
               "total_steps": steps}  # fmt: skip
-    if eval_every:
+    if eval_every is not None:  # None: the config's; 0: none (a warm-up run)
         values["eval_every"] = eval_every
     if c["arm"] == "lora":  # alpha: the config's (config.trainer.lora.alpha)
         values.update({"trainer.lora.enabled": True, "trainer.lora.rank": c["rank"], "trainer.lr": c["lr"]})

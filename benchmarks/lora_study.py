@@ -40,6 +40,10 @@ _EVAL_EVERY = flags.DEFINE_integer("eval-every", 0, "Steps between evaluations; 
 _PARALLEL = flags.DEFINE_integer("parallel", 1, "Cells at a time.")
 _SET = flags.DEFINE_multi_string("set", [], "KEY=VALUE config override for every cell (repeatable).")
 _SKIP_DONE = flags.DEFINE_bool("skip-done", False, "Reuse a cell whose summary.json shows all --steps.")
+_PREWARM = flags.DEFINE_bool(
+    "prewarm", True, "First a 1-step full run per seed, so each seed's warm start is cached before its cells "
+    "start: a LoRA cell that has to compute the warm start itself fails (its warm-start evaluation engine "
+    "expects the adapters).")
 _REPORT_ONLY = flags.DEFINE_bool("report-only", False, "Only reread OUT's cells and write the report.")
 
 
@@ -59,14 +63,16 @@ def _done(workdir: str, steps: int) -> bool:
         return json.load(f).get("steps", 0) >= steps
 
 
-def run_cells(cells: list[dict], out: str, steps: int, parallel: int) -> None:
-    """Runs the cells `parallel` at a time as `jaxrl-run` processes, each logging to OUT/NAME.log."""
+def run_cells(cells: list[dict], out: str, steps: int, parallel: int, eval_every: int | None = None) -> None:
+    """Runs the cells `parallel` at a time as `jaxrl-run` processes, each logging to OUT/NAME.log;
+    `eval_every`: --eval-every's unless given."""
+    eval_every = (_EVAL_EVERY.value or None) if eval_every is None else eval_every
     queue, running, t0 = list(cells), {}, time.monotonic()
     while queue or running:
         while queue and len(running) < parallel:
             c = queue.pop(0)
             workdir = os.path.join(out, c["name"])
-            values = lora_stats.overrides(c, workdir, steps, _EVAL_EVERY.value)
+            values = lora_stats.overrides(c, workdir, steps, eval_every)
             cmd = module_command("run", f"--config={_CONFIG.value}",
                                  *(f"--config.{k}={v}" for k, v in values.items()),
                                  *(f"--config.{kv}" for kv in _SET.value))  # fmt: skip
@@ -110,6 +116,11 @@ def main(argv):
     first += [lora_stats.cell("lora", s, lr, _RANK.value) for s in pick for lr in lrs]
     todo = lambda cs: [c for c in cs if not (_SKIP_DONE.value and _done(os.path.join(out, c["name"]), steps))]
     if not _REPORT_ONLY.value:
+        if _PREWARM.value:  # one 1-step full run per seed about to run, unevaluated (eval_every=0)
+            seeds_to_run = sorted({c["seed"] for c in todo(first)})
+            warm = [{**lora_stats.cell("full", s), "name": f"warm_s{s}"} for s in seeds_to_run]
+            warm = [c for c in warm if not _done(os.path.join(out, c["name"]), 1)]
+            run_cells(warm, out, 1, _PARALLEL.value, eval_every=0)
         run_cells(todo(first), out, steps, _PARALLEL.value)
     _, best = report(out, first, steps, seeds, pick)
     rest = [lora_stats.cell("lora", s, best, _RANK.value) for s in seeds if s not in pick] if best else []
