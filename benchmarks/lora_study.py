@@ -42,8 +42,7 @@ _SET = flags.DEFINE_multi_string("set", [], "KEY=VALUE config override for every
 _SKIP_DONE = flags.DEFINE_bool("skip-done", False, "Reuse a cell whose summary.json shows all --steps.")
 _PREWARM = flags.DEFINE_bool(
     "prewarm", True, "First a 1-step full run per seed, so each seed's warm start is cached before its cells "
-    "start: a LoRA cell that has to compute the warm start itself fails (its warm-start evaluation engine "
-    "expects the adapters).")
+    "start (otherwise parallel cells of one seed each compute it).")
 _REPORT_ONLY = flags.DEFINE_bool("report-only", False, "Only reread OUT's cells and write the report.")
 
 
