@@ -26,7 +26,8 @@ def get_config():
 
     c.trainer.minibatches = 4
     # the synchronous optimum of the old study (0.603 at 1e-4 vs 0.521 at 3e-4); the lag-8 study ran here
-    # (docs/results.md, "The lag-8 study": 5 of 12 seeds: naive PPO worse, decoupled unresolved)
+    # and picked it again (sync 0.313 at 1e-4 vs 0.228 at 3e-4; docs/results.md, "The lag-8 study": at 7 of 12
+    # seeds naive PPO is worse, decoupled PPO unresolved at -2.7 points, the robust objective level)
     c.trainer.lr = 1e-4
     c.trainer.total_steps = 1000  # the demo's schedule: the cells are its first total_steps steps
     c.sampler.num_slots = 256  # a whole batch decodes at once
