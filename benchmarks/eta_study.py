@@ -61,6 +61,15 @@ TB_MEANS = (
 )
 
 
+def cell_done(workdir: str, steps: int) -> bool:
+    """Whether the cell's summary.json shows at least `steps` train steps (a sweep's --skip-done)."""
+    path = os.path.join(workdir, "summary.json")
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        return json.load(f).get("steps", 0) >= steps
+
+
 def parse_grid(text: str) -> list[tuple[float, list[int]]]:
     """ "1e-4:0,8,32;3e-4:0,8" -> [(1e-4, [0, 8, 32]), (3e-4, [0, 8])]."""
     out = []

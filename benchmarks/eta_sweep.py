@@ -46,6 +46,7 @@ from absl import flags
 from benchmarks.eta_study import (
     ARMS,
     SYNC,
+    cell_done,
     cell_overrides,
     cells,
     compare,
@@ -167,7 +168,7 @@ def main(argv):
         # Seed by seed (every arm of seed 0, then of seed 1, ...): a sweep stopped early (--deadline-s)
         # leaves whole paired seeds rather than every seed of the first arms and none of the last. The
         # next seed's warm start runs beside this seed's cells, so no core waits for it.
-        done = lambda c: _SKIP_DONE.value and _done(os.path.join(out, c["name"]), _STEPS.value)
+        done = lambda c: _SKIP_DONE.value and cell_done(os.path.join(out, c["name"]), _STEPS.value)
         todo = [c for c in todo_cells if not done(c)]
         stages = [[warm_job(seeds[0])]] if _PREWARM.value and seeds else []
         for i, seed in enumerate(seeds):
@@ -194,14 +195,6 @@ def main(argv):
         print(f"{len(todo)} cells in {time.monotonic() - t0:.0f} s, {parallel} at a time", flush=True)
     report = write_report(out, todo_cells, {}, plot_too=True, read_rest=True)
     print(table(report))
-
-
-def _done(workdir: str, steps: int) -> bool:
-    path = os.path.join(workdir, "summary.json")
-    if not os.path.exists(path):
-        return False
-    with open(path) as f:
-        return json.load(f).get("steps", 0) >= steps
 
 
 def write_report(out: str, todo_cells: list[dict], read: dict, plot_too: bool, read_rest: bool) -> dict:

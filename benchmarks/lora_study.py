@@ -26,6 +26,7 @@ import time
 from absl import flags
 
 from benchmarks import lora_stats
+from benchmarks.eta_study import cell_done
 from jaxrl_async.cli import REPO, command_env, module_command, run_command
 
 _CONFIG = flags.DEFINE_string("config", os.path.join(REPO, "configs", "tiny_arith.py"), "The config file.")
@@ -52,14 +53,6 @@ def config_steps(path: str) -> int:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return int(module.get_config().total_steps)
-
-
-def _done(workdir: str, steps: int) -> bool:
-    path = os.path.join(workdir, "summary.json")
-    if not os.path.exists(path):
-        return False
-    with open(path) as f:
-        return json.load(f).get("steps", 0) >= steps
 
 
 def run_cells(cells: list[dict], out: str, steps: int, parallel: int, eval_every: int | None = None) -> None:
@@ -113,12 +106,13 @@ def main(argv):
     lrs = [float(x) for x in _LRS.value]
     first = [lora_stats.cell("full", s) for s in seeds]
     first += [lora_stats.cell("lora", s, lr, _RANK.value) for s in pick for lr in lrs]
-    todo = lambda cs: [c for c in cs if not (_SKIP_DONE.value and _done(os.path.join(out, c["name"]), steps))]
+    done = lambda c: _SKIP_DONE.value and cell_done(os.path.join(out, c["name"]), steps)
+    todo = lambda cs: [c for c in cs if not done(c)]
     if not _REPORT_ONLY.value:
         if _PREWARM.value:  # one 1-step full run per seed about to run, unevaluated (eval_every=0)
             seeds_to_run = sorted({c["seed"] for c in todo(first)})
             warm = [{**lora_stats.cell("full", s), "name": f"warm_s{s}"} for s in seeds_to_run]
-            warm = [c for c in warm if not _done(os.path.join(out, c["name"]), 1)]
+            warm = [c for c in warm if not cell_done(os.path.join(out, c["name"]), 1)]
             run_cells(warm, out, 1, _PARALLEL.value, eval_every=0)
         run_cells(todo(first), out, steps, _PARALLEL.value)
     _, best = report(out, first, steps, seeds, pick)
