@@ -69,6 +69,16 @@ DEFAULT_MEM_FRACTION = {"gpu": 0.75, "tpu": 1.0, "cpu": 1.0}
 # does not see the GPU/TPU compiler's own schedule and fusions, cuDNN/Pallas workspaces, the prefill
 # outputs waiting to be inserted (up to 0.6 GiB for math_8b) or allocator fragmentation.
 MIN_HEADROOM = 0.08
+# Every program here is compiled only for XLA's memory analysis and never runs. Its buffer assignment is
+# made before LLVM turns the program into machine code, so with LLVM's optimisations off the bytes are the
+# same (every figure of the documented plan checks' reports compared, CONTRIBUTING.md "How long it takes")
+# and a compile takes about half the CPU time.
+MEMORY_ONLY_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def compile_for_memory(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+    """`lowered` compiled for its memory analysis alone (MEMORY_ONLY_COMPILE)."""
+    return lowered.compile(compiler_options=MEMORY_ONLY_COMPILE)
 
 
 def mem_fraction(platform: str, env: dict[str, str]) -> tuple[float, str]:
@@ -168,7 +178,8 @@ def train_memory(
     """
     mesh = make_mesh(trainer_shape, ("fsdp", "tensor"), devices)
     att = trainer_attention(cfg, model_cfg, platform, trainer_shape)
-    programs = compile_abstract(cfg, model_cfg.replace(attention=att["compiled_as"]), mesh)
+    compiled_as = model_cfg.replace(attention=att["compiled_as"])
+    programs = compile_abstract(cfg, compiled_as, mesh, compile_for_memory)
     acc = compiled_memory(programs["accumulate"])
     apply = compiled_memory(programs["apply"])
     opt = programs["optimizer_state_bytes"]
@@ -326,7 +337,7 @@ def _keyed(lowered, key: dict[str, float]):
     program_key(lowered, "")
     key["stablehlo_key_s"] = time.perf_counter() - t
     key["stablehlo_bytes"] = len(lowered.as_text().encode())
-    return lowered.compile()
+    return compile_for_memory(lowered)
 
 
 def _generate_memory(model_cfg: ModelConfig, sampler_cfg: Any, mesh, lora=None):
@@ -344,7 +355,7 @@ def _generate_memory(model_cfg: ModelConfig, sampler_cfg: Any, mesh, lora=None):
     temps = out["temp_size"]
     if jnp.dtype(model_cfg.dtype) == jnp.bfloat16 or jnp.dtype(model_cfg.param_dtype) == jnp.bfloat16:
         f32 = dataclasses.replace(model_cfg, dtype="float32", param_dtype="float32")
-        f32_engine = Engine(f32, None, mesh, sampler_cfg, lora=lora)
+        f32_engine = Engine(f32, None, mesh, sampler_cfg, compile_fn=compile_for_memory, lora=lora)
         temps = compiled_memory(f32_engine.compile_generate())["temp_size"]
     out["temp_size_accelerator"] = temps
     out["peak_accelerator"] = out["argument_size"] + out["output_size"] - out["alias_size"] + temps

@@ -386,8 +386,9 @@ def _compile(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh | None) -> _Co
     )
 
 
-def compile_abstract(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> dict:
-    """The train step's programs compiled for `mesh` on abstract arrays (nothing is allocated).
+def compile_abstract(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh, compile_fn=None) -> dict:
+    """The train step's programs compiled for `mesh` on abstract arrays (nothing is allocated), each
+    `jax.stages.Lowered` by `compile_fn` (default: `.compile()`).
 
     Returns:
       {"state": the abstract TrainState (ShapeDtypeStructs with their shardings), "accumulate": one
@@ -397,9 +398,10 @@ def compile_abstract(cfg: TrainConfig, model_cfg: ModelConfig, mesh: Mesh) -> di
       argument) while `accumulate` runs}.
     """
     out = trace_abstract(cfg, model_cfg, mesh)
+    compile_fn = compile_fn or (lambda lowered: lowered.compile())
     for name in ("accumulate", "apply", "logprobs"):
         if out[name] is not None:
-            out[name] = out[name].lower().compile()
+            out[name] = compile_fn(out[name].lower())
     return out
 
 
