@@ -26,8 +26,8 @@ def get_config():
 
     c.trainer.minibatches = 4
     # the synchronous optimum of the old study (0.603 at 1e-4 vs 0.521 at 3e-4); the lag-8 study ran here
-    # and picked it again (sync 0.313 at 1e-4 vs 0.228 at 3e-4; docs/results.md, "The lag-8 study": at 11
-    # of 12 seeds naive and decoupled PPO are worse, by -2.6 and -2.8 points, the robust objective level)
+    # and picked it again (sync 0.313 at 1e-4 vs 0.228 at 3e-4; docs/results.md, "The lag-8 study": at 12
+    # of 12 seeds naive and decoupled PPO are worse, by -2.6 and -2.7 points, the robust objective level)
     c.trainer.lr = 1e-4
     c.trainer.total_steps = 1000  # the demo's schedule: the cells are its first total_steps steps
     c.sampler.num_slots = 256  # a whole batch decodes at once
