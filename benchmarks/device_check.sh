@@ -59,8 +59,14 @@ fi
 export PYTHONPATH="$PWD${site:+:$site}${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's package first
 probe=("$python" -m benchmarks.device_probe)
 
+memory_env=()  # the train_memory stage's environment: the compile it compares with the plan check's
 if [[ $smoke == 1 ]]; then
   export JAX_PLATFORMS=cpu
+  # Tiny shapes on a CPU check that every stage runs, not how fast: LLVM's optimisations off, as in the
+  # test suite. train_memory compiles as a run does (the user's XLA_FLAGS), so its equality with the
+  # plan check, which compiles with them off, still shows that buffer assignment does not depend on them.
+  memory_env=(env "XLA_FLAGS=${XLA_FLAGS:-}")
+  export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_backend_optimization_level=0"
   limit=(240 240 240 240 240 240 240 300)  # generous: on a shared, loaded 2-core CPU only load times out
   decode=(--preset tiny --dtype float32 --points 1x16,1x32 --new-tokens 8 --steps-per-call 4 --reps 1
           --stage-limit-s 235)
@@ -134,7 +140,7 @@ stage decode "${limit[1]}" "${probe[@]}" --stage decode "${decode[@]}" --json-ou
 stage attention "${limit[2]}" "${probe[@]}" --stage attention "${attention[@]}" --json-out "$out/attention.json"
 stage train_mfu "${limit[3]}" "$python" -m benchmarks.bench_train "${train[@]}" --tail-seqs 0 \
   --json-out "$out/train_mfu.json"
-stage train_memory "${limit[4]}" "${probe[@]}" --stage train_memory "${train_memory[@]}" \
+stage train_memory "${limit[4]}" "${memory_env[@]}" "${probe[@]}" --stage train_memory "${train_memory[@]}" \
   --json-out "$out/train_memory.json"
 stage sync_1p5b "${limit[5]}" "$python" -m benchmarks.bench_sync_one_process "${sync_small[@]}" \
   --json-out "$out/sync_1p5b.json"

@@ -13,6 +13,9 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
+# README's run commands run as in a fresh shell: no fake-device flags. Only LLVM's optimisations are off, as
+# in the rest of the suite (tests/conftest.py): what they check does not depend on machine-code speed.
+_NO_FAKE_DEVICES = "--xla_backend_optimization_level=0"
 DOCS = os.path.join(REPO, "docs")
 # The pages whose links must resolve: every page a reader can reach, the lab notebook included.
 PAGES = [README, os.path.join(REPO, "CONTRIBUTING.md"), os.path.join(REPO, "benchmarks", "README.md"),
@@ -125,8 +128,7 @@ def main_job(tmp_path_factory):
     assert argv[0] == "python"
     cheap = [f"--config.workdir={workdir}", "--config.total_steps=1", "--config.warm_start.enabled=False",
              "--config.eval_prompts=8", "--config.eval_every=0", "--config.prompts_per_step=8"]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", XLA_FLAGS=_NO_FAKE_DEVICES)
     res = subprocess.run([sys.executable, *argv[1:], *cheap], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=600)  # fmt: skip
     return workdir, env, res
@@ -156,8 +158,7 @@ def test_the_readmes_other_run_commands_run_verbatim_in_cheap_forms(tmp_path):
     assert {"configs/tiny_arith_lora.py", "configs/calc_tool.py"} <= {
         shlex.split(line)[2].partition("=")[2] for line in others
     }
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", XLA_FLAGS=_NO_FAKE_DEVICES)
     procs = []
     for i, line in enumerate(others):
         cheap = [f"--config.workdir={tmp_path / str(i)}", "--config.total_steps=1",
