@@ -69,6 +69,7 @@ import time
 import numpy as np
 from absl import app, flags
 
+from benchmarks import learning_slots
 from benchmarks import learning_study as ls
 from benchmarks import time_to_target as ttt
 from jaxrl_async.cli import REPO, module_command, run_command, run_logged, spawn_logged, wait_logged
@@ -105,6 +106,12 @@ _EARLIER = flags.DEFINE_list(
     "the task realized (the runs that --keep left in these directories), in place of the warm start's: "
     "inputs that exist before this command's runs, which the role benches alone cannot see."
 )  # fmt: skip
+_SLOTS = flags.DEFINE_list(
+    "slot-sweep", [], "sampler.num_slots values: each mode is first probed at each (a --sweep-steps run of "
+    "the first seed, no evaluation) and its runs use its best; empty: the config's (or --set's) for both."
+)
+_SWEEP_STEPS = flags.DEFINE_integer("sweep-steps", 20, "Train steps of each --slot-sweep probe.",
+                                    lower_bound=5)
 _CACHE = flags.DEFINE_enum(
     "compile-cache", "warm", ["warm", "cold"],
     "warm: the runs share a compile cache (config.compile_cache_dir) that a short untimed run of each mode "
@@ -444,6 +451,10 @@ def main(argv):
     if _SMOKE.value and _SEEDS.present == 0:
         seeds = seeds[:1]
     steps = SMOKE_STEPS if _SMOKE.value and not _STEPS.present else _STEPS.value
+    try:
+        slots = learning_slots.parse(_SLOTS.value)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
     with tempfile.TemporaryDirectory() as tmp:
         root = _KEEP.value or tmp
         os.makedirs(root, exist_ok=True)
@@ -488,22 +499,46 @@ def main(argv):
                 drifted = ls.predict_realized(benches, setup, lengths, earlier["summaries"])
                 if drifted:
                     print(earlier_line(drifted, earlier) + ", before any run", flush=True)
+        per_mode = {m: overrides for m in ls.MODES}  # each mode's overrides: --slot-sweep's best slots
+        if slots:
+            settings["slot_sweep"] = swept = slot_sweep(root, seeds[0], slots, overrides)
+            per_mode = {m: {**overrides, "sampler.num_slots": str(swept["best"][m]["slots"])}
+                        for m in ls.MODES}  # fmt: skip
+            with open(os.path.join(root, SETTINGS), "w") as f:
+                json.dump(settings, f, indent=2)
         if _CACHE.value == "warm":  # the programs of both modes compiled once, untimed
             for mode in ls.MODES:
-                s = run_one(mode, seeds[0], root, WARM_UP_STEPS, overrides, name=f"warm_up_{mode}")
+                s = run_one(mode, seeds[0], root, WARM_UP_STEPS, per_mode[mode], name=f"warm_up_{mode}")
                 print(f"compile cache warm-up, {mode}: {s['wall_s']:.0f} s, {run_line(s)}", flush=True)
         summaries: dict[str, dict[int, dict]] = {m: {} for m in ls.MODES}
         for i, seed in enumerate(seeds):  # both modes of a seed back to back: a load change hits both alike
             for mode in ls.MODES if i % 2 == 0 else ls.MODES[::-1]:  # neither always goes first
-                s = summaries[mode][seed] = run_one(mode, seed, root, steps, overrides)
+                s = summaries[mode][seed] = run_one(mode, seed, root, steps, per_mode[mode])
                 print(f"{mode} seed {seed}: final accuracy {s['final_accuracy']}, {s['wall_s']:.0f} s, "
                       f"{run_line(s)}", flush=True)  # fmt: skip
         one_core = None
         if _ONE_CORE.value:
             cores = sorted(os.sched_getaffinity(0))
-            one_core = (seeds[0], run_one("sync", seeds[0], root, steps, overrides, cores=cores[:1]))
+            one_core = (seeds[0], run_one("sync", seeds[0], root, steps, per_mode["sync"], cores=cores[:1]))
     made = [{"seeds": seeds, "benches": benches, "setup": setup, "lengths": lengths, "predicted": predicted}]
     finish(summaries, one_core, settings, made if predicted else [], earlier)
+
+
+def slot_sweep(root: str, seed: int, slots: list[int], overrides: dict[str, str]) -> dict:
+    """learning_slots.sweep over `slots`: each mode's probes (`slots_<mode>_<n>` in `root`), printed."""
+    def probe(mode: str, n: int) -> dict:
+        values = {**overrides, **learning_slots.PROBE, "sampler.num_slots": str(n)}
+        s = run_one(mode, seed, root, _SWEEP_STEPS.value, values, name=f"slots_{mode}_{n}")
+        print(f"slot sweep, {mode} at {n} slots: {s['steady_train_tokens_per_s']:.0f} trained tokens/s "
+              f"(steady), completions median {s['completion_length_p50']:g}", flush=True)  # fmt: skip
+        return s
+
+    result = learning_slots.sweep(ls.MODES, slots, probe)
+    best = ", ".join(f"{m} {b['slots']} ({b['over_sync_best']:.2f}x sync's best)"
+                     for m, b in result["best"].items())  # fmt: skip
+    print(f"slot sweep ({_SWEEP_STEPS.value} steps of seed {seed} a probe):\n{learning_slots.table(result)}\n"
+          f"each mode's runs use its best: {best}", flush=True)  # fmt: skip
+    return result
 
 
 def finish(

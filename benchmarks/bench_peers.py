@@ -3,6 +3,8 @@
   python -m benchmarks.bench_peers --venvs ~/.cache/jaxrl_async/peer_venvs --out runs/bench_peers --steps 150
   python -m benchmarks.bench_peers --venvs ... --smoke --peers trl,ours_sync  # a few steps: do drivers run?
   python -m benchmarks.bench_peers --report runs/bp_s0,runs/bp_s1,runs/bp_s2  # finished runs (seeds)
+  for s in 0 1 2; do python -m benchmarks.bench_peers --venvs ... --out runs/bp_s$s --rotate=$s \
+      --config.seed=$s --config.data.seed=$s; done  # seeds, each in its own framework order
 
 1. Builds each selected peer's venv under --venvs (never inside the checkout), unless one built from the
    same requirements is there: TRL at the version pip serves with CPU torch; Tunix 0.1.7 in a venv of its
@@ -16,7 +18,10 @@
 4. Runs each framework's own loop, one at a time, pinned to --cores: the peers' drivers
    (benchmarks/peer_drivers/, copied to OUT/drivers and run with the peer's interpreter) and
    `jaxrl-run` with the config in sync mode and in async mode (--async-processes 2: the learner and the
-   sampler in pinned processes of their own, as `jaxrl-local-cluster --pin-cores` runs them).
+   sampler in pinned processes of their own, as `jaxrl-local-cluster --pin-cores` runs them); the
+   `_noskip` variants of ours train with `trainer.skip_zero_advantage=False`, every group as the peers'
+   loops do. --rotate=K runs the list rotated by K places: give each seed its own, so no framework
+   always runs first on a machine that warms up or last on one that a neighbour starts to load.
 5. Writes OUT/bench_peers.json and prints a table: step-0 and final accuracy, seconds to the target
    accuracy (--target-accuracy; 0: ours_sync's final accuracy minus one point), trained tokens/s, steady
    seconds per step and each framework's whole process time (start to exit: loading, compilation and
@@ -52,6 +57,8 @@ _CONFIG = config_flags.DEFINE_config_file(
 _OUT = flags.DEFINE_string("out", "runs/bench_peers", "Directory for the export, the runs and the report.")
 _VENVS = flags.DEFINE_string("venvs", None, "Directory for the peers' venvs (outside the checkout).")
 _PEERS = flags.DEFINE_string("peers", ",".join(pb.FRAMEWORKS), f"Frameworks to run, of {pb.FRAMEWORKS}.")
+_ROTATE = flags.DEFINE_integer("rotate", 0, "Run --peers' frameworks rotated left by this many places (a "
+                               "seed loop passes its seed, so the order changes per seed).")
 _STEPS = flags.DEFINE_integer("steps", 150, "Train steps per framework.")
 _CORES = flags.DEFINE_list("cores", ["0"], "CPU cores every framework is pinned to (one at a time).")
 _TARGET = flags.DEFINE_float("target-accuracy", 0.0, "Held-out accuracy to time; 0 = ours_sync final - 0.01.")
@@ -122,11 +129,10 @@ def _prepare(out: str, steps: int):
 
 
 def _our_command(name: str, workdir: str, user: list[str]) -> list[str]:
-    mode = ["--config.mode=sync"] if name == "ours_sync" else ["--config.mode=async"]
     values = [f"--config.{k}={v}" for k, v in _overrides().items()]
     path = config_flags.get_config_filename(flags.FLAGS["config"])
-    run_flags = [f"--config={path}", *user, *values, *mode, f"--config.workdir={workdir}"]
-    if name == "ours_sync" or _ASYNC_PROCS.value == 1:
+    run_flags = [f"--config={path}", *user, *values, *pb.our_mode_flags(name), f"--config.workdir={workdir}"]
+    if name.startswith("ours_sync") or _ASYNC_PROCS.value == 1:
         return module_command("run", *run_flags)
     run_flags += ["--config.mesh.trainer_processes=(0,)", "--config.mesh.sampler_processes=(1,)"]
     return module_command("local_cluster", "--num-processes", "2", "--pin-cores", "--", *run_flags)
@@ -156,7 +162,8 @@ def main(argv):
         return _report(_REPORT.value)
     if not _VENVS.value:
         raise app.UsageError("--venvs: required to run the benchmark (a directory outside the checkout)")
-    frameworks = pb.parse_frameworks(_PEERS.value)
+    frameworks = pb.parse_frameworks(_PEERS.value, _ROTATE.value)
+    print(f"frameworks, in the order they train: {', '.join(frameworks)}", flush=True)
     venvs = os.path.abspath(os.path.expanduser(_VENVS.value))
     if os.path.commonpath([venvs, REPO]) == REPO:
         raise app.UsageError(f"--venvs: {venvs} is inside the checkout {REPO}; give a directory outside it")
@@ -209,7 +216,7 @@ def main(argv):
         target = results["ours_sync"]["evals"][-1]["accuracy"] - 0.01
     rep = {**pb.report(results, target), "step0": {"ok": ok, "message": message, "accuracies": step0},
            "steps": steps, "cores": list(cores), "smoke": _SMOKE.value, "overrides": user,
-           "not_trained": {k: v for k, v in pb.STEP0_ONLY.items() if k in frameworks},
+           "order": frameworks, "not_trained": {k: v for k, v in pb.STEP0_ONLY.items() if k in frameworks},
            "results": results}  # fmt: skip
     with open(os.path.join(out, "bench_peers.json"), "w") as f:
         json.dump(rep, f, indent=1, default=str)

@@ -29,7 +29,9 @@ PEERS = {
     "trl": ("torch==2.13.0", "transformers>=5,<6", "trl", "datasets"),
     "tunix": ("google-tunix==0.1.7",),
 }
-OURS = ("ours_sync", "ours_async")
+# Ours in each mode, and again with `trainer.skip_zero_advantage=False`: every group trained, as the peers'
+# loops do, so a comparison can say how much of a lead is that skipping.
+OURS = ("ours_sync", "ours_async", "ours_sync_noskip", "ours_async_noskip")
 FRAMEWORKS = (*OURS, *PEERS)
 DRIVERS = {"trl": "trl_grpo.py", "tunix": "tunix_grpo.py"}
 # Peers whose driver runs the step-0 check only (the reason is printed and kept in the report).
@@ -40,13 +42,26 @@ _MARKER = "jaxrl-bench-requirements.json"
 REWARDS = ("arithmetic", "letter_range", "shift")
 
 
-def parse_frameworks(text: str) -> list[str]:
-    """ "trl,ours_sync" -> ["trl", "ours_sync"]; an unknown name is an error naming --peers."""
+def parse_frameworks(text: str, rotate: int = 0) -> list[str]:
+    """ "trl,ours_sync" -> ["trl", "ours_sync"], in the order they run: rotated left by `rotate` places (a
+    seed loop passes its seed, so no framework always runs first or last on a warming machine). An unknown
+    or repeated name is an error naming --peers."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in FRAMEWORKS]
     if unknown or not names:
         raise ValueError(f"--peers: {unknown or text!r} not in {FRAMEWORKS}")
-    return names
+    if len(set(names)) != len(names):
+        raise ValueError(f"--peers: {text!r} names a framework twice")
+    k = rotate % len(names)
+    return names[k:] + names[:k]
+
+
+def our_mode_flags(name: str) -> list[str]:
+    """The config overrides of one of OURS: its mode, and zero-advantage skipping off for the _noskip
+    variants (after the user's overrides: a later flag wins)."""
+    mode = "sync" if name.startswith("ours_sync") else "async"
+    skip = ["--config.trainer.skip_zero_advantage=False"] if name.endswith("_noskip") else []
+    return [f"--config.mode={mode}", *skip]
 
 
 # ----- virtual environments -----

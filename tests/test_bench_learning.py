@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from benchmarks import learning_slots
 from benchmarks import learning_study as ls
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -140,6 +141,28 @@ def test_overlap_bound_is_the_core_count_over_how_well_sync_uses_the_cores():
     b = ls.overlap_bound(one, every, 2)
     assert b["core_scaling"] == pytest.approx(1000 / 600) and b["bound"] == pytest.approx(1.2)
     assert ls.overlap_bound(ls.run_row(_summary([], 0.5, None), 0.5), every, 2)["bound"] is None
+
+
+def test_the_slot_sweep_gives_each_mode_its_own_best_engine_size():
+    # A slotted engine: sync (drains each batch) peaks at few slots, async (keeps them full) at more.
+    rates = {("sync", 32): 4100.0, ("sync", 128): 2500.0, ("async", 32): 4500.0, ("async", 128): 5200.0}
+    calls = []
+
+    def probe(mode, n):
+        calls.append((mode, n))
+        return {"steady_train_tokens_per_s": rates[mode, n], "completion_length_p50": 24.0, "extra": 1}
+
+    result = learning_slots.sweep(ls.MODES, [32, 128], probe)
+    assert calls == [("sync", 32), ("sync", 128), ("async", 32), ("async", 128)]  # one probe each
+    assert result["best"]["sync"]["slots"] == 32 and result["best"]["async"]["slots"] == 128
+    assert result["best"]["async"]["over_sync_best"] == pytest.approx(5200 / 4100)
+    assert "extra" not in result["runs"]["sync"][32]
+    text = learning_slots.table(result)
+    assert "| sync | **4,100** | 2,500 |" in text and "| async | 4,500 | **5,200** |" in text
+    assert learning_slots.parse(["64", "128"]) == [64, 128]
+    for bad in (["64", "x"], ["0"], ["64", "64"]):
+        with pytest.raises(ValueError, match="--slot-sweep"):
+            learning_slots.parse(bad)
 
 
 def test_smoke_runs_every_part_of_the_command(tmp_path):

@@ -149,6 +149,18 @@ def test_step0_check_time_to_target_and_table():
         pb.parse_frameworks("trl,vllm")
 
 
+def test_the_run_order_rotates_per_seed_and_the_noskip_variants_train_every_group():
+    names = "ours_sync,ours_sync_noskip,trl,tunix"
+    assert pb.parse_frameworks(names) == names.split(",")
+    assert pb.parse_frameworks(names, 1) == ["ours_sync_noskip", "trl", "tunix", "ours_sync"]
+    assert pb.parse_frameworks(names, 6) == pb.parse_frameworks(names, 2)  # seed 6 runs as seed 2
+    with pytest.raises(ValueError, match="--peers: .* twice"):
+        pb.parse_frameworks("trl,trl")
+    assert pb.our_mode_flags("ours_sync") == ["--config.mode=sync"]
+    assert pb.our_mode_flags("ours_async_noskip") == ["--config.mode=async",
+                                                      "--config.trainer.skip_zero_advantage=False"]
+
+
 def _seed_run(out, sync, asyn, trl, step0=0.3):
     """A finished run's bench_peers.json: each framework's accuracies at steps 0, 50 and 100 (25 s a step
     for TRL, 1 s for ours)."""
