@@ -122,8 +122,11 @@ def best_ceiling(w: wl.Workload, root: str, sync_slots: int, async_slots: int) -
 
     one_core = sorted(os.sched_getaffinity(0))[:1]
     at = lambda n: dataclasses.replace(w, slots=n)  # noqa: E731
-    every = wl.role_bench(at(sync_slots), root, None, f"roles_every_core_{sync_slots}")
-    one = wl.role_bench(at(async_slots), root, one_core, f"roles_one_core_{async_slots}")
+    # At --slots the benches `predictions` timed before the runs are reused, not timed again.
+    every = os.path.join(root, "roles_every_core.json") if sync_slots == w.slots else wl.role_bench(
+        at(sync_slots), root, None, f"roles_every_core_{sync_slots}")
+    one = os.path.join(root, "roles_one_core.json") if async_slots == w.slots else wl.role_bench(
+        at(async_slots), root, one_core, f"roles_one_core_{async_slots}")
     c = overlap_ceiling(load_role_bench(every), load_role_bench(one))
     return {**c, "sync_slots": sync_slots, "async_slots": async_slots}
 
