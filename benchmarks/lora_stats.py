@@ -36,14 +36,16 @@ def overrides(c: dict, workdir: str, steps: int, eval_every: int | None) -> dict
 
 
 def read(c: dict, workdir: str, steps: int) -> dict:
-    """A finished cell: its final held-out accuracy (the evaluation at `steps`) and the mean over its
-    evaluations after step 0; an "error" entry when it did not reach `steps`."""
+    """A finished cell: its final held-out accuracy (the evaluation at `steps`), the mean over its
+    evaluations after step 0 and, where the run scored it, its final expected reward (`final_er`, else
+    None); an "error" entry when it did not reach `steps`."""
     r = read_cell(c, workdir)
     if "error" in r:
         return r
     if steps not in r["evals"]:
         return {**c, "error": f"no evaluation at step {steps} (last: {max(r['evals'])}; see {workdir}.log)"}
-    return {**r, "final": r["evals"][steps], "run_mean": run_mean(r["evals"], steps)}
+    final_er = r.get("expected", {}).get(steps)
+    return {**r, "final": r["evals"][steps], "run_mean": run_mean(r["evals"], steps), "final_er": final_er}
 
 
 def _ok(results: list[dict]) -> list[dict]:
@@ -62,10 +64,11 @@ def pick_lr(results: list[dict], rank: int, pick_seeds: list[int]) -> float | No
 
 
 def paired_gap(results: list[dict], rank: int, lr: float, field: str = "final") -> dict:
-    """LoRA (rank, lr) minus full, seed by seed over the seeds where both finished: mean, 95% t interval."""
-    full = {r["seed"]: r[field] for r in _ok(results) if r["arm"] == "full"}
-    lora = {r["seed"]: r[field] for r in _ok(results)
-            if r["arm"] == "lora" and r["rank"] == rank and r["lr"] == lr}  # fmt: skip
+    """LoRA (rank, lr) minus full, seed by seed over the seeds where both finished and have `field`: mean,
+    95% t interval."""
+    ok = [r for r in _ok(results) if r.get(field) is not None]
+    full = {r["seed"]: r[field] for r in ok if r["arm"] == "full"}
+    lora = {r["seed"]: r[field] for r in ok if r["arm"] == "lora" and r["rank"] == rank and r["lr"] == lr}
     seeds = sorted(set(full) & set(lora))
     return {**mean_ci([lora[s] - full[s] for s in seeds]), "seeds": seeds}
 
@@ -108,8 +111,10 @@ def table(results: list[dict], rank: int, best_lr: float | None, seeds: list[int
     if best_lr is None:
         return "\n".join([*lines, "", "LoRA's best rate: not picked (a pick seed did not finish)."])
     lines.append("")
-    for field in ("final", "run_mean"):
+    for field in ("final", "run_mean", "final_er"):  # final_er: the final expected reward, where scored
         g = paired_gap(results, rank, best_lr, field)
+        if field == "final_er" and not g["n"]:
+            continue
         ci = "" if g["lo"] is None else f", 95% CI [{g['lo']:+.3f}, {g['hi']:+.3f}]"
         mean = "-" if g["mean"] is None else f"{g['mean']:+.3f}"
         lines.append(f"LoRA r{rank} lr {best_lr:g} minus full, {field}, paired over seeds {g['seeds']}: "

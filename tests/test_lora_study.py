@@ -8,10 +8,12 @@ import pytest
 from benchmarks import lora_stats
 
 
-def _write(tmp_path, c, accs, steps=(0, 10, 20)):
+def _write(tmp_path, c, accs, steps=(0, 10, 20), expected=None):
     d = tmp_path / c["name"]
     d.mkdir()
     evals = [{"step": s, "accuracy": a} for s, a in zip(steps, accs, strict=True)]
+    for e, x in zip(evals, expected or [None] * len(evals), strict=True):
+        e["expected_reward"] = x
     (d / "summary.json").write_text(json.dumps({"steps": steps[-1], "evals": evals}))
     return lora_stats.read(c, str(d), 20)
 
@@ -52,3 +54,20 @@ def test_verdict_against_two_points():
     assert lora_stats.verdict({"n": 1, "mean": 0.0, "lo": None, "hi": None}).startswith("too few")
     with pytest.raises(ValueError, match="a cell is"):
         lora_stats.cell("lora", 0)
+
+
+def test_the_final_expected_reward_is_paired_where_every_cell_scored_it(tmp_path):
+    # Runs that scored the expected reward (config.eval.expected_reward) are paired on it too; a cell
+    # without it is left out of that pairing only, and a table with none of it prints no such line.
+    results = [_write(tmp_path, lora_stats.cell("full", s), [0.4, 0.5, 0.6], expected=[0.3, 0.35, x])
+               for s, x in ((0, 0.40), (1, 0.42), (2, 0.44))]
+    lora = {s: lora_stats.cell("lora", s, 2e-3, 8) for s in (0, 1)}
+    results += [_write(tmp_path, lora[s], [0.4, 0.5, 0.6], expected=[0.3, 0.35, x])
+                for s, x in ((0, 0.41), (1, 0.44))]
+    results.append(_write(tmp_path, lora_stats.cell("lora", 2, 2e-3, 8), [0.4, 0.5, 0.6]))
+    assert results[0]["final_er"] == 0.40 and results[-1]["final_er"] is None
+    gap = lora_stats.paired_gap(results, 8, 2e-3, "final_er")
+    assert gap["seeds"] == [0, 1] and gap["mean"] == pytest.approx(0.015)
+    assert lora_stats.paired_gap(results, 8, 2e-3)["seeds"] == [0, 1, 2]
+    assert "final_er, paired over seeds [0, 1]: +0.015" in lora_stats.table(results, 8, 2e-3, [0, 1, 2])
+    assert "final_er" not in lora_stats.table([results[0], results[5]], 8, 2e-3, [0, 2])
