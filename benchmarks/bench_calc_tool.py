@@ -1,6 +1,7 @@
 """The calculator task's warm start, measured with the tool and without it (issue 55's learning task).
 
   JAX_PLATFORMS=cpu python -m benchmarks.bench_calc_tool [--steps 300] [--eval_every 50] [--prompts 200]
+  JAX_PLATFORMS=cpu python -m benchmarks.bench_calc_tool --score DIR[,DIR...]
 
 Trains the supervised warm start of configs/calc_tool.py (reference episodes, the calculator's results
 masked out of the loss: `trainer.warmstart`) from a random init, and at every check runs the held-out
@@ -11,6 +12,8 @@ results appended to the slot's cache) three ways:
     observation and the model's next turn is graded;
   - withheld: a call is answered with an empty result (`<result></result>`): what the model answers
     when it asked and got nothing, i.e. what it knows of the product without the tool.
+With --score nothing trains: each DIR (a Hugging Face directory: a run's cached warm start, or a
+checkpoint written by `jaxrl-export-hf`) is scored the same three ways, once.
 The issue's goal for the warm-started model: at most 20% held-out without the tool. Also reported: the
 share of episodes that called twice, how episodes ended, the CPU model and the load average (a loaded
 machine makes the seconds slower, not the accuracies different).
@@ -33,7 +36,7 @@ from jaxrl_async.data import DataConfig, held_out_prompts, make_prompt_iterator
 from jaxrl_async.data.calc_tool import reference_segments
 from jaxrl_async.envs import EnvConfig, StepResult, get_format, tool_env_factory
 from jaxrl_async.envs.driver import EpisodeDriver
-from jaxrl_async.model import init_params, presets
+from jaxrl_async.model import init_params, load_hf, presets
 from jaxrl_async.rewards.registry import get_reward
 from jaxrl_async.runtime.weight_sync import WeightSync
 from jaxrl_async.sampler import Engine, SamplerConfig, SamplerLoop
@@ -51,6 +54,7 @@ flags.DEFINE_integer("seed", 0, "parameter init seed")
 flags.DEFINE_integer("data_seed", 0, "data seed (rows and held-out split)")
 flags.DEFINE_integer("slots", 64, "sampler slots of the greedy engine")
 flags.DEFINE_string("json_out", None, "write the results here as JSON")
+flags.DEFINE_list("score", [], "Hugging Face directories to score (tool, no tool, withheld); nothing trains")
 
 DIGITS = 3  # configs/calc_tool.py's data.digits
 N_LAYERS = 3  # configs/calc_tool.py's model.n_layers
@@ -110,7 +114,37 @@ def run_episodes(engine: Engine, tok, prompts, mode: str) -> dict:
     }
 
 
+def _engine(model, device) -> Engine:
+    """The greedy episode engine the checks run on."""
+    scfg = SamplerConfig(num_slots=FLAGS.slots, max_prompt_len=MAX_PROMPT_LEN, max_new_tokens=EPISODE_TOKENS,
+                         prompt_buckets=(MAX_PROMPT_LEN,), steps_per_call=4, temperature=0.0,
+                         stop_tokens=(CharTokenizer().eos_id,), attention="xla", linear="xla")  # fmt: skip
+    return Engine(model.compute_copy(), None, make_mesh((1, 1), ("data", "tensor"), [device]), scfg)
+
+
+def score(paths: list[str]) -> None:
+    """--score: each directory's held-out accuracy with the tool, without it and with results withheld."""
+    tok, device = CharTokenizer(), jax.devices()[0]
+    prompts = held_out_prompts(DataConfig(task="calc_tool", digits=DIGITS, seed=FLAGS.data_seed), tok,
+                               FLAGS.prompts)  # fmt: skip
+    rows = []
+    for path in paths:
+        model, params = load_hf(path)
+        engine = _engine(model, device)
+        engine.update_params(WeightSync(model, engine.mesh)(params), 0)
+        row = {"path": path}
+        row.update({m: run_episodes(engine, tok, prompts, m) for m in ("tool", "no_tool", "withheld")})
+        rows.append(row)
+        print(f"{path}: with tool {row['tool']['accuracy']:.3f}, no tool {row['no_tool']['accuracy']:.3f}, "
+              f"withheld {row['withheld']['accuracy']:.3f} ({len(prompts)} held-out prompts)", flush=True)
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump({"cpu": cpu_model(), "rows": rows}, f, indent=1)
+
+
 def main(_):
+    if FLAGS.score:
+        return score(FLAGS.score)
     tok = CharTokenizer()
     data = DataConfig(task="calc_tool", digits=DIGITS, seed=FLAGS.data_seed, num_epochs=None)
     vocab = -(-tok.vocab_size // 8) * 8  # as the run pads it (runtime/build.py: model_config)
@@ -118,12 +152,8 @@ def main(_):
     device = jax.devices()[0]
     params = init_params(model, jax.random.key(FLAGS.seed), make_mesh((1, 1), ("fsdp", "tensor"), [device]),
                          TRAINER_RULES)  # fmt: skip
-    sampler_mesh = make_mesh((1, 1), ("data", "tensor"), [device])
-    scfg = SamplerConfig(num_slots=FLAGS.slots, max_prompt_len=MAX_PROMPT_LEN, max_new_tokens=EPISODE_TOKENS,
-                         prompt_buckets=(MAX_PROMPT_LEN,), steps_per_call=4, temperature=0.0,
-                         stop_tokens=(tok.eos_id,), attention="xla", linear="xla")  # fmt: skip
-    engine = Engine(model.compute_copy(), None, sampler_mesh, scfg)
-    sync = WeightSync(model, sampler_mesh)
+    engine = _engine(model, device)
+    sync = WeightSync(model, engine.mesh)
     prompts = held_out_prompts(data, tok, FLAGS.prompts)
     # The run's warm start draws its rows with this seed offset (runtime/build.py: warm_started_params).
     it = make_prompt_iterator(dataclasses.replace(data, seed=data.seed + 7919), tok)
