@@ -109,8 +109,15 @@ def test_deterministic_resume_is_bit_identical(tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
+def _eval_steps(workdir) -> tuple[list[int], list[int] | None]:
+    with open(workdir / "summary.json") as f:
+        s = json.load(f)
+    return [e["step"] for e in s["evals"]], s.get("resumed_at")
+
+
 def test_sigterm_saves_and_a_corrupt_checkpoint_falls_back(tmp_path):
-    proc = _start(tmp_path, "--config.total_steps=6")
+    every = "--config.eval_every=2"
+    proc = _start(tmp_path, "--config.total_steps=6", every)
     out = _run_until(proc, 3, sig=signal.SIGTERM)
     assert proc.returncode == 0, out[-3000:]
     saved = [
@@ -119,21 +126,31 @@ def test_sigterm_saves_and_a_corrupt_checkpoint_falls_back(tmp_path):
     assert len(saved) == 1 and saved[0] >= 3
     ckpt = tmp_path / "checkpoints"
     assert str(saved[0]) in os.listdir(ckpt)
-    proc = _start(tmp_path, "--config.total_steps=6")
+    stopped, _ = _eval_steps(tmp_path)  # version 0's at least (an evaluation in flight is dropped)
+    assert stopped[0] == 0 and all(v <= saved[0] for v in stopped)
+    proc = _start(tmp_path, "--config.total_steps=6", every)
     out = _run_until(proc, None)
     assert proc.returncode == 0 and f"at version {saved[0]}" in out, out[-3000:]
+    # The resumed run's summary covers the whole run: the stopped run's evaluations, then its own.
+    steps, resumed_at = _eval_steps(tmp_path)
+    assert resumed_at == [saved[0]]
+    assert steps[: len(stopped)] == stopped and steps[-1] == 6 and steps == sorted(set(steps)), steps
+    assert {v for v in range(saved[0], 7) if v % 2 == 0} <= set(steps)
     # Truncate every file of the newest checkpoint: the next run warns, naming it, and uses the one before.
     newest = max(int(d) for d in os.listdir(ckpt) if d.isdigit())
     for root, _, files in os.walk(ckpt / str(newest) / "state"):
         for name in files:
             with open(os.path.join(root, name), "r+b") as f:
                 f.truncate(0)
-    proc = _start(tmp_path, "--config.total_steps=7")
+    proc = _start(tmp_path, "--config.total_steps=7", every)
     out = _run_until(proc, None)
     assert proc.returncode == 0, out[-3000:]
     assert f"checkpoint {ckpt}/{newest} is unreadable" in out
     assert f"at version {newest - 1}" in out
     assert _params(tmp_path)[0] == 7
+    steps, resumed_at = _eval_steps(tmp_path)
+    assert resumed_at == [saved[0], newest - 1]
+    assert steps[: len(stopped)] == stopped and steps[-1] == 7 and steps == sorted(set(steps)), steps
 
 
 @pytest.mark.parametrize("mode", ["async"])

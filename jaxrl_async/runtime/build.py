@@ -333,6 +333,7 @@ class Process:
         self.member: ReplicaMember | None = None
         self.warm_start_info = None
         self.reward_stats = None
+        self.resumed_at: int | None = None  # the version a resumed run restored (the learner lead's)
 
     def close(self) -> None:
         for c in reversed(self.closers):
@@ -448,6 +449,7 @@ def _build_trainer(proc, run, cluster, transport, tokenizer, model_cfg, t_mesh):
     if restored is not None:
         state, version, coordinator_state = restored
         log.info("resumed from %s at version %d", ckpts.directory, version)
+        proc.resumed_at = version
     s_mesh = None if roles.multi else sampler_mesh(run, cluster)
     targets = _pull_targets(run, cluster) if roles.multi else {}
     publisher, local_weights = trainer_publisher(run, cluster, model_cfg, t_mesh, s_mesh, state.frozen,

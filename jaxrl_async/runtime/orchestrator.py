@@ -155,5 +155,37 @@ def _summary(proc: Process, wall: float, cache: compile_cache.CacheUse | None) -
         # what each sampler process received: bytes per version (and a LoRA run's base, once)
         "weight_bytes": {f"actor:{i}": s.weight_bytes for i, s in learner.reports.final.items()},
     }
-    storage.write_text(storage.join(run.workdir, "summary.json"), json.dumps(summary, indent=2, default=str))
+    path = storage.join(run.workdir, "summary.json")
+    if proc.resumed_at is not None:
+        summary.update(with_earlier_evals(path, proc.resumed_at, summary["evals"]))
+    storage.write_text(path, json.dumps(summary, indent=2, default=str))
     return summary
+
+
+def with_earlier_evals(path: str, resumed_at: int, evals: list[dict]) -> dict[str, Any]:
+    """A resumed run's `evals`, `initial_accuracy` and `resumed_at` for summary.json: the evaluations the
+    earlier processes left in `path` (the summary a stopped run writes) at versions up to `resumed_at` that
+    this process did not evaluate again, in front of its own, so that the summary covers the whole run
+    (TensorBoard's event files already do). An earlier entry's `elapsed_s` and `trained_s` count from its
+    own process's start; `resumed_at` lists the version each resume restored. A run killed before it wrote
+    a summary leaves none: its evaluations are then only in TensorBoard (logged)."""
+    before: dict = {}
+    if storage.exists(path):
+        try:
+            before = json.loads(storage.read_text(path))
+        except ValueError as e:
+            log.warning("%s is unreadable (%s): the summary holds this process's evaluations only", path, e)
+    else:
+        log.warning("no %s from before the resume at version %d: the earlier evaluations are in "
+                    "TensorBoard only", path, resumed_at)  # fmt: skip
+    again = {e["step"] for e in evals}
+    rows = before.get("evals") if isinstance(before, dict) else None
+    earlier = [e for e in rows or () if isinstance(e, dict) and isinstance(e.get("step"), int)
+               and e["step"] <= resumed_at and e["step"] not in again]  # fmt: skip
+    merged = sorted(earlier, key=lambda e: e["step"]) + list(evals)
+    resumes = before.get("resumed_at") if isinstance(before, dict) else None
+    return {
+        "evals": merged,
+        "initial_accuracy": merged[0]["accuracy"] if merged else None,
+        "resumed_at": [*(r for r in resumes or () if isinstance(r, int) and r < resumed_at), resumed_at],
+    }
