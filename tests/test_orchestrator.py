@@ -169,7 +169,9 @@ def test_async_run_trains_syncs_respects_eta_and_writes_tags(tmp_path):
 
     # Resume: a longer run in the same workdir continues from version 4 with the saved data position.
     resumed = run_from_config(_small(tmp_path, total_steps=5, verify_weights=True))
-    assert resumed["steps"] == 5 and resumed["evals"][0]["step"] == 4
+    # Its summary covers the whole run: the first process's evaluations before 4, then its own from 4.
+    assert resumed["steps"] == 5 and resumed["resumed_at"] == [4]
+    assert [e["step"] for e in resumed["evals"]][:3] == [0, 2, 4]
     assert resumed["weight_checksums"]["learner"][4] == pytest.approx(sums["learner"][4], rel=1e-6)
 
 
