@@ -68,7 +68,19 @@ def _launch(n: int, devices: int, flags: list[str], timeout: float = 600, **pope
     env = dict(os.environ, PYTHONPATH=REPO)
     if popen:
         return subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    return subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=timeout)
+    # Its own session, so that a cluster past `timeout` ends whole (the launcher and its processes, which a
+    # kill of the launcher alone would leave running beside the rest of the suite), and its output, with
+    # the runs' "no progress" reports, says where it stood.
+    proc = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        tail = (out + err)[-8000:]
+        raise AssertionError(f"the cluster ran past {timeout:.0f} s; its output ends:\n{tail}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _checksums_equal(summary) -> None:
